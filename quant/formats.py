@@ -1,0 +1,287 @@
+"""Quantization schemes and number formats: the one place that knows how weights are stored.
+
+A weight matrix ``W`` of shape ``[out, in]`` is split along ``in`` into groups of
+``group_size`` columns (one group spanning all of ``in`` when the scheme is per-channel).
+Each (row, group) has a ``scale`` and, for asymmetric schemes, an integer ``zero_point``::
+
+    q = clamp(round(W / scale) + zero_point, qmin, qmax)      # integer codes
+    W_hat = (q - zero_point) * scale                          # dequantized
+
+FP8 (e4m3) weights have a per-row scale and no zero point; the codes are float8 values.
+The algorithms (RTN, GPTQ, AWQ …) only choose scales and codes; how they are laid out on
+disk (compressed-tensors, GGUF) is decided by the savers from what is defined here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8 e4m3fn value
+WeightType = Literal["int", "float"]
+ActType = Literal["int8", "fp8"]
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How a Linear's weights (and optionally its input activations) are quantized."""
+
+    name: str
+    num_bits: int
+    weight_type: WeightType = "int"
+    group_size: int | None = None  # None: one scale per output row
+    symmetric: bool = True
+    activations: ActType | None = None  # dynamic per-token activation quantization
+
+    # Integer codes are signed for both symmetric and asymmetric schemes (asymmetric ones add a
+    # signed zero point), matching compressed-tensors.
+    @property
+    def qmin(self) -> int:
+        return -(2 ** (self.num_bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.num_bits - 1) - 1
+
+    @property
+    def is_float(self) -> bool:
+        return self.weight_type == "float"
+
+    @property
+    def has_zero_point(self) -> bool:
+        return not self.symmetric
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Average stored bits per weight including scales (16-bit) and zero points."""
+        if self.group_size is None:
+            return float(self.num_bits)
+        extra = 16 + (self.num_bits if self.has_zero_point else 0)
+        return self.num_bits + extra / self.group_size
+
+    def with_group_size(self, group_size: int | None) -> "QuantScheme":
+        return replace(self, group_size=group_size)
+
+
+# Presets named as compressed-tensors names them.
+PRESETS: dict[str, QuantScheme] = {
+    "W4A16": QuantScheme("W4A16", 4, group_size=128),
+    "W4A16_ASYM": QuantScheme("W4A16_ASYM", 4, group_size=128, symmetric=False),
+    "W8A16": QuantScheme("W8A16", 8),
+    "W8A8": QuantScheme("W8A8", 8, activations="int8"),
+    "FP8": QuantScheme("FP8", 8, weight_type="float"),
+    "FP8_DYNAMIC": QuantScheme("FP8_DYNAMIC", 8, weight_type="float", activations="fp8"),
+}
+GROUPED_SCHEMES = {"W4A16", "W4A16_ASYM"}
+
+
+def get_scheme(name: str, group_size: int | None = None) -> QuantScheme:
+    """Look up a preset by name; ``group_size`` overrides the preset's (0 or None: per-channel)."""
+    key = name.upper()
+    if key not in PRESETS:
+        raise KeyError(name)
+    scheme = PRESETS[key]
+    if key in GROUPED_SCHEMES and group_size is not None:
+        scheme = scheme.with_group_size(group_size or None)
+    return scheme
+
+
+def effective_group_size(in_features: int, asked: int | None) -> int | None:
+    """Largest group size dividing ``in_features`` and not larger than ``asked``.
+
+    Returns ``None`` (per-channel) when ``asked`` is None. Multiples of 8 are preferred so
+    int4 packing stays aligned; any divisor is accepted as a last resort.
+    """
+    if asked is None or in_features % asked == 0:
+        return asked
+    for g in range(min(asked, in_features), 0, -1):
+        if in_features % g == 0 and g % 8 == 0:
+            return g
+    for g in range(min(asked, in_features), 0, -1):
+        if in_features % g == 0:
+            return g
+    return None
+
+
+def _grouped(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """View ``[out, in]`` as ``[out, n_groups, group]``."""
+    out_features, in_features = w.shape
+    g = in_features if group_size is None else group_size
+    if in_features % g:
+        raise ValueError(f"group size {g} does not divide {in_features} input features")
+    return w.reshape(out_features, in_features // g, g)
+
+
+def compute_qparams(
+    w: torch.Tensor,
+    scheme: QuantScheme,
+    group_size: int | None = None,
+    clip_ratio: torch.Tensor | float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Min-max scales (and zero points) per (row, group) of ``w``.
+
+    ``clip_ratio`` shrinks the range (scalar or ``[out, n_groups]``); see :func:`search_qparams`.
+    Returns ``scale [out, n_groups]`` (float32) and ``zero_point [out, n_groups]`` (int32) or None.
+    """
+    wg = _grouped(w.float(), group_size)
+    if scheme.is_float:
+        absmax = wg.abs().amax(dim=-1) * clip_ratio
+        return (absmax / FP8_MAX).clamp(min=1e-12), None
+    if scheme.symmetric:
+        absmax = wg.abs().amax(dim=-1) * clip_ratio
+        # Use the full negative code as llama.cpp's Q4_0 does: absmax maps onto qmin's magnitude
+        # only when the extreme value is negative; dividing by (qmax + 0.5) balances both signs.
+        scale = absmax / (scheme.qmax + 0.5) if scheme.num_bits == 4 else absmax / scheme.qmax
+        return scale.clamp(min=1e-12), None
+    wmin = (wg.amin(dim=-1) * clip_ratio).clamp(max=0)
+    wmax = (wg.amax(dim=-1) * clip_ratio).clamp(min=0)
+    scale = ((wmax - wmin) / (scheme.qmax - scheme.qmin)).clamp(min=1e-12)
+    zero_point = torch.round(scheme.qmin - wmin / scale).clamp(scheme.qmin, scheme.qmax).to(torch.int32)
+    return scale, zero_point
+
+
+def quantize(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    scheme: QuantScheme,
+    group_size: int | None = None,
+) -> torch.Tensor:
+    """Integer codes (int8 tensor, or float8_e4m3fn for FP8) of ``w`` with the given qparams."""
+    wg = _grouped(w.float(), group_size)
+    s = scale.float().unsqueeze(-1)
+    if scheme.is_float:
+        q = (wg / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return q.reshape(w.shape)
+    q = torch.round(wg / s)
+    if zero_point is not None:
+        q = q + zero_point.unsqueeze(-1)
+    q = q.clamp(scheme.qmin, scheme.qmax)
+    return q.to(torch.int8).reshape(w.shape)
+
+
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    group_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Float weights from codes and qparams (inverse of :func:`quantize` up to rounding)."""
+    qg = _grouped(q.float(), group_size)
+    if zero_point is not None:
+        qg = qg - zero_point.float().unsqueeze(-1)
+    return (qg * scale.float().unsqueeze(-1)).reshape(q.shape).to(dtype)
+
+
+def fake_quantize(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    scheme: QuantScheme,
+    group_size: int | None = None,
+) -> torch.Tensor:
+    """Quantize then dequantize, in ``w``'s dtype."""
+    q = quantize(w, scale, zero_point, scheme, group_size)
+    return dequantize(q, scale, zero_point, group_size, dtype=w.dtype)
+
+
+def search_qparams(
+    w: torch.Tensor,
+    scheme: QuantScheme,
+    group_size: int | None = None,
+    weight: torch.Tensor | None = None,
+    grid: int = 20,
+    max_shrink: float = 0.25,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-(row, group) clipping search: the range shrink in ``[1 - max_shrink, 1]`` with least
+    (optionally input-weighted) squared error. ``weight`` is a per-input-column importance
+    (e.g. the diagonal of the Hessian); None weighs all columns equally.
+    """
+    wf = w.float()
+    wg = _grouped(wf, group_size)
+    col_w = None if weight is None else _grouped(weight.float().expand_as(wf), group_size)
+    best_err = torch.full(wg.shape[:2], float("inf"))
+    best_scale, best_zp = compute_qparams(wf, scheme, group_size)
+    for i in range(grid + 1):
+        ratio = 1.0 - max_shrink * i / grid
+        scale, zp = compute_qparams(wf, scheme, group_size, clip_ratio=ratio)
+        err = (_grouped(fake_quantize(wf, scale, zp, scheme, group_size), group_size) - wg).pow(2)
+        if col_w is not None:
+            err = err * col_w
+        err = err.sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        if zp is not None:
+            best_zp = torch.where(better, zp, best_zp)
+    return best_scale, best_zp
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation quantization (dynamic, per token), used by W8A8 / FP8_DYNAMIC at run time.
+
+
+def fake_quantize_activations(x: torch.Tensor, kind: ActType) -> torch.Tensor:
+    """Quantize-dequantize ``x`` per token (last dim) as W8A8 / FP8_DYNAMIC do at inference."""
+    xf = x.float()
+    absmax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    if kind == "int8":
+        scale = absmax / 127.0
+        return (torch.round(xf / scale).clamp(-128, 127) * scale).to(x.dtype)
+    scale = absmax / FP8_MAX
+    return ((xf / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# int4 packing, compressed-tensors "pack-quantized" layout: eight 4-bit values per int32,
+# lowest nibble first, along the last dimension; values stored offset by 8 (unsigned).
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack signed int4 codes ``[rows, cols]`` (cols % 8 == 0) into int32 ``[rows, cols/8]``."""
+    rows, cols = q.shape
+    if cols % 8:
+        raise ValueError(f"int4 packing needs a multiple of 8 columns, got {cols}")
+    u = (q.to(torch.int32) + 8).reshape(rows, cols // 8, 8)
+    packed = torch.zeros(u.shape[:-1], dtype=torch.int64)
+    for i in range(8):
+        packed |= u[..., i].to(torch.int64) << (4 * i)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: int8 codes in ``[-8, 7]`` of shape ``[rows, cols]``."""
+    p = packed.to(torch.int64) & 0xFFFFFFFF
+    parts = [((p >> (4 * i)) & 0xF) for i in range(8)]
+    u = torch.stack(parts, dim=-1).reshape(packed.shape[0], -1)[:, :cols]
+    return (u - 8).to(torch.int8)
+
+
+@dataclass
+class QuantizedWeight:
+    """One Linear's quantized weight: codes plus what is needed to dequantize them."""
+
+    codes: torch.Tensor  # int8 codes [out, in] (int4 values in [-8, 7]), or float8_e4m3fn
+    scale: torch.Tensor  # [out, n_groups] float32
+    zero_point: torch.Tensor | None  # [out, n_groups] int32, asymmetric schemes only
+    scheme: QuantScheme
+    group_size: int | None  # the group size actually used for this layer (None: per-channel)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.codes, self.scale, self.zero_point, self.group_size, dtype)
+
+    @classmethod
+    def from_weight(
+        cls,
+        w: torch.Tensor,
+        scheme: QuantScheme,
+        group_size: int | None,
+        scale: torch.Tensor,
+        zero_point: torch.Tensor | None,
+    ) -> "QuantizedWeight":
+        codes = quantize(w, scale, zero_point, scheme, group_size)
+        return cls(codes, scale.float(), zero_point, scheme, group_size)
