@@ -1,0 +1,326 @@
+"""Sequential, layer-by-layer calibration engine for Llama-family causal LMs.
+
+The calibration batch is embedded once; then each decoder layer in turn is observed
+(forward pre-hooks on its Linears), compressed by a callback, and re-run *compressed* on
+its stored inputs to produce the next layer's inputs. Only one layer's activations are held
+in memory at a time. Used by GPTQ, AWQ, SmoothQuant and the pruning algorithms::
+
+    def layer_fn(index, layer, run_layer):
+        with LinearStats(linear_modules(layer)) as stats:
+            run_layer()                       # forward over all calibration samples
+        ...                                   # modify layer weights using stats
+
+    run_sequential(model, calib_ids, layer_fn, batch_size=8)
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+RunLayer = Callable[[], None]
+LayerFn = Callable[[int, nn.Module, RunLayer], None]
+
+
+class StopForward(Exception):
+    """Raised by a hook to end a forward pass early when the rest is not needed."""
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a Llama-family model (``model.model.layers``)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__} is not a supported Llama-family model: "
+            "expected decoder layers at model.model.layers"
+        )
+    return layers
+
+
+def linear_modules(module: nn.Module, prefix: str = "") -> dict[str, nn.Linear]:
+    """All ``nn.Linear`` submodules by (prefixed) name, in registration order."""
+    return {
+        f"{prefix}{name}": m for name, m in module.named_modules() if isinstance(m, nn.Linear)
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-Linear input statistics
+
+
+@dataclass
+class InputStats:
+    """Running sums over the input tokens of one Linear (shared by Linears with the same input)."""
+
+    n_tokens: int = 0
+    xtx: torch.Tensor | None = None  # float64 Σ x xᵀ
+    abs_sum: torch.Tensor | None = None  # float64 Σ |x|
+    abs_max: torch.Tensor | None = None  # float32 max |x|
+    sq_sum: torch.Tensor | None = None  # float64 Σ x²
+    names: list[str] = field(default_factory=list)
+
+    def add(self, x: torch.Tensor, hessian: bool, channel: bool) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        self.n_tokens += x.shape[0]
+        if hessian:
+            xtx = (x.T @ x).double()
+            self.xtx = xtx if self.xtx is None else self.xtx.add_(xtx)
+        if channel:
+            a = x.abs()
+            s = a.sum(0, dtype=torch.float64)
+            q = x.pow(2).sum(0, dtype=torch.float64)
+            m = a.amax(0)
+            if self.abs_sum is None:
+                self.abs_sum, self.sq_sum, self.abs_max = s, q, m
+            else:
+                self.abs_sum += s
+                self.sq_sum += q
+                torch.maximum(self.abs_max, m, out=self.abs_max)
+
+    def scale_inputs(self, s: torch.Tensor) -> None:
+        """Account for inputs that became ``x / s`` (a scale folded into the preceding op)."""
+        s64 = s.double()
+        if self.xtx is not None:
+            self.xtx = self.xtx / s64.unsqueeze(0) / s64.unsqueeze(1)
+        if self.abs_sum is not None:
+            self.abs_sum = self.abs_sum / s64
+            self.sq_sum = self.sq_sum / s64.pow(2)
+            self.abs_max = self.abs_max / s.float()
+
+
+class LinearStats:
+    """Collects input statistics of Linears through forward pre-hooks (a context manager).
+
+    Per Linear: the Hessian ``H = 2/n Σ x xᵀ`` (``hessian=True``) and per input channel
+    mean |x|, max |x| and ‖x‖₂ (``channel=True``). Linears fed the same input tensor object in
+    a forward (q/k/v, gate/up) share one accumulator, so ``H`` is computed once for them.
+    With ``stop_early`` the forward is cut short (:class:`StopForward`) after the last observed
+    Linear once the execution order is known (from the first batch); use it only when the
+    layer outputs of that run are not needed, as with the engine's ``run_layer``.
+    """
+
+    def __init__(
+        self,
+        modules: Mapping[str, nn.Module],
+        *,
+        hessian: bool = True,
+        channel: bool = True,
+        stop_early: bool = True,
+    ) -> None:
+        self.modules = dict(modules)
+        self.hessian_enabled = hessian
+        self.channel_enabled = channel
+        self.stop_early = stop_early
+        self._stats: dict[str, InputStats] = {}
+        self._order: list[str] = []
+        self._order_known = False
+        self._last: tuple[torch.Tensor, InputStats] | None = None
+        self._handles: list[Any] = []
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def __enter__(self) -> "LinearStats":
+        for name, module in self.modules.items():
+            self._handles.append(module.register_forward_pre_hook(self._hook(name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._last = None
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0]
+            stats = self._stats.get(name)
+            if stats is not None:  # seen before: a later batch, so the order is complete
+                self._order_known = True
+            else:  # first batch: find out which Linears share an input
+                if self._last is not None and self._last[0] is x:
+                    stats = self._last[1]
+                else:
+                    stats = InputStats()
+                stats.names.append(name)
+                self._stats[name] = stats
+                self._order.append(name)
+            if not (self._last is not None and self._last[0] is x and self._last[1] is stats):
+                stats.add(x, self.hessian_enabled, self.channel_enabled)
+            self._last = (x, stats)
+            if self.stop_early and self._order_known and name == self._order[-1]:
+                self._last = None
+                raise StopForward
+
+        return hook
+
+    # -- results ---------------------------------------------------------------------------------
+    def stats(self, name: str) -> InputStats:
+        if name not in self._stats:
+            raise KeyError(f"no calibration inputs were seen by {name}")
+        return self._stats[name]
+
+    def hessian(self, name: str) -> torch.Tensor:
+        """``2/n Σ x xᵀ`` (float64, a fresh tensor the caller may modify)."""
+        s = self.stats(name)
+        if s.xtx is None:
+            raise ValueError("LinearStats was created with hessian=False")
+        return s.xtx * (2.0 / s.n_tokens)
+
+    def abs_mean(self, name: str) -> torch.Tensor:
+        s = self.stats(name)
+        return (s.abs_sum / s.n_tokens).float()
+
+    def abs_max(self, name: str) -> torch.Tensor:
+        return self.stats(name).abs_max.clone()
+
+    def l2_norm(self, name: str) -> torch.Tensor:
+        return self.stats(name).sq_sum.sqrt().float()
+
+    def shared_groups(self) -> list[list[str]]:
+        """Names of observed Linears grouped by shared input, in execution order."""
+        seen: list[InputStats] = []
+        for name in self._order:
+            if all(self._stats[name] is not s for s in seen):
+                seen.append(self._stats[name])
+        return [list(s.names) for s in seen]
+
+    def scale_inputs(self, names: list[str], s: torch.Tensor) -> None:
+        """Inputs of ``names`` became ``x / s``; rescale each distinct accumulator once."""
+        done: list[InputStats] = []
+        for name in names:
+            st = self._stats.get(name)
+            if st is not None and all(st is not d for d in done):
+                st.scale_inputs(s)
+                done.append(st)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+
+
+@dataclass
+class LayerInputs:
+    """Stored inputs of the current decoder layer, one entry per calibration mini-batch."""
+
+    hidden: list[torch.Tensor]
+    kwargs: list[dict[str, Any]]
+
+
+class _Captured(Exception):
+    pass
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return a is b or a == b
+
+
+def capture_layer_inputs(
+    model: nn.Module, calib_ids: torch.Tensor, batch_size: int = 8
+) -> LayerInputs:
+    """Embed ``calib_ids`` [n, seq] and catch what decoder layer 0 receives, per mini-batch.
+
+    Keyword arguments (position embeddings, attention mask, …) identical across batches are
+    stored once and shared.
+    """
+    if calib_ids.dim() != 2:
+        raise ValueError(f"calibration ids must be [n_samples, seq_len], got {tuple(calib_ids.shape)}")
+    layers = decoder_layers(model)
+    device = model.model.embed_tokens.weight.device
+    hidden: list[torch.Tensor] = []
+    kwargs_list: list[dict[str, Any]] = []
+
+    def catch(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        kw = dict(kwargs)
+        h = args[0] if args else kw.pop("hidden_states")
+        kw.update({f"__arg{i}": a for i, a in enumerate(args[1:])})
+        hidden.append(h)
+        if kwargs_list and kwargs_list[-1].keys() == kw.keys() and all(
+            _same(kwargs_list[-1][k], kw[k]) for k in kw
+        ):
+            kw = kwargs_list[-1]
+        kwargs_list.append(kw)
+        raise _Captured
+
+    handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for start in range(0, calib_ids.shape[0], batch_size):
+            ids = calib_ids[start : start + batch_size].to(device)
+            try:
+                model(input_ids=ids, use_cache=False)
+            except _Captured:
+                pass
+    finally:
+        handle.remove()
+    return LayerInputs(hidden, kwargs_list)
+
+
+def _call_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    extra = [kwargs[k] for k in sorted(k for k in kwargs if k.startswith("__arg"))]
+    kw = {k: v for k, v in kwargs.items() if not k.startswith("__arg")}
+    out = layer(hidden, *extra, **kw)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def run_sequential(
+    model: nn.Module,
+    calib_ids: torch.Tensor,
+    layer_fn: LayerFn,
+    *,
+    batch_size: int = 8,
+    progress: Any = None,
+    description: str = "Calibrating",
+    show_progress: bool = True,
+) -> torch.Tensor:
+    """Calibrate ``model`` layer by layer; returns the last layer's outputs [n, seq, hidden].
+
+    ``layer_fn(index, layer, run_layer)`` observes and compresses one decoder layer;
+    ``run_layer()`` runs it over all stored calibration inputs (outputs discarded; any hooks
+    the callback registered fire, and :class:`StopForward` from a hook ends a batch early).
+    Afterwards the (compressed) layer is re-run to produce the next layer's inputs.
+    ``progress`` is an optional ``rich.progress.Progress`` to add a task to; otherwise a
+    transient bar is shown unless ``show_progress`` is False.
+    """
+    layers = decoder_layers(model)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        inputs = capture_layer_inputs(model, calib_ids, batch_size)
+
+        def bar_context() -> Any:
+            if progress is not None or not show_progress:
+                return nullcontext(progress)
+            from rich.progress import Progress
+
+            return Progress(transient=True)
+
+        with bar_context() as bar:
+            task = bar.add_task(description, total=len(layers)) if bar is not None else None
+            for index, layer in enumerate(layers):
+
+                def run_layer(layer: nn.Module = layer) -> None:
+                    for h, kw in zip(inputs.hidden, inputs.kwargs):
+                        try:
+                            _call_layer(layer, h, kw)
+                        except StopForward:
+                            pass
+
+                layer_fn(index, layer, run_layer)
+                for b, (h, kw) in enumerate(zip(inputs.hidden, inputs.kwargs)):
+                    inputs.hidden[b] = _call_layer(layer, h, kw)
+                if bar is not None:
+                    bar.advance(task)
+            if bar is not None and progress is not None:
+                bar.remove_task(task)
+    model.train(was_training)
+    return torch.cat(inputs.hidden, dim=0)
+

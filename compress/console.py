@@ -1,0 +1,45 @@
+"""Shared rich consoles and progress bars: data to stdout, progress and notices to stderr."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+out = Console()
+err = Console(stderr=True)
+
+
+def notice(message: str) -> None:
+    """A one-line notice on stderr (never mixed into --json output)."""
+    err.print(f"[yellow]note:[/yellow] {message}", highlight=False)
+
+
+def make_progress(transient: bool = True) -> Progress:
+    return Progress(
+        TextColumn("[bold blue]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=err,
+        transient=transient,
+    )
+
+
+@contextmanager
+def progress_task(description: str, total: int) -> Iterator:
+    """Yield an ``advance()`` callable bound to a fresh progress bar."""
+    with make_progress() as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda n=1: progress.advance(task, n)

@@ -1,0 +1,144 @@
+"""Text for evaluation, calibration and training: named corpora, files, or ``datasets`` names.
+
+Named corpora (files under the data directory, see :mod:`llmopt.paths`):
+
+| name        | files                                   | use                              |
+|-------------|-----------------------------------------|----------------------------------|
+| wikitext2   | wikitext-2-raw/wiki.test.raw            | evaluation only                  |
+| austen      | the six Jane Austen novels (Gutenberg)  | default calibration set          |
+| gutenberg   | all novels but the held-out one         | distillation training            |
+| heldout     | gutenberg/war-of-the-worlds.txt         | validation while training        |
+
+Anything else is a text file, a folder of ``.txt`` files, or ``hf:NAME[:CONFIG[:SPLIT]]`` for
+the ``datasets`` library (column ``text``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import LlmoptError
+from .paths import data_dir, data_dir_candidates
+
+AUSTEN = ["emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility"]
+HELDOUT = "war-of-the-worlds"
+NAMED: dict[str, list[str]] = {
+    "wikitext2": ["wikitext-2-raw/wiki.test.raw"],
+    "austen": [f"gutenberg/{name}.txt" for name in AUSTEN],
+    "gutenberg": [f"gutenberg/{name}.txt" for name in AUSTEN + ["great-expectations", "twenty-thousand-leagues"]],
+    "heldout": [f"gutenberg/{HELDOUT}.txt"],
+}
+# What ``datasets`` offers for a named corpus when the data folder is missing.
+HF_FALLBACK = {"wikitext2": ("wikitext", "wikitext-2-raw-v1", "test")}
+DEFAULT_EVAL = "wikitext2"
+DEFAULT_CALIB = "austen"
+
+
+@dataclass
+class TextSource:
+    """Documents of one corpus, with a record of where they came from."""
+
+    name: str
+    documents: list[str]
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        for doc in self.documents:
+            digest.update(doc.encode())
+        return digest.hexdigest()
+
+    def record(self) -> dict:
+        return {"name": self.name, "files": self.files, "sha256": self.sha256[:16]}
+
+
+def load_text(spec: str) -> TextSource:
+    """Resolve a corpus name, a file, a folder or ``hf:`` spec into documents."""
+    if spec in NAMED:
+        return _load_named(spec)
+    if spec.startswith("hf:"):
+        return _load_hf(spec[3:])
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return TextSource(spec, [_read(path)], [str(path)])
+    if path.is_dir():
+        files = sorted(path.glob("*.txt"))
+        if not files:
+            raise LlmoptError(f"no .txt files in {path}", "pass a text file, a folder of .txt files or a corpus name")
+        return TextSource(spec, [_read(f) for f in files], [str(f) for f in files])
+    raise LlmoptError(
+        f"dataset not found: {spec}",
+        f"pass a text file, a folder, one of {', '.join(NAMED)}, or hf:NAME[:CONFIG[:SPLIT]]",
+    )
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise LlmoptError(f"{path} is not UTF-8 text", "convert it to UTF-8") from exc
+
+
+def _load_named(name: str) -> TextSource:
+    root = data_dir()
+    if root is not None and all((root / rel).is_file() for rel in NAMED[name]):
+        files = [root / rel for rel in NAMED[name]]
+        return TextSource(name, [_read(f) for f in files], [str(f) for f in files])
+    if name in HF_FALLBACK:
+        return _load_hf(":".join(HF_FALLBACK[name]), name=name)
+    tried = ", ".join(str(p) for p in data_dir_candidates())
+    raise LlmoptError(f"corpus '{name}' not found (looked in {tried})", "set LLMOPT_DATA to the folder holding the data")
+
+
+def _load_hf(spec: str, name: str | None = None) -> TextSource:
+    parts = spec.split(":")
+    path, config, split = parts[0], (parts[1] if len(parts) > 1 else None), (parts[2] if len(parts) > 2 else "train")
+    try:
+        import datasets
+
+        data = datasets.load_dataset(path, config, split=split)
+    except Exception as exc:  # offline or unknown name: the user can only fix the spec or the network
+        raise LlmoptError(f"cannot load dataset '{spec}' ({type(exc).__name__})", "check the name and your connection, or pass a local text file") from exc
+    if "text" not in data.column_names:
+        raise LlmoptError(f"dataset '{spec}' has no 'text' column", "pass a dataset with a text column")
+    return TextSource(name or f"hf:{spec}", ["".join(data["text"])], [f"hf:{spec}"])
+
+
+def tokenize_documents(tokenizer, source: TextSource) -> list:
+    """Token ids of each document (no special tokens), as 1-D int64 tensors."""
+    import torch
+
+    out = []
+    for doc in source.documents:
+        ids = tokenizer(doc, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        out.append(torch.tensor(ids, dtype=torch.long))
+    return out
+
+
+def calibration_ids(tokenizer, spec: str = DEFAULT_CALIB, samples: int = 128, seq_len: int = 512, seed: int = 0):
+    """``samples`` windows of ``seq_len`` tokens at seeded random offsets across the documents.
+
+    Returns ``(ids [samples, seq_len], record)``; the record says what was used.
+    """
+    import torch
+
+    source = load_text(spec)
+    docs = [d for d in tokenize_documents(tokenizer, source) if len(d) >= seq_len]
+    available = sum(len(d) // seq_len for d in docs)
+    if available < samples:
+        raise LlmoptError(
+            f"calibration text '{spec}' holds {available} windows of {seq_len} tokens, {samples} requested",
+            "use fewer samples, shorter sequences or a longer text",
+        )
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.tensor([float(len(d) - seq_len + 1) for d in docs])
+    rows = []
+    for _ in range(samples):
+        doc = docs[int(torch.multinomial(weights, 1, generator=generator))]
+        start = int(torch.randint(0, len(doc) - seq_len + 1, (1,), generator=generator))
+        rows.append(doc[start : start + seq_len])
+    record = {**source.record(), "samples": samples, "seq_len": seq_len, "seed": seed}
+    return torch.stack(rows), record

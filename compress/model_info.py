@@ -1,0 +1,217 @@
+"""What a checkpoint holds, read from its files without building the model (``llmopt inspect``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .models import read_config
+
+LAYER = re.compile(r"^(.*layers)\.(\d+)\.(.+)$")
+# Tensors that describe a quantized weight rather than being parameters of their own.
+AUX_SUFFIXES = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "input_scale", "input_zero_point")
+BNB_AUX = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\..*)$")
+
+
+@dataclass
+class ModuleInfo:
+    name: str
+    format: str  # dense, int4, int8, fp8, nf4
+    dtype: str
+    shape: list[int]
+    group_size: int | None = None
+    symmetric: bool | None = None
+    activations: str | None = None
+    sparsity: float | None = None
+    pattern_2_4: bool | None = None
+    bytes: int = 0
+
+    def label(self) -> str:
+        if self.format == "dense":
+            text = f"dense {self.dtype.lower()}"
+        elif self.format == "nf4":
+            text = f"nf4 block {self.group_size}"
+        else:
+            group = "per-channel" if self.group_size is None else f"g{self.group_size}"
+            sym = "" if self.symmetric is None else (" sym" if self.symmetric else " asym")
+            text = f"{self.format} {group}{sym}"
+        if self.activations:
+            text += f" + {self.activations} act"
+        return text
+
+
+@dataclass
+class ModelInfo:
+    path: str
+    architecture: str
+    model_type: str
+    parameters: int
+    layers: int
+    hidden_size: int
+    heads: int
+    kv_heads: int
+    vocab_size: int
+    quantization: str | None
+    bytes_on_disk: int
+    bytes_in_memory: int
+    modules: list[ModuleInfo] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _safetensor_headers(path: Path) -> dict[str, tuple[str, list[int], Path]]:
+    """name → (dtype, shape, file) for every tensor in the directory's safetensors files."""
+    headers = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                headers[name] = (meta["dtype"], meta["shape"], file)
+    return headers
+
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count * DTYPE_BYTES.get(dtype, 4)
+
+
+def _activation_label(config: dict) -> str | None:
+    for group in (config.get("quantization_config") or {}).get("config_groups", {}).values():
+        act = group.get("input_activations")
+        if act:
+            return f"{act.get('type', 'int')}{act.get('num_bits', 8)}".replace("float8", "fp8")
+    return None
+
+
+def _read_tensor(file: Path, name: str):
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as handle:
+        return handle.get_tensor(name)
+
+
+def _dense_stats(file: Path, name: str) -> tuple[float, bool | None]:
+    w = _read_tensor(file, name)
+    zero = w == 0
+    sparsity = float(zero.float().mean())
+    pattern = None
+    if sparsity >= 0.49 and w.dim() == 2 and w.shape[1] % 4 == 0:
+        pattern = bool(((~zero).reshape(w.shape[0], -1, 4).sum(-1) <= 2).all())
+    return sparsity, pattern
+
+
+def inspect_checkpoint(path: Path, sparsity: bool = True) -> ModelInfo:
+    """Describe a Hugging Face checkpoint directory from its config and tensor headers."""
+    config = read_config(path)
+    headers = _safetensor_headers(path)
+    qconfig = config.get("quantization_config") or {}
+    activations = _activation_label(config)
+    modules: list[ModuleInfo] = []
+    parameters = 0
+    for name, (dtype, shape, file) in sorted(headers.items(), key=lambda item: _natural(item[0])):
+        if name.endswith(AUX_SUFFIXES) or BNB_AUX.search(name):
+            continue
+        module = name.rsplit(".", 1)[0]
+        info = None
+        if name.endswith(".weight_packed"):
+            true_shape = [int(x) for x in _read_tensor(file, f"{module}.weight_shape").tolist()]
+            info = _quantized(module, "int4", dtype, true_shape, headers, activations)
+            info.bytes = _nbytes(dtype, shape)
+        elif name.endswith(".weight") and f"{module}.weight_scale" in headers:
+            fmt = "fp8" if dtype.startswith("F8") else "int8"
+            info = _quantized(module, fmt, dtype, shape, headers, activations)
+            info.bytes = _nbytes(dtype, shape)
+        elif name.endswith(".weight") and f"{name}.absmax" in headers:
+            info = _nf4(module, name, file, headers)
+        elif name.endswith(".weight") and len(shape) == 2 and "embed" not in name and "norm" not in name:
+            info = ModuleInfo(module, "dense", dtype, shape, bytes=_nbytes(dtype, shape))
+            if sparsity:
+                info.sparsity, info.pattern_2_4 = _dense_stats(file, name)
+        if info is not None:
+            modules.append(info)
+            parameters += info.shape[0] * info.shape[1]
+        else:
+            count = 1
+            for dim in shape:
+                count *= dim
+            parameters += count
+    for module in modules:
+        aux = [n for n in headers if n.startswith(module.name + ".") and (n.endswith(AUX_SUFFIXES) or BNB_AUX.search(n))]
+        module.bytes += sum(_nbytes(headers[n][0], headers[n][1]) for n in aux)
+    in_memory = sum(_nbytes(dtype, shape) for dtype, shape, _ in headers.values())
+    return ModelInfo(
+        path=str(path),
+        architecture=(config.get("architectures") or ["?"])[0],
+        model_type=config.get("model_type", "?"),
+        parameters=parameters,
+        layers=config.get("num_hidden_layers", 0),
+        hidden_size=config.get("hidden_size", 0),
+        heads=config.get("num_attention_heads", 0),
+        kv_heads=config.get("num_key_value_heads", config.get("num_attention_heads", 0)),
+        vocab_size=config.get("vocab_size", 0),
+        quantization=qconfig.get("quant_method"),
+        bytes_on_disk=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+        bytes_in_memory=in_memory,
+        modules=modules,
+    )
+
+
+def _quantized(module: str, fmt: str, dtype: str, shape: list[int], headers: dict, activations: str | None) -> ModuleInfo:
+    scale_shape = headers[f"{module}.weight_scale"][1]
+    groups = scale_shape[1] if len(scale_shape) > 1 else 1
+    group_size = None if groups <= 1 else shape[1] // groups
+    symmetric = None if fmt == "fp8" else f"{module}.weight_zero_point" not in headers
+    return ModuleInfo(module, fmt, dtype, shape, group_size, symmetric, activations)
+
+
+def _nf4(module: str, name: str, file: Path, headers: dict) -> ModuleInfo:
+    state_name = next(n for n in headers if n.startswith(f"{name}.quant_state."))
+    state = json.loads(bytes(_read_tensor(file, state_name).tolist()).decode())
+    shape = [int(x) for x in state.get("shape", [0, 0])]
+    info = ModuleInfo(module, "nf4", headers[name][0], shape, group_size=int(state.get("blocksize", 64)))
+    info.bytes = _nbytes(*headers[name][:2])
+    return info
+
+
+def grouped_rows(modules: list[ModuleInfo]) -> list[tuple[str, str, str, str]]:
+    """Collapse consecutive layers with the same format: ``layers.0-29.mlp.down_proj``."""
+    rows: "OrderedDict[tuple[str, str], list[tuple[int, ModuleInfo]]]" = OrderedDict()
+    for module in modules:
+        match = LAYER.match(module.name)
+        prefix, index, suffix = (match.group(1), int(match.group(2)), match.group(3)) if match else ("", -1, module.name)
+        sparsity = "" if module.sparsity is None or module.sparsity < 0.001 else f"{100 * module.sparsity:.1f}%"
+        pattern = "" if module.pattern_2_4 is None else (" (2:4)" if module.pattern_2_4 else "")
+        key = (f"{prefix}|{suffix}|{'x'.join(map(str, module.shape))}", module.label() + "|" + sparsity + pattern)
+        rows.setdefault(key, []).append((index, module))
+    out = []
+    for (where, label), members in rows.items():
+        prefix, suffix, shape = where.split("|")
+        indices = [i for i, _ in members]
+        name = suffix if indices[0] < 0 else f"{prefix.split('.')[-1]}.{_ranges(indices)}.{suffix}"
+        fmt, sparse = label.split("|")
+        out.append((name, shape, fmt, sparse))
+    return out
+
+
+def _natural(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _ranges(indices: list[int]) -> str:
+    parts, start = [], indices[0]
+    for a, b in zip(indices, indices[1:] + [None]):
+        if b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(parts)

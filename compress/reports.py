@@ -1,0 +1,72 @@
+"""Rendering results as rich tables (stdout) and JSON."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+
+
+def _fmt(value, digits: int = 4) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def eval_table(title: str, result: dict) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("perplexity", _fmt(result["perplexity"], 6)),
+        ("baseline perplexity", _fmt(result.get("baseline_perplexity"), 6)),
+        ("KLD mean", _fmt(result.get("kld_mean"))),
+        ("KLD median", _fmt(result.get("kld_median"))),
+        ("KLD p99", _fmt(result.get("kld_p99"))),
+        ("top-1 agreement", None if result.get("top1_agreement") is None else f"{100 * result['top1_agreement']:.2f}%"),
+        ("dataset", result["dataset"]),
+        ("window (tokens)", _fmt(result["seq_len"])),
+        ("windows", _fmt(result["windows"])),
+        ("scored tokens", _fmt(result["tokens"])),
+    ]
+    for name, value in rows:
+        if value not in (None, "—"):
+            table.add_row(name, value)
+    return table
+
+
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def info_tables(info) -> list[Table]:
+    """A summary table and a per-module table (consecutive layers with one format collapsed)."""
+    from .model_info import grouped_rows
+
+    summary = Table(title=f"{info.path}", title_justify="left", show_header=False)
+    summary.add_column("field")
+    summary.add_column("value")
+    for name, value in [
+        ("architecture", f"{info.architecture} ({info.model_type})"),
+        ("parameters", f"{info.parameters:,}"),
+        ("layers", str(info.layers)),
+        ("hidden / heads / kv heads", f"{info.hidden_size} / {info.heads} / {info.kv_heads}"),
+        ("vocabulary", f"{info.vocab_size:,}"),
+        ("quantization", info.quantization or "none"),
+        ("bytes on disk", _bytes(info.bytes_on_disk)),
+        ("bytes in memory (tensors as stored)", _bytes(info.bytes_in_memory)),
+    ]:
+        summary.add_row(name, value)
+    modules = Table(title="Linear modules", title_justify="left")
+    for column in ("module", "shape", "format", "sparsity"):
+        modules.add_column(column)
+    for row in grouped_rows(info.modules):
+        modules.add_row(*row)
+    return [summary, modules]
