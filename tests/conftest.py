@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random Llama-family models with a byte-level tokenizer, built in-process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer without merges: 256 byte tokens plus three special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def tiny_llama(seed: int | None = None, **overrides):
+    """A small random LlamaForCausalLM (grouped-query attention, tied embeddings by default)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = dict(
+        vocab_size=259, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, rms_norm_eps=1e-5,
+    )
+    settings.update(overrides)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
+    with torch.no_grad():  # larger weights than the default init so outputs are far from uniform
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return model
+
+
+def save_model(model, path: Path, tokenizer=None) -> Path:
+    model.save_pretrained(path)
+    (tokenizer or byte_tokenizer()).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path) -> Path:
+    return save_model(tiny_llama(), tmp_path / "tiny")
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    """Keep each test's cache (converted models, baseline logits) private, except the demo model."""
+    monkeypatch.setenv("LLMOPT_CACHE", str(tmp_path / "cache"))
+    yield
+
+
+@pytest.fixture
+def demo_cache(monkeypatch):
+    """Share the demo model's converted checkpoint across tests (converting takes ~20 s)."""
+    from platformdirs import user_cache_dir
+
+    monkeypatch.setenv("LLMOPT_CACHE", os.environ.get("LLMOPT_TEST_CACHE", user_cache_dir("llmopt")))
