@@ -5,7 +5,13 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
-pip_quiet() { pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+pip_quiet() {  # quiet on success, the whole log on failure
+  local log; log=$(mktemp)
+  if ! pip install --disable-pip-version-check -q "$@" >"$log" 2>&1; then
+    grep -v "is ignored: it is neither" "$log" >&2; rm -f "$log"; exit 1
+  fi
+  rm -f "$log"
+}
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 python -c "import torch" 2>/dev/null || pip_quiet "torch==2.13.0"
 pip_quiet -e ".[test]"
