@@ -336,8 +336,10 @@ def test_mixed_groups_transformers_load(mixed, request):
     "transformers 5.24 dequantize=True decompresses every dense layer with the first config group's "
     "scheme (get_dense_scheme), so per-group group sizes are ignored"))
 def test_mixed_groups_transformers_dequantize_load(mixed):
-    AutoModelForCausalLM.from_pretrained(out := mixed[3], quantization_config=CompressedTensorsConfig(dequantize=True))
-    assert out
+    _, model, _, out = mixed
+    loaded = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=True))
+    ids = random_ids()
+    torch.testing.assert_close(logits(loaded.eval(), ids), logits(model, ids), rtol=0, atol=1e-5)
 
 
 def test_mixed_groups_load_dequantized(mixed):
