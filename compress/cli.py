@@ -116,4 +116,61 @@ def inspect_command(model, no_sparsity, as_json):
             out.print(table)
 
 
+@main.command("quantize")
+@click.argument("model")
+@click.option("--scheme", required=True, metavar="SCHEME", help="W4A16, W4A16_ASYM, W8A16, W8A8, FP8, FP8_DYNAMIC or NF4 (compressed-tensors names).")
+@click.option("--method", default="rtn", show_default=True, metavar="METHOD", help="rtn, gptq, awq, awq+gptq, smoothquant, smoothquant+gptq.")
+@click.option("--group-size", type=click.IntRange(0), help="int4 group size (32/64/128; 0: per-channel). Default 128.")
+@click.option("--strict-groups", is_flag=True, help="Refuse layers the group size does not divide instead of using the largest divisor.")
+@click.option("--calib", default="austen", show_default=True, help="Calibration text: corpus name, file, folder or hf:NAME.")
+@click.option("--calib-samples", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--calib-seq-len", default=512, show_default=True, type=click.IntRange(8))
+@click.option("--seed", default=0, show_default=True, help="Seed for the calibration sample offsets.")
+@click.option("--ignore", multiple=True, metavar="REGEX", help="Keep matching Linears in float (repeatable; lm_head is always kept).")
+@click.option("--act-order", is_flag=True, help="GPTQ: activation ordering (static groups keep the saved format plain).")
+@click.option("--damp", default=0.01, show_default=True, help="GPTQ: dampening, fraction of the mean Hessian diagonal.")
+@click.option("--alpha", "smooth_alpha", default=0.5, show_default=True, help="SmoothQuant migration strength.")
+@click.option("--clip-search/--no-clip-search", default=None, help="Search each group's clipping range (default: on for calibrated methods).")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="Output checkpoint directory.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option("--eval", "run_evaluation", is_flag=True, help="Evaluate the result against MODEL afterwards (16 windows of 2048) and record it.")
+@click.option("--json", "as_json", is_flag=True, help="Print the provenance record as JSON.")
+@user_errors
+def quantize_command(model, scheme, method, group_size, strict_groups, calib, calib_samples, calib_seq_len, seed, ignore,
+                     act_order, damp, smooth_alpha, clip_search, output, overwrite, run_evaluation, as_json):
+    """Quantize MODEL's Linear layers and save a compressed-tensors checkpoint to OUTPUT.
+
+    \b
+    Examples:
+      llmopt quantize demo --scheme W4A16 --group-size 32 --method gptq -o out/w4-gptq
+      llmopt quantize demo --scheme W8A8 --method smoothquant -o out/w8a8
+    """
+    from pathlib import Path
+
+    from .console import out
+    from .quantize_run import QuantizeRequest, add_evaluation, quantize_checkpoint
+    from .reports import quantize_table
+
+    request = QuantizeRequest(
+        model=model, output=Path(output), scheme=scheme, method=method.lower(), group_size=group_size,
+        calib=calib, calib_samples=calib_samples, calib_seq_len=calib_seq_len, seed=seed,
+        ignore=["lm_head", *ignore], strict_groups=strict_groups, act_order=act_order, damp=damp,
+        smooth_alpha=smooth_alpha, clip_search=clip_search, overwrite=overwrite,
+    )
+    record = quantize_checkpoint(request)
+    if run_evaluation:
+        from .evaluate import run_eval
+
+        record["evaluation"] = run_eval(output, model).to_dict()
+        add_evaluation(Path(output), record["evaluation"])
+    if as_json:
+        emit_json(record)
+    else:
+        out.print(quantize_table(str(output), record))
+
+
 main.__doc__ = (main.__doc__ or "") + "\n\n" + MODEL_HELP
+
+
+if __name__ == "__main__":
+    main()

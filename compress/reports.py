@@ -70,3 +70,32 @@ def info_tables(info) -> list[Table]:
     for row in grouped_rows(info.modules):
         modules.add_row(*row)
     return [summary, modules]
+
+
+def quantize_table(title: str, record: dict) -> Table:
+    table = Table(title=f"quantized → {title}", title_justify="left", show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    groups = ", ".join(f"{k}: {v}" for k, v in (record.get("group_sizes") or {}).items())
+    calib = record.get("calibration")
+    rows = [
+        ("source", record["source_spec"]),
+        ("scheme / method", f"{record['scheme']} / {record['method']}"),
+        ("quantized Linears", _fmt(record.get("quantized_modules"))),
+        ("group sizes (layers)", groups or None),
+        ("calibration", None if not calib else f"{calib['name']}: {calib['samples']} × {calib['seq_len']} tokens, seed {calib['seed']}"),
+        ("time", f"{record['total_seconds']:.1f} s"),
+        ("peak RSS", f"{record['peak_rss_mib']:.0f} MiB"),
+    ]
+    evaluation = record.get("evaluation")
+    if evaluation:
+        rows += [
+            ("perplexity (baseline)", f"{evaluation['perplexity']:.4f} ({evaluation['baseline_perplexity']:.4f})"),
+            ("KLD mean / p99", f"{evaluation['kld_mean']:.4f} / {evaluation['kld_p99']:.4f}"),
+            ("top-1 agreement", f"{100 * evaluation['top1_agreement']:.2f}%"),
+            ("eval windows", f"{evaluation['windows']} × {evaluation['seq_len']} ({evaluation['tokens']:,} tokens)"),
+        ]
+    for name, value in rows:
+        if value is not None:
+            table.add_row(name, value)
+    return table

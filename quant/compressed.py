@@ -372,8 +372,13 @@ def save_compressed(
     """
     if not weights:
         raise ValueError("no quantized weights to save")
+    if Path(out_dir).exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} exists (pass overwrite=True to replace it)")
     _check_layers(model, weights)
     ignore = list(ignore)
+    clash = [n for n in weights if any(match_name(n, pattern) for pattern in ignore)]
+    if clash:
+        raise ValueError(f"quantized layers matched by the ignore list: {clash}")
     for name in _unquantized_linears(model, weights):
         if not any(match_name(name, pattern) for pattern in ignore):
             ignore.append(name)
@@ -500,7 +505,7 @@ def _nf4_skip_names(model: Any, ignore: list[str]) -> list[str]:
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
-        if module is head or any(match_name(name, pattern) or name == pattern for pattern in ignore):
+        if module is head or any(match_name(name, pattern) for pattern in ignore):
             names.append(name)
     return names
 
@@ -514,7 +519,6 @@ def save_nf4(
     overwrite: bool = False,
     *,
     double_quant: bool = False,
-    blocksize: int = 64,
 ) -> None:
     """Quantize every Linear but the output head and ``ignore`` to NF4 with bitsandbytes (CPU).
 
@@ -522,6 +526,7 @@ def save_nf4(
     ``BitsAndBytesConfig`` path, whose ``save_pretrained`` writes the bitsandbytes layout
     (``.weight`` packed uint8, ``.weight.absmax``, ``.weight.quant_map``,
     ``.weight.quant_state.bitsandbytes__nf4``) and ``quant_method: bitsandbytes`` config.
+    Blocks of 64 weights, float32 absmax (``double_quant`` quantizes the absmax too).
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -533,8 +538,6 @@ def save_nf4(
         bnb_4bit_use_double_quant=double_quant,
         llm_int8_skip_modules=skip,
     )
-    if blocksize != 64:
-        raise ValueError("transformers' bitsandbytes path quantizes with blocksize 64 only")
     with atomic_output_dir(Path(out_dir), overwrite) as tmp:
         scratch = tmp / ".float"
         model.save_pretrained(scratch)

@@ -1,0 +1,149 @@
+"""Quantization accuracy on the demo model: every scheme × method against the float model.
+
+Each variant is quantized by ``llmopt quantize`` in its own process (so its time and peak RSS
+are its own), then evaluated by ``llmopt eval VARIANT --baseline demo`` on WikiText-2 windows of
+2048 tokens; the float model's distributions are computed once and cached. Results go to
+``bench/results/quant_accuracy.{json,md}``; a rerun skips variants already measured with the
+same settings (``--force`` redoes them).
+
+    python bench/quant_accuracy.py [--windows 16] [--only NAME ...] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+ANCHORS = ROOT.parent / "shared" / "anchors"
+
+# name: (scheme, method, group size, extra quantize flags)
+VARIANTS: dict[str, tuple[str, str, int | None, list[str]]] = {
+    "W8A16 rtn": ("W8A16", "rtn", None, []),
+    "FP8 rtn": ("FP8", "rtn", None, []),
+    "FP8_DYNAMIC rtn": ("FP8_DYNAMIC", "rtn", None, []),
+    "W8A8 rtn": ("W8A8", "rtn", None, []),
+    "W8A8 smoothquant": ("W8A8", "smoothquant", None, []),
+    "W8A8 smoothquant+gptq": ("W8A8", "smoothquant+gptq", None, []),
+    "W4A16 g64 rtn": ("W4A16", "rtn", 64, []),
+    "W4A16 g64 gptq": ("W4A16", "gptq", 64, []),
+    "W4A16 g64 awq": ("W4A16", "awq", 64, []),
+    "W4A16 g32 rtn": ("W4A16", "rtn", 32, []),
+    "W4A16 g32 gptq": ("W4A16", "gptq", 32, []),
+    "W4A16 g32 awq": ("W4A16", "awq", 32, []),
+    "W4A16 g32 awq+gptq": ("W4A16", "awq+gptq", 32, []),
+    "W4A16 g128 (mixed 64/128) rtn": ("W4A16", "rtn", 128, []),
+    "W4A16 g128 (mixed 64/128) gptq": ("W4A16", "gptq", 128, []),
+    "W4A16_ASYM g32 rtn (demo weights' own grid)": ("W4A16_ASYM", "rtn", 32, []),
+    "NF4 (bitsandbytes)": ("NF4", "rtn", None, []),
+}
+
+
+def llmopt(*args: str) -> dict:
+    """Run the CLI with --json in a child process and return its JSON output."""
+    command = [sys.executable, "-m", "llmopt.cli", *args, "--json"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
+
+
+def measure(name: str, spec, windows: int, workdir: Path) -> dict:
+    scheme, method, group, extra = spec
+    out = workdir / name.split(" (")[0].replace(" ", "_").replace("+", "-")
+    args = ["quantize", "demo", "--scheme", scheme, "--method", method, "-o", str(out), "--overwrite", *extra]
+    if group:
+        args += ["--group-size", str(group)]
+    record = llmopt(*args)
+    figures = llmopt("eval", str(out), "--baseline", "demo", "--max-windows", str(windows))
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    return {
+        "scheme": scheme, "method": method, "group_size_asked": group, "group_sizes": record.get("group_sizes"),
+        "ppl": figures["perplexity"], "kld_mean": figures["kld_mean"], "kld_median": figures["kld_median"],
+        "kld_p99": figures["kld_p99"], "top1": figures["top1_agreement"], "tokens": figures["tokens"],
+        "windows": figures["windows"], "weights_bytes": size,
+        "quantize_seconds": record.get("quantize_seconds", record.get("total_seconds")),
+        "total_seconds": record.get("total_seconds"), "peak_rss_mib": record.get("peak_rss_mib"),
+        "calibration": record.get("calibration"),
+    }
+
+
+def anchor_rows() -> list[str]:
+    rows = []
+    try:
+        llama = json.loads((ANCHORS / "llamacpp_smollm2.json").read_text())["accuracy"]["by_type"]
+        for name in ("Q8_0", "Q6_K", "Q4_K_M", "Q4_0"):
+            r = llama[name]
+            rows.append(f"| llama.cpp {name} (6 windows) | {r['ppl']:.3f} | {r['kld_mean']:.4f} | {r['kld_p99']:.3f} | {100 * r['top1']:.1f}% | | | |")
+        comp = json.loads((ANCHORS / "llmcompressor_smollm2.json").read_text())["variants"]
+        for name, r in comp.items():
+            rows.append(f"| llm-compressor {name} (6 windows) | {r['ppl']:.3f} | {r['kld_mean']:.4f} | {r['kld_p99']:.3f} | {100 * r['top1']:.1f}% | | {r.get('quantize_wall_s', '')} s | |")
+    except (OSError, KeyError, ValueError):
+        pass
+    return rows
+
+
+def write_markdown(results: dict, meta: dict) -> None:
+    base = meta["baseline"]
+    lines = [
+        "# Quantization accuracy on the demo model (SmolLM2-135M-Instruct)",
+        "",
+        f"WikiText-2 raw test, first {meta['windows']} windows of 2048 tokens ({base['tokens']:,} scored tokens); "
+        f"KLD and top-1 against the float model (ppl {base['perplexity']:.4f}). Calibration: {meta['calibration']}. "
+        f"Machine: {meta['machine']}; {meta['date']}.",
+        "",
+        "| variant | ppl | KLD mean | KLD p99 | top-1 | weights (MiB) | quantize time | peak RSS (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r['ppl']:.3f} | {r['kld_mean']:.4f} | {r['kld_p99']:.3f} | {100 * r['top1']:.1f}% | "
+            f"{r['weights_bytes'] / 2**20:.1f} | {r['quantize_seconds']:.1f} s | {r['peak_rss_mib']:.0f} |"
+        )
+    lines += ["", "Peers, measured on this machine on the first 6 windows (../shared/anchors):", "",
+              "| peer | ppl | KLD mean | KLD p99 | top-1 | | time | |", "|---|---|---|---|---|---|---|---|", *anchor_rows()]
+    (RESULTS / "quant_accuracy.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--windows", type=int, default=16)
+    parser.add_argument("--only", nargs="*", help="variant names (substring match)")
+    parser.add_argument("--force", action="store_true")
+    parser.add_argument("--workdir", default=str(ROOT / "out" / "bench-quant"))
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "quant_accuracy.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    results = saved.get("variants", {}) if saved.get("windows") == args.windows else {}
+    baseline = llmopt("eval", "demo", "--baseline", "demo", "--max-windows", str(args.windows))
+    for name, spec in VARIANTS.items():
+        if args.only and not any(o in name for o in args.only):
+            continue
+        if name in results and not args.force:
+            continue
+        start = time.perf_counter()
+        print(f"[{time.strftime('%H:%M:%S')}] {name} …", flush=True)
+        results[name] = measure(name, spec, args.windows, Path(args.workdir))
+        r = results[name]
+        print(f"    ppl {r['ppl']:.3f}  KLD {r['kld_mean']:.4f}  top-1 {100 * r['top1']:.1f}%  "
+              f"quantize {r['quantize_seconds']:.0f}s  RSS {r['peak_rss_mib']:.0f} MiB  ({time.perf_counter() - start:.0f}s)", flush=True)
+        ordered = {k: results[k] for k in VARIANTS if k in results}
+        calib = next((r["calibration"] for r in ordered.values() if r.get("calibration")), None)
+        meta = {
+            "windows": args.windows, "baseline": baseline, "date": time.strftime("%Y-%m-%d"),
+            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
+            "calibration": "none" if not calib else f"{calib['name']} {calib['samples']}×{calib['seq_len']} tokens, seed {calib['seed']}",
+        }
+        path.write_text(json.dumps({**meta, "variants": ordered}, indent=2) + "\n")
+        write_markdown(ordered, meta)
+
+
+if __name__ == "__main__":
+    main()

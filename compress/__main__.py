@@ -1,0 +1,4 @@
+"""python -m llmopt"""
+from .cli import main
+
+main()
