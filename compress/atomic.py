@@ -12,31 +12,48 @@ from typing import Iterator
 from .errors import LlmoptError
 
 
+class OutputExistsError(LlmoptError, FileExistsError):
+    """The output path exists and overwriting was not asked for."""
+
+
 def check_output(path: Path, overwrite: bool) -> None:
     """Refuse an existing output unless ``overwrite`` is set."""
-    if path.exists() and not overwrite:
-        raise LlmoptError(f"output {path} already exists", "choose another path or pass --overwrite")
+    if Path(path).exists() and not overwrite:
+        raise OutputExistsError(f"output {path} already exists", "choose another path or pass --overwrite")
 
 
 @contextmanager
-def atomic_dir(target: Path, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary directory beside ``target``; move it into place when the block succeeds."""
+def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory beside ``target``; move it into place when the block succeeds.
+
+    An existing ``target`` is refused unless ``overwrite``; then it is replaced only once the
+    new directory is complete (and restored if the final rename fails).
+    """
     target = Path(target)
     check_output(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(target)
+        _move_into_place(tmp, target, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _move_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
+    if not target.exists():
+        os.rename(tmp, target)
+        return
+    check_output(target, overwrite)  # it appeared while we were writing
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager

@@ -135,7 +135,7 @@ def _converted_gguf(gguf_path: Path, name: str) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    with atomic_dir(target) as tmp:
+    with atomic_dir(target, overwrite=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "llmopt.json").write_text(json.dumps({"source": str(gguf_path), "converted_from": "gguf"}, indent=1))
@@ -168,14 +168,31 @@ def load_model(spec: str | os.PathLike, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(spec)
-    check_architecture(read_config(path))
+    config = read_config(path)
+    check_architecture(config)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        if _needs_own_dequantization(config):
+            from llmopt.quant.compressed import load_dequantized
+
+            model = load_dequantized(path, getattr(torch, dtype))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, RuntimeError) as exc:
         raise LlmoptError(f"cannot load {path}: {str(exc).splitlines()[0]}", "check that the checkpoint is complete") from exc
     model.eval()
     return model, tokenizer
+
+
+def _needs_own_dequantization(config: dict) -> bool:
+    """Asymmetric compressed-tensors checkpoints, which transformers 5.x cannot load (its
+    compressed-tensors integration expects unpacked zero points); they are weight-only, so our
+    dequantized float model computes exactly what they hold."""
+    qconfig = config.get("quantization_config") or {}
+    if qconfig.get("quant_method") != "compressed-tensors":
+        return False
+    groups = qconfig.get("config_groups", {}).values()
+    return any(not (g.get("weights") or {}).get("symmetric", True) for g in groups)
 
 
 def check_architecture(config: dict) -> None:

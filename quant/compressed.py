@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import shutil
-import tempfile
 from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from compressed_tensors.compressors.format import infer_module_format
@@ -49,6 +46,8 @@ from compressed_tensors.utils.match import match_name
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from llmopt.atomic import atomic_dir
+
 from .formats import PRESETS, QuantizedWeight, QuantScheme
 
 PROVENANCE_FILE = "llmopt.json"
@@ -65,52 +64,12 @@ __all__ = [
     "compress_weight",
     "save_nf4",
     "nf4_dequantized_state",
-    "atomic_output_dir",
     "load_dequantized",
 ]
 
 
 # ---------------------------------------------------------------------------------------------
 # Atomic output directories
-
-
-@contextmanager
-def atomic_output_dir(out_dir: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success move it to ``out_dir``.
-
-    The temporary directory is ``out_dir.parent / ".<name>.tmp-XXXX"`` and is removed on any
-    exception. An existing ``out_dir`` raises FileExistsError unless ``overwrite``; then it is
-    replaced only after the new directory has been written completely.
-    """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} exists (pass overwrite=True to replace it)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        yield tmp
-        _move_into_place(tmp, out_dir, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _move_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
-    """Rename ``tmp`` to ``out_dir``, first moving an existing ``out_dir`` aside if allowed."""
-    if not out_dir.exists():
-        os.rename(tmp, out_dir)
-        return
-    if not overwrite:
-        raise FileExistsError(f"{out_dir} appeared while writing; not replacing it")
-    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-    old.rmdir()
-    os.rename(out_dir, old)
-    try:
-        os.rename(tmp, out_dir)
-    except BaseException:
-        os.rename(old, out_dir)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,7 +347,7 @@ def save_compressed(
     for name, qw in weights.items():
         for local, tensor in compress_weight(qw, _fmt(formats[name])).items():
             state[f"{name}.{local}"] = tensor
-    with atomic_output_dir(Path(out_dir), overwrite) as tmp:
+    with atomic_dir(Path(out_dir), overwrite) as tmp:
         _write_safetensors(state, tmp, max_shard_bytes)
         _write_side_files(model, tokenizer, tmp, qconfig.model_dump(mode="json"), provenance)
 
@@ -538,7 +497,7 @@ def save_nf4(
         bnb_4bit_use_double_quant=double_quant,
         llm_int8_skip_modules=skip,
     )
-    with atomic_output_dir(Path(out_dir), overwrite) as tmp:
+    with atomic_dir(Path(out_dir), overwrite) as tmp:
         scratch = tmp / ".float"
         model.save_pretrained(scratch)
         qmodel = AutoModelForCausalLM.from_pretrained(

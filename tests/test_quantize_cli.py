@@ -1,0 +1,123 @@
+"""`llmopt quantize` end to end on tiny models: outputs, provenance, inspect, and every error path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import SHARED_DATA, save_model, tiny_llama
+from llmopt.cli import main
+from llmopt.models import load_model
+from llmopt.quant.compressed import read_compressed
+
+CALIB = SHARED_DATA / "gutenberg" / "persuasion.txt"
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def quantize(model_dir, out, *extra: str):
+    return run_cli("quantize", str(model_dir), "-o", str(out), "--calib", str(CALIB),
+                   "--calib-samples", "4", "--calib-seq-len", "32", "--json", *extra)
+
+
+@pytest.mark.parametrize(
+    "scheme, method, group",
+    [("W4A16", "rtn", "32"), ("W4A16", "gptq", "64"), ("W4A16", "awq", "32"), ("W8A16", "rtn", None),
+     ("W8A8", "smoothquant", None), ("FP8", "rtn", None)],
+)
+def test_quantize_writes_loadable_checkpoint(tmp_path, tiny_model_dir, scheme, method, group):
+    out = tmp_path / "q"
+    args = ["--scheme", scheme, "--method", method] + (["--group-size", group] if group else [])
+    result = quantize(tiny_model_dir, out, *args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["scheme"] == scheme and record["method"] == method
+    assert json.loads((out / "llmopt.json").read_text())["method"] == method
+    if method != "rtn":
+        assert record["calibration"]["samples"] == 4 and record["calibration"]["seq_len"] == 32
+    weights, qconfig = read_compressed(out)
+    assert qconfig["quant_method"] == "compressed-tensors"
+    assert len(weights) == 2 * 7 and not any("lm_head" in n for n in weights)
+
+    # the saved checkpoint, loaded by transformers, computes with exactly the stored weights
+    model, _ = load_model(str(out))
+    ids = torch.randint(0, 259, (1, 24))
+    for name, qw in weights.items():
+        stored = model.get_submodule(name).weight.detach()
+        torch.testing.assert_close(stored, qw.dequantize(stored.dtype))
+    assert torch.isfinite(model(ids).logits).all()
+
+    info = json.loads(run_cli("inspect", str(out), "--json").stdout)
+    q_proj = next(m for m in info["modules"] if m["name"].endswith("layers.0.self_attn.q_proj"))
+    expected_format = {"W4A16": "int4", "W8A16": "int8", "W8A8": "int8", "FP8": "fp8"}[scheme]
+    assert q_proj["format"] == expected_format
+    if group:
+        assert q_proj["group_size"] == int(group)
+
+
+def test_mixed_group_sizes_are_recorded(tmp_path, tiny_model_dir):
+    # intermediate 192: group 128 divides the 64-wide inputs but not down_proj's 192
+    result = quantize(tiny_model_dir, tmp_path / "q", "--scheme", "W4A16", "--group-size", "128")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["group_sizes"] == {"64": 12, "96": 2} or record["group_sizes"].get("96") == 2
+    assert any("down_proj" in n and "192" in n for n in record["notices"])
+    weights, _ = read_compressed(tmp_path / "q")
+    assert weights["model.layers.0.mlp.down_proj"].group_size == 96
+    assert weights["model.layers.0.mlp.up_proj"].group_size == 64
+
+
+def _one_line_error(result, expected: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--scheme", "W3A16"], "unknown scheme 'W3A16'"),
+        (["--scheme", "W4A16", "--method", "magic"], "unknown method 'magic'"),
+        (["--scheme", "W4A16", "--method", "smoothquant"], "needs scheme W8A8"),
+        (["--scheme", "W8A16", "--group-size", "32"], "takes no group size"),
+        (["--scheme", "W4A16", "--group-size", "128", "--strict-groups"], "does not divide the 192 input features"),
+        (["--scheme", "W4A16", "--method", "gptq", "--calib-samples", "100000"], "windows of 32 tokens"),
+        (["--scheme", "NF4", "--method", "gptq"], "NF4"),
+    ],
+)
+def test_quantize_errors(tmp_path, tiny_model_dir, args, expected):
+    out = tmp_path / "q"
+    _one_line_error(quantize(tiny_model_dir, out, *args), expected)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".q")]  # nothing half-written
+
+
+def test_quantize_refuses_existing_output_and_quantized_input(tmp_path, tiny_model_dir):
+    out = tmp_path / "q"
+    assert quantize(tiny_model_dir, out, "--scheme", "W8A16").exit_code == 0
+    _one_line_error(quantize(tiny_model_dir, out, "--scheme", "W8A16"), "already exists")
+    assert quantize(tiny_model_dir, out, "--scheme", "W8A16", "--overwrite").exit_code == 0
+    _one_line_error(quantize(out, tmp_path / "again", "--scheme", "W4A16"), "already quantized")
+
+
+def test_quantize_keeps_pruned_zeros(tmp_path):
+    model = tiny_llama()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for module in (layer.mlp.up_proj, layer.self_attn.q_proj):
+                keep = torch.rand_like(module.weight) > 0.5
+                module.weight.mul_(keep)
+    source = save_model(model, tmp_path / "pruned")
+    out = tmp_path / "q"
+    assert quantize(source, out, "--scheme", "W4A16", "--group-size", "32", "--method", "gptq").exit_code == 0
+    weights, _ = read_compressed(out)
+    for i, layer in enumerate(model.model.layers):
+        for kind, module in (("mlp.up_proj", layer.mlp.up_proj), ("self_attn.q_proj", layer.self_attn.q_proj)):
+            zeros = module.weight == 0
+            deq = weights[f"model.layers.{i}.{kind}"].dequantize()
+            assert (deq[zeros] == 0).all()
