@@ -17,6 +17,7 @@ MODEL_HELP = "MODEL is 'demo' (bundled SmolLM2-135M-Instruct), a Hugging Face di
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # libraries' own progress bars; ours are rich
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -170,6 +171,10 @@ def quantize_command(model, scheme, method, group_size, strict_groups, calib, ca
 
 
 main.__doc__ = (main.__doc__ or "") + "\n\n" + MODEL_HELP
+
+
+from .export_cli import export_command  # noqa: E402
+main.add_command(export_command)
 
 
 if __name__ == "__main__":

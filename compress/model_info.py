@@ -146,6 +146,7 @@ def inspect_checkpoint(path: Path, sparsity: bool = True) -> ModelInfo:
             for dim in shape:
                 count *= dim
             parameters += count
+    _apply_config_schemes(modules, qconfig)
     for module in modules:
         aux = [n for n in headers if n.startswith(module.name + ".") and (n.endswith(AUX_SUFFIXES) or BNB_AUX.search(n))]
         module.bytes += sum(_nbytes(headers[n][0], headers[n][1]) for n in aux)
@@ -173,6 +174,25 @@ def _quantized(module: str, fmt: str, dtype: str, shape: list[int], headers: dic
     group_size = None if groups <= 1 else shape[1] // groups
     symmetric = None if fmt == "fp8" else f"{module}.weight_zero_point" not in headers
     return ModuleInfo(module, fmt, dtype, shape, group_size, symmetric, activations)
+
+
+def _apply_config_schemes(modules: list[ModuleInfo], qconfig: dict) -> None:
+    """Take group size and symmetry from a compressed-tensors config (one group spanning a whole
+    row looks per-channel from the tensor shapes alone)."""
+    quantized = [m for m in modules if m.format in ("int4", "int8", "fp8")]
+    if qconfig.get("quant_method") != "compressed-tensors" or not quantized:
+        return
+    from llmopt.quant.compressed import module_schemes
+
+    try:
+        schemes = module_schemes(qconfig, [m.name for m in quantized])
+    except ValueError:
+        return  # a config we cannot map: keep what the tensor shapes say
+    for module in quantized:
+        scheme, group_size = schemes[module.name]
+        module.format = "fp8" if scheme.is_float else f"int{scheme.num_bits}"  # packed int8 exists too
+        module.group_size = group_size
+        module.symmetric = None if scheme.is_float else scheme.symmetric
 
 
 def _nf4(module: str, name: str, file: Path, headers: dict) -> ModuleInfo:

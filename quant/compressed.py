@@ -175,6 +175,13 @@ def scheme_of_config(quantization_config: dict | QuantizationConfig) -> dict[str
     return out
 
 
+def module_schemes(quantization_config: dict, names: list[str]) -> dict[str, tuple[QuantScheme, int | None]]:
+    """Scheme and group size that the config assigns to each quantized Linear in ``names``."""
+    qc = _as_qconfig(quantization_config)
+    by_group = scheme_of_config(qc)
+    return {name: by_group[_group_of(name, qc)][:2] for name in names}
+
+
 def _fmt(value: Any) -> str:
     """A compression format as its plain string value (``"pack-quantized"``)."""
     return str(getattr(value, "value", value))

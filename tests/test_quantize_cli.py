@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from conftest import SHARED_DATA, save_model, tiny_llama
 from llmopt.cli import main
 from llmopt.models import load_model
-from llmopt.quant.compressed import read_compressed
+from llmopt.quant.compressed import load_dequantized, read_compressed
 
 CALIB = SHARED_DATA / "gutenberg" / "persuasion.txt"
 
@@ -44,13 +44,16 @@ def test_quantize_writes_loadable_checkpoint(tmp_path, tiny_model_dir, scheme, m
     assert qconfig["quant_method"] == "compressed-tensors"
     assert len(weights) == 2 * 7 and not any("lm_head" in n for n in weights)
 
-    # the saved checkpoint, loaded by transformers, computes with exactly the stored weights
+    # the checkpoint loaded by transformers computes with exactly the stored weights
     model, _ = load_model(str(out))
+    reference = load_dequantized(out)
     ids = torch.randint(0, 259, (1, 24))
-    for name, qw in weights.items():
-        stored = model.get_submodule(name).weight.detach()
-        torch.testing.assert_close(stored, qw.dequantize(stored.dtype))
-    assert torch.isfinite(model(ids).logits).all()
+    with torch.no_grad():
+        logits, expected = model(ids).logits, reference(ids).logits
+    if scheme == "W8A8":  # transformers also quantizes activations per token at run time
+        assert (logits - expected).abs().max() < 0.1 * expected.abs().max()
+    else:
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
     info = json.loads(run_cli("inspect", str(out), "--json").stdout)
     q_proj = next(m for m in info["modules"] if m["name"].endswith("layers.0.self_attn.q_proj"))
@@ -60,16 +63,24 @@ def test_quantize_writes_loadable_checkpoint(tmp_path, tiny_model_dir, scheme, m
         assert q_proj["group_size"] == int(group)
 
 
-def test_mixed_group_sizes_are_recorded(tmp_path, tiny_model_dir):
-    # intermediate 192: group 128 divides the 64-wide inputs but not down_proj's 192
-    result = quantize(tiny_model_dir, tmp_path / "q", "--scheme", "W4A16", "--group-size", "128")
+def test_mixed_group_sizes_are_recorded(tmp_path, wide_model_dir):
+    result = quantize(wide_model_dir, tmp_path / "q", "--scheme", "W4A16", "--group-size", "128")
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
-    assert record["group_sizes"] == {"64": 12, "96": 2} or record["group_sizes"].get("96") == 2
+    assert record["group_sizes"] == {"128": 12, "96": 2}
     assert any("down_proj" in n and "192" in n for n in record["notices"])
     weights, _ = read_compressed(tmp_path / "q")
     assert weights["model.layers.0.mlp.down_proj"].group_size == 96
-    assert weights["model.layers.0.mlp.up_proj"].group_size == 64
+    assert weights["model.layers.0.mlp.up_proj"].group_size == 128
+    info = json.loads(run_cli("inspect", str(tmp_path / "q"), "--json").stdout)
+    sizes = {m["name"].split(".")[-1]: m["group_size"] for m in info["modules"]}
+    assert sizes["down_proj"] == 96 and sizes["q_proj"] == 128
+
+
+@pytest.fixture
+def wide_model_dir(tmp_path):
+    """hidden 128, intermediate 192: group 128 fits every Linear but down_proj."""
+    return save_model(tiny_llama(hidden_size=128, intermediate_size=192, num_attention_heads=4), tmp_path / "wide")
 
 
 def _one_line_error(result, expected: str) -> None:
@@ -90,11 +101,13 @@ def _one_line_error(result, expected: str) -> None:
         (["--scheme", "NF4", "--method", "gptq"], "NF4"),
     ],
 )
-def test_quantize_errors(tmp_path, tiny_model_dir, args, expected):
+def test_quantize_errors(tmp_path, wide_model_dir, args, expected):
     out = tmp_path / "q"
-    _one_line_error(quantize(tiny_model_dir, out, *args), expected)
+    _one_line_error(quantize(wide_model_dir, out, *args), expected)
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".q")]  # nothing half-written
+    if "strict" in " ".join(args):
+        assert "down_proj" in expected or "down_proj" in quantize(wide_model_dir, out, *args).stderr
 
 
 def test_quantize_refuses_existing_output_and_quantized_input(tmp_path, tiny_model_dir):
