@@ -9,7 +9,10 @@ from functools import wraps
 
 import click
 
-from . import __version__
+# Libraries' own tqdm bars (ours are rich); tqdm reads this when it is first imported.
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+from . import __version__  # noqa: E402
 from .errors import LlmoptError
 
 MODEL_HELP = "MODEL is 'demo' (bundled SmolLM2-135M-Instruct), a Hugging Face directory, a .gguf file or a Hub id."
@@ -17,7 +20,6 @@ MODEL_HELP = "MODEL is 'demo' (bundled SmolLM2-135M-Instruct), a Hugging Face di
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TQDM_DISABLE", "1")  # libraries' own progress bars; ours are rich
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -176,6 +178,14 @@ main.__doc__ = (main.__doc__ or "") + "\n\n" + MODEL_HELP
 from .export_cli import export_command  # noqa: E402
 main.add_command(export_command)
 
+from .distill_cli import distill_command  # noqa: E402
+main.add_command(distill_command)
+
+
+from .runtime_cli import bench_command, generate_command  # noqa: E402
+
+main.add_command(generate_command)
+main.add_command(bench_command)
 
 if __name__ == "__main__":
     main()

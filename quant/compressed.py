@@ -457,7 +457,21 @@ def load_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
+    _add_activation_quantization(model, weights)
     return model.eval()
+
+
+def _add_activation_quantization(model: Any, weights: dict[str, QuantizedWeight]) -> None:
+    """Quantize the inputs of W8A8 / FP8_DYNAMIC Linears per token at run time, as inference
+    engines do (int8 with absmax / 127, fp8 with absmax / 448)."""
+    from .formats import fake_quantize_activations
+
+    for name, qw in weights.items():
+        kind = qw.scheme.activations
+        if kind:
+            model.get_submodule(name).register_forward_pre_hook(
+                lambda module, args, kind=kind: (fake_quantize_activations(args[0], kind), *args[1:])
+            )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -91,17 +91,17 @@ def get_scheme(name: str, group_size: int | None = None) -> QuantScheme:
 def effective_group_size(in_features: int, asked: int | None) -> int | None:
     """Largest group size dividing ``in_features`` and not larger than ``asked``.
 
-    Returns ``None`` (per-channel) when ``asked`` is None. Multiples of 8 are preferred so
-    int4 packing stays aligned; any divisor is accepted as a last resort.
+    Returns ``None`` (per-channel) when ``asked`` is None. Powers of two are preferred (the
+    group sizes inference kernels such as vLLM's and llama.cpp's blocks support), then
+    multiples of 8 (int4 packing stays aligned), then any divisor.
     """
     if asked is None or in_features % asked == 0:
         return asked
-    for g in range(min(asked, in_features), 0, -1):
-        if in_features % g == 0 and g % 8 == 0:
-            return g
-    for g in range(min(asked, in_features), 0, -1):
-        if in_features % g == 0:
-            return g
+    candidates = range(min(asked, in_features), 0, -1)
+    for accept in (lambda g: g & (g - 1) == 0 and g >= 8, lambda g: g % 8 == 0, lambda g: True):
+        for g in candidates:
+            if in_features % g == 0 and accept(g):
+                return g
     return None
 
 

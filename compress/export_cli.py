@@ -1,0 +1,111 @@
+"""``llmopt export``: write a checkpoint as GGUF (llama.cpp), dense safetensors or compressed-tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from .cli import MODEL_HELP, emit_json, user_errors
+from .export import FORMATS, USER_TYPES
+
+TYPE_CHOICE = click.Choice(USER_TYPES, case_sensitive=False)
+
+
+def _gguf_tables(report) -> list[Table]:
+    """Summary, per-type errors, and the type decisions of a GGUF export."""
+    summary = Table(title=f"exported → {report.output}", title_justify="left", show_header=False)
+    summary.add_column("field")
+    summary.add_column("value")
+    for name, value in [
+        ("source", f"{report.source} ({report.source_kind})"),
+        ("architecture / layers", f"{report.architecture} / {report.layers}"),
+        ("type asked / file type", f"{report.requested_type} / {report.file_type}"),
+        ("size", f"{report.bytes / 2**20:.1f} MiB"),
+        ("tokenizer", f"{report.tokenizer['model']} (pre {report.tokenizer['pre']}), {report.tokenizer['tokens']:,} tokens, "
+                      f"{report.tokenizer['merges']:,} merges, chat template {'yes' if report.tokenizer['chat_template'] else 'no'}"),
+        ("time", f"{report.seconds:.1f} s"),
+    ]:
+        summary.add_row(name, value)
+    types = Table(title="read back and compared with the source", title_justify="left")
+    for column in ("GGUF type", "tensors", "weights", "max |error|", "max rel. error", "codes identical"):
+        types.add_column(column, justify="right" if column not in ("GGUF type",) else "left")
+    for name, s in sorted(report.by_type.items()):
+        codes = "—" if s["codes_identical"] is None else ("yes" if s["codes_identical"] else "NO")
+        types.add_row(name, str(s["tensors"]), f"{s['weights']:,}", f"{s['max_abs_err']:.3g}", f"{s['max_rel_err']:.3g}", codes)
+    tables = [summary, types]
+    if report.verify:
+        v = report.verify
+        check = Table(title="transformers' GGUF loader vs the source", title_justify="left", show_header=False)
+        check.add_column("field")
+        check.add_column("value")
+        if "error" in v:
+            check.add_row("load", v["error"])
+        else:
+            check.add_row("token ids match", "yes" if v["token_ids_match"] else "NO")
+            check.add_row("chat template match", "yes" if v["chat_template_match"] else "NO")
+            check.add_row("tokens compared", str(v["tokens"]))
+            check.add_row("max |Δ logit| (relative)", f"{v['max_abs_logit_diff']:.3g} ({v['rel_logit_diff']:.2g})")
+            check.add_row("KLD mean", f"{v['kld_mean']:.3g}")
+            check.add_row("top-1 agreement", f"{100 * v['top1_agreement']:.1f}%")
+        tables.append(check)
+    return tables
+
+
+@click.command("export")
+@click.argument("model")
+@click.option("-o", "--output", required=True, type=click.Path(), help="Output: a .gguf file, or a directory for hf / compressed-tensors.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), help="Output format (default: gguf when OUTPUT ends in .gguf, else hf).")
+@click.option("--type", "gguf_type", type=TYPE_CHOICE, default="auto", show_default=True,
+              help="GGUF tensor type. auto: exact where a block type holds our codes (int4 sym → Q4_0, int4 asym → Q4_1, "
+                   "int8 sym → Q8_0), else F16; lossless float for dense checkpoints.")
+@click.option("--dense-type", type=TYPE_CHOICE, help="GGUF type for float matrices (embeddings, lm_head, unquantized layers); "
+              "default: --type for dense checkpoints (output matrix Q6_K with 4-bit types, as llama.cpp), F16 for quantized ones.")
+@click.option("--requantize", is_flag=True, help="Allow rounding quantized weights again into a type that cannot hold their codes (e.g. int8 → Q4_0, int4 → Q4_K).")
+@click.option("--verify", is_flag=True, help="Also load the GGUF through transformers' GGUF loader and compare token ids and logits with the source.")
+@click.option("--verify-text", metavar="TEXT", help="Text for --verify (default: two short sentences).")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True,
+              help="--format hf: dtype of the written weights (auto: the checkpoint's).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report (per-tensor types and errors) as JSON.")
+@user_errors
+def export_command(model, output, fmt, gguf_type, dense_type, requantize, verify, verify_text, dtype, overwrite, as_json):
+    """Export MODEL to OUTPUT as GGUF (llama.cpp), dense safetensors (hf) or compressed-tensors.
+
+    GGUF: our int4/int8 checkpoints keep their integer codes unchanged (only scales become fp16);
+    dense checkpoints are quantized to --type. Llama-family naming, the q/k permutation llama.cpp
+    expects, the tokenizer (vocabulary, merges, special tokens, chat template) and model metadata
+    are written. The file is read back and every tensor compared with the source before it is
+    moved into place; nothing is left behind on error.
+
+    \b
+    Examples:
+      llmopt export demo --type Q8_0 -o demo-q8_0.gguf
+      llmopt export out/w4-gptq -o w4.gguf --verify          # int4 g32 → Q4_0, codes carried
+      llmopt export out/w4-gptq --format hf -o out/w4-dense   # dequantized float checkpoint
+    """
+    from .console import notice, out
+    from .export import export_model
+
+    fmt = fmt or ("gguf" if str(output).lower().endswith(".gguf") else "hf")
+    if fmt == "gguf":
+        report = export_model(model, output, "gguf", gguf_type=gguf_type, dense_type=dense_type, requantize=requantize,
+                              overwrite=overwrite, verify=verify, verify_text=verify_text)
+    else:
+        if gguf_type.lower() != "auto" or dense_type or requantize or verify:
+            notice("--type, --dense-type, --requantize and --verify apply to --format gguf only; ignored")
+        report = export_model(model, output, fmt, dtype=dtype, overwrite=overwrite)
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    if fmt == "gguf":
+        for table in _gguf_tables(report):
+            out.print(table)
+        for line in report.decisions + report.notes:
+            notice(line)
+    else:
+        out.print(f"exported {report.source} ({report.source_kind}) → {Path(report.output)} "
+                  f"[{report.format}{', ' + report.dtype if report.dtype else ''}, {report.bytes / 2**20:.1f} MiB, {report.seconds:.1f} s]")
+        for line in report.notes:
+            notice(line)

@@ -1,0 +1,834 @@
+"""Export a checkpoint to one GGUF file for llama.cpp, exact where our formats allow.
+
+What each tensor becomes:
+
+* 1-D tensors (norms, biases): F32, as llama.cpp keeps them.
+* Linears quantized by us (compressed-tensors): their integer codes are carried over unchanged
+  when a GGUF block type holds them — int4 symmetric → Q4_0, int4 asymmetric → Q4_1, int8
+  symmetric → Q8_0 (any group size that is a multiple of 32, per-channel included: a group
+  spans whole blocks that share its scale). Only the scales are rounded, to float16.
+  ``--type auto`` takes the first exact mapping, or F16 (near-lossless) when there is none
+  (FP8, int8 asymmetric, groups not a multiple of 32). An explicit integer type that would need
+  the weights rounded again is refused unless ``requantize`` is set.
+* Float matrices: quantized to the requested type. For a dense checkpoint ``auto`` is the
+  lossless float type (BF16 / F16 when every value fits, else F32); with an explicit 4-bit type
+  the output matrix (``lm_head``, or the tied embedding) gets Q6_K as llama.cpp's quantizer
+  does. The float matrices of a quantized checkpoint (embeddings, ``lm_head``, layers left in
+  float) stay F16 unless ``dense_type`` says otherwise. A row length the block type does not
+  divide falls back as llama.cpp does (Q4_K → Q5_0, Q6_K → Q8_0, then F16).
+
+Llama-family naming (``blk.N.attn_q.weight`` …) and the q/k row permutation llama.cpp's rotary
+embedding expects are applied; layer counts and widths come from the tensors themselves, so
+pruned models (fewer or narrower layers) are described as they are.
+
+After writing (to a temporary file), the file is read back with ``gguf.GGUFReader``; every
+tensor is dequantized and compared with its source, and carried codes are checked bit for bit,
+before the file is renamed into place. :func:`verify_with_transformers` additionally loads it
+through transformers' GGUF loader and compares logits with the source model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import LlamaFileType
+
+from . import gguf_blocks as blocks
+from .atomic import atomic_file, check_output
+from .errors import LlmoptError
+from .export import USER_TYPES
+from .gguf_vocab import Vocab, build_vocab, write_vocab
+from .models import read_config, resolve_model
+
+FLOAT_TYPES = {T.F32, T.F16, T.BF16}
+CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q8_0}
+FOUR_BIT = {T.Q4_0, T.Q4_1, T.Q4_K}
+FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q4_0: T.F16, T.Q4_1: T.F16, T.Q5_0: T.F16, T.Q8_0: T.F16}
+FILE_TYPES = {
+    T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16, T.BF16: LlamaFileType.MOSTLY_BF16,
+    T.Q8_0: LlamaFileType.MOSTLY_Q8_0, T.Q4_0: LlamaFileType.MOSTLY_Q4_0, T.Q4_1: LlamaFileType.MOSTLY_Q4_1,
+    T.Q5_0: LlamaFileType.MOSTLY_Q5_0, T.Q4_K: LlamaFileType.MOSTLY_Q4_K_S, T.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+}
+F16_MAX = 65504.0
+
+
+class UnsupportedArchitectureError(LlmoptError):
+    """The checkpoint's architecture has no GGUF mapping here."""
+
+
+class UnmappableTypeError(LlmoptError):
+    """The requested GGUF type cannot hold the source's weights as asked."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How one transformers model type is written: GGUF architecture name, q/k permutation."""
+
+    gguf: str
+    permute_qk: bool
+
+
+ARCHITECTURES = {
+    "llama": Arch("llama", True),
+    "mistral": Arch("llama", True),  # llama.cpp runs Mistral as llama
+    "qwen2": Arch("qwen2", False),  # NEOX-style rotary: no permutation
+    "qwen3": Arch("qwen3", False),
+}
+TOP_LEVEL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+IN_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+IGNORED_KEYS = re.compile(r"(rotary_emb\.inv_freq|\.weight_shape)$")
+
+
+def parse_type(name: str) -> T | None:
+    """The GGML type for a user-facing name (``auto`` → None)."""
+    if name.lower() == "auto":
+        return None
+    try:
+        return T[name.upper()]
+    except KeyError:
+        raise LlmoptError(f"unknown GGUF type '{name}'", f"use one of {', '.join(USER_TYPES)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the source checkpoint (tensors as stored, without building the model)
+
+
+@dataclass
+class Source:
+    """A checkpoint's tensors: dense ones, and the Linears we quantized (as QuantizedWeight)."""
+
+    path: Path
+    config: dict
+    floats: dict[str, torch.Tensor]
+    quantized: dict[str, Any]  # module name → QuantizedWeight
+    kind: str  # "dense", "compressed-tensors", "bitsandbytes"
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.kind != "dense"
+
+
+def _safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise LlmoptError(f"{path} has no safetensors weights", "export a checkpoint saved as safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as handle:
+            for key in handle.keys():
+                out[key] = handle.get_tensor(key)
+    return out
+
+
+def read_source(path: Path) -> Source:
+    """Read a checkpoint directory's tensors; quantized Linears come back as QuantizedWeights."""
+    config = read_config(path)
+    qconfig = config.get("quantization_config") or {}
+    method = qconfig.get("quant_method")
+    if method is None:
+        return Source(path, config, _safetensors(path), {}, "dense")
+    if method == "compressed-tensors":
+        from llmopt.quant.compressed import read_compressed
+
+        try:
+            quantized, _ = read_compressed(path)
+        except (ValueError, KeyError) as exc:
+            raise UnmappableTypeError(f"cannot read the compressed-tensors checkpoint {path}: {exc}") from exc
+        floats = {k: v for k, v in _safetensors(path).items()
+                  if not (k.rpartition(".")[0] in quantized and k.rpartition(".")[2].startswith("weight"))}
+        return Source(path, config, floats, quantized, "compressed-tensors")
+    if method == "bitsandbytes":
+        from llmopt.quant.compressed import nf4_dequantized_state
+
+        return Source(path, config, nf4_dequantized_state(path), {}, "bitsandbytes")
+    raise UnmappableTypeError(
+        f"checkpoints quantized with '{method}' cannot be exported to GGUF",
+        "export the float checkpoint, or one quantized by llmopt (compressed-tensors)",
+    )
+
+
+def check_architecture(config: dict) -> Arch:
+    """The GGUF mapping for the checkpoint's model type, or a clear error."""
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"GGUF export does not support the '{model_type}' architecture",
+            f"export a {', '.join(sorted(ARCHITECTURES))} model, or use --format hf",
+        )
+    rope = _rope(config)
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind not in ("default", "linear"):
+        raise UnsupportedArchitectureError(
+            f"GGUF export does not support '{kind}' rope scaling",
+            "export a model with default or linear rope scaling",
+        )
+    return ARCHITECTURES[model_type]
+
+
+def _rope(config: dict) -> dict:
+    """Rope settings from ``rope_parameters`` (transformers 5) or ``rope_scaling`` / ``rope_theta``."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling") or {}
+    for key, value in scaling.items():
+        params.setdefault(key, value)
+    if "rope_theta" not in params and config.get("rope_theta") is not None:
+        params["rope_theta"] = config["rope_theta"]
+    return params
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning: GGUF name, type and how each tensor gets there
+
+
+@dataclass
+class Planned:
+    """One output tensor: its source, the GGUF type chosen and how it is produced."""
+
+    name: str
+    source: str
+    value: Any  # float tensor [rows, cols] / [n], or QuantizedWeight (rows already permuted)
+    qtype: T
+    how: str  # "carried codes", "quantized", "cast", "requantized", "stored"
+    source_format: str
+    note: str = ""
+    expected_codes: np.ndarray | None = None  # carried codes as stored (for the read-back check)
+    expected_d: np.ndarray | None = None  # their fp16 block scales, as float32
+
+    def reference(self) -> torch.Tensor:
+        """The source values this tensor should reproduce, in float32."""
+        if isinstance(self.value, torch.Tensor):
+            return self.value.float()
+        return self.value.dequantize(torch.float32)
+
+
+@dataclass
+class TensorReport:
+    name: str
+    source: str
+    shape: list[int]
+    source_format: str
+    type: str
+    how: str
+    note: str
+    max_abs_err: float
+    rel_err: float  # max_abs_err / max |source|
+    codes_identical: bool | None
+
+
+@dataclass
+class GGUFExportReport:
+    """What was written and how faithfully."""
+
+    output: str
+    source: str
+    source_kind: str
+    architecture: str
+    requested_type: str
+    file_type: str
+    bytes: int
+    seconds: float
+    layers: int
+    tensors: list[TensorReport]
+    by_type: dict[str, dict]
+    decisions: list[str]
+    notes: list[str]
+    tokenizer: dict
+    verify: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _permute_rows(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Reorder each head's rows from halves (HF rotate-half) to interleaved pairs (llama.cpp)."""
+    rows = x.shape[0]
+    half = rows // n_head // 2
+    return x.reshape(n_head, 2, half, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
+
+
+def _permute(value: Any, n_head: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _permute_rows(value, n_head)
+    from dataclasses import replace
+
+    zp = None if value.zero_point is None else _permute_rows(value.zero_point, n_head)
+    return replace(value, codes=_permute_rows(value.codes, n_head), scale=_permute_rows(value.scale, n_head), zero_point=zp)
+
+
+def describe_quantized(qw: Any) -> str:
+    """``int4 sym g32``, ``int8 sym per-channel``, ``fp8_e4m3 per-channel`` …"""
+    s = qw.scheme
+    group = f"g{qw.group_size}" if qw.group_size else "per-channel"
+    if s.is_float:
+        return f"fp8_e4m3 {group}"
+    return f"int{s.num_bits} {'sym' if s.symmetric else 'asym'} {group}"
+
+
+def carry_types(qw: Any) -> list[T]:
+    """GGUF block types that hold ``qw``'s integer codes exactly (best first)."""
+    if qw.scheme.is_float:
+        return []
+    cols = qw.codes.shape[1]
+    group = qw.group_size or cols
+    if group % blocks.QK or cols % blocks.QK:
+        return []
+    bits, sym = qw.scheme.num_bits, qw.scheme.symmetric
+    if bits == 4:
+        return [T.Q4_0, T.Q4_1, T.Q8_0] if sym else [T.Q4_1, T.Q8_0]
+    if bits == 8 and sym:
+        return [T.Q8_0]
+    return []
+
+
+def _fits(qtype: T, cols: int) -> bool:
+    return cols % blocks.block_size(qtype) == 0
+
+
+def _with_fallback(qtype: T, cols: int) -> tuple[T, str]:
+    """``qtype`` or llama.cpp's fallback when the row length is not a multiple of its block."""
+    chosen = qtype
+    while not _fits(chosen, cols):
+        chosen = FALLBACK[chosen]
+    if chosen == qtype:
+        return qtype, ""
+    return chosen, f"{qtype.name} → {chosen.name}: row length {cols} is not a multiple of {blocks.block_size(qtype)}"
+
+
+def _lossless_float(t: torch.Tensor) -> T:
+    """The smallest float type holding every value of ``t`` exactly."""
+    if t.dtype == torch.bfloat16:
+        return T.BF16
+    if t.dtype == torch.float16:
+        return T.F16
+    f = t.float()
+    if torch.equal(f.to(torch.float16).float(), f):
+        return T.F16
+    if torch.equal(f.to(torch.bfloat16).float(), f):
+        return T.BF16
+    return T.F32
+
+
+def _float_format(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+@dataclass
+class Options:
+    """How to choose types: the requested one (None: auto), the one for float matrices, and
+    whether codes may be rounded again."""
+
+    qtype: T | None = None
+    dense_type: T | None = None
+    requantize: bool = False
+
+
+def _plan_quantized(name: str, source: str, qw: Any, opts: Options) -> Planned:
+    fmt = describe_quantized(qw)
+    exact = carry_types(qw)
+    cols = qw.codes.shape[1]
+    if opts.qtype is None:
+        if exact:
+            return _carry(name, source, qw, exact[0], fmt, f"auto: {fmt} → {exact[0].name} (codes carried, scales to fp16)")
+        return Planned(name, source, qw, T.F16, "cast", fmt, f"auto: no GGUF block type holds {fmt} codes; F16 (near-lossless)")
+    if opts.qtype in exact:
+        return _carry(name, source, qw, opts.qtype, fmt, "")
+    if opts.qtype in FLOAT_TYPES:
+        return Planned(name, source, qw, opts.qtype, "cast", fmt)
+    if not opts.requantize:
+        hint = f"use --type auto ({exact[0].name} here)" if exact else "use --type auto (F16 here)"
+        raise UnmappableTypeError(
+            f"{source} ({fmt}) cannot be written as {opts.qtype.name} without rounding its weights again",
+            f"{hint}, or pass --requantize",
+        )
+    qtype, note = _with_fallback(opts.qtype, cols)
+    return Planned(name, source, qw, qtype, "requantized", fmt, note or f"{fmt} dequantized and quantized again")
+
+
+def _carry(name: str, source: str, qw: Any, qtype: T, fmt: str, note: str) -> Planned:
+    """Plan a tensor whose codes go into ``qtype`` blocks unchanged."""
+    rows, cols = qw.codes.shape
+    group = qw.group_size or cols
+    per_block = group // blocks.QK
+    scale = qw.scale.float().repeat_interleave(per_block, dim=1)  # [rows, cols/32]
+    d16 = scale.to(torch.float16)
+    if not torch.isfinite(d16).all():
+        raise UnmappableTypeError(f"{source}: a scale exceeds float16's range", "export with --type F32")
+    codes = qw.codes.to(torch.int16)
+    if qtype == T.Q8_0 and qw.zero_point is not None:
+        codes = codes - qw.zero_point.to(torch.int16).repeat_interleave(group, dim=1)
+    return Planned(name, source, qw, qtype, "carried codes", fmt, note,
+                   expected_codes=codes.numpy().astype(np.int8), expected_d=d16.float().numpy())
+
+
+def _plan_float(name: str, source: str, t: torch.Tensor, opts: Options, is_output: bool, quantized_source: bool) -> Planned:
+    fmt = _float_format(t)
+    if t.dim() == 1:
+        return Planned(name, source, t, T.F32, "stored", fmt)
+    cols = t.shape[1]
+    note = ""
+    if opts.dense_type is not None:
+        want = opts.dense_type
+    elif quantized_source:
+        want = opts.qtype if opts.qtype in FLOAT_TYPES else T.F16
+        if opts.qtype is None:
+            note = "auto: float matrix of a quantized checkpoint kept in F16"
+    elif opts.qtype is None:
+        want = _lossless_float(t)
+        note = f"auto: {fmt} → {want.name} (lossless)"
+    else:
+        want = opts.qtype
+        if is_output and want in FOUR_BIT:
+            want = T.Q6_K
+            note = f"output matrix at Q6_K (llama.cpp's choice for {opts.qtype.name})"
+    qtype, fallback = _with_fallback(want, cols)
+    if qtype == T.F16 and t.abs().max() > F16_MAX:
+        qtype, fallback = T.F32, f"values exceed F16's range; F32 instead of {want.name}"
+    same = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}.get(qtype) == t.dtype
+    how = "stored" if same else "cast" if qtype in FLOAT_TYPES else "quantized"
+    return Planned(name, source, t, qtype, how, fmt, "; ".join(n for n in (note, fallback) if n))
+
+
+@dataclass
+class Layout:
+    """Per-layer shapes read from the tensors (pruned models may differ from the config)."""
+
+    layers: int
+    hidden: int
+    vocab: int
+    head_dim: int
+    n_head: list[int]
+    n_kv: list[int]
+    ffn: list[int]
+    layer_map: dict[int, int]  # source layer index → GGUF block index
+
+
+def _shape(source: Source, key: str) -> tuple[int, ...] | None:
+    if key in source.floats:
+        return tuple(source.floats[key].shape)
+    module = key.rpartition(".")[0]
+    if module in source.quantized and key.endswith(".weight"):
+        return tuple(source.quantized[module].codes.shape)
+    return None
+
+
+def read_layout(source: Source) -> Layout:
+    """Layer count and widths from the tensors, checked against the config."""
+    keys = list(source.floats) + [f"{m}.weight" for m in source.quantized]
+    indices = sorted({int(m.group(1)) for k in keys if (m := LAYER_KEY.match(k))})
+    embed = _shape(source, "model.embed_tokens.weight")
+    if embed is None:
+        raise UnsupportedArchitectureError("the checkpoint has no model.embed_tokens.weight", "export a Llama-family checkpoint")
+    vocab, hidden = embed
+    cfg = source.config
+    heads_cfg = cfg.get("num_attention_heads") or 1
+    head_dim = cfg.get("head_dim") or hidden // heads_cfg
+    n_head, n_kv, ffn = [], [], []
+    for i in indices:
+        q = _shape(source, f"model.layers.{i}.self_attn.q_proj.weight")
+        k = _shape(source, f"model.layers.{i}.self_attn.k_proj.weight")
+        gate = _shape(source, f"model.layers.{i}.mlp.gate_proj.weight")
+        if q is None or k is None or gate is None:
+            raise UnsupportedArchitectureError(f"layer {i} lacks q/k/gate projections", "export a Llama-family checkpoint")
+        if q[0] % head_dim or k[0] % head_dim:
+            raise UnsupportedArchitectureError(f"layer {i}: q/k rows are not a multiple of head_dim {head_dim}", "check the checkpoint's config")
+        n_head.append(q[0] // head_dim)
+        n_kv.append(k[0] // head_dim)
+        ffn.append(gate[0])
+    return Layout(len(indices), hidden, vocab, head_dim, n_head, n_kv, ffn, {old: new for new, old in enumerate(indices)})
+
+
+def plan_tensors(source: Source, arch: Arch, layout: Layout, opts: Options) -> tuple[list[Planned], list[str]]:
+    """Every output tensor with its GGUF name, type and value (q/k rows permuted)."""
+    tied = bool(source.config.get("tie_word_embeddings", False))
+    entries: list[tuple[str, str, Any]] = []  # (gguf name, source key, value)
+    notes: list[str] = []
+    for key, t in source.floats.items():
+        if IGNORED_KEYS.search(key):
+            continue
+        entries.append((_gguf_name(key, layout, tied), key, t))
+    for module, qw in source.quantized.items():
+        entries.append((_gguf_name(f"{module}.weight", layout, tied), f"{module}.weight", qw))
+    entries = [e for e in entries if e[0]]
+    has_output = any(name == "output.weight" for name, _, _ in entries)
+    if tied and "lm_head.weight" in source.floats:
+        notes.append("lm_head is tied to the embedding: written once, as token_embd")
+    plans = []
+    for name, key, value in sorted(entries, key=lambda e: _order(e[0])):
+        block = re.match(r"blk\.(\d+)\.(attn_q|attn_k)\.", name)
+        if arch.permute_qk and block:
+            i = int(block.group(1))
+            value = _permute(value, layout.n_head[i] if block.group(2) == "attn_q" else layout.n_kv[i])
+        is_output = name == "output.weight" or (name == "token_embd.weight" and not has_output)
+        if isinstance(value, torch.Tensor):
+            plans.append(_plan_float(name, key, value, opts, is_output, source.is_quantized))
+        else:
+            plans.append(_plan_quantized(name, key, value, opts))
+    return plans, notes
+
+
+def _gguf_name(key: str, layout: Layout, tied: bool) -> str | None:
+    """GGUF name of a source tensor (None: not written), or an error for an unknown tensor."""
+    if key in TOP_LEVEL:
+        if key == "lm_head.weight" and tied:
+            return None
+        return TOP_LEVEL[key]
+    m = LAYER_KEY.match(key)
+    if m and m.group(2) in IN_LAYER:
+        return f"blk.{layout.layer_map[int(m.group(1))]}.{IN_LAYER[m.group(2)]}.{m.group(3)}"
+    raise UnsupportedArchitectureError(f"no GGUF name for tensor '{key}'", "export a plain Llama-family checkpoint")
+
+
+def _order(name: str) -> tuple:
+    m = re.match(r"blk\.(\d+)\.(.*)", name)
+    if m:
+        return (1, int(m.group(1)), m.group(2))
+    return (0 if name.startswith("token_embd") else 2, 0, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding and writing
+
+
+def encode(p: Planned) -> tuple[np.ndarray, T | None]:
+    """The array handed to ``GGUFWriter.add_tensor`` and its raw type (None: from the dtype)."""
+    from gguf import quants
+
+    if p.how == "carried codes":
+        qw = p.value
+        codes = p.expected_codes
+        if p.qtype == T.Q4_0:
+            return blocks.encode_q4_0(codes, p.expected_d), T.Q4_0
+        if p.qtype == T.Q8_0:
+            return blocks.encode_q8_0(codes, p.expected_d), T.Q8_0
+        cols = codes.shape[1]
+        group = qw.group_size or cols
+        scale = qw.scale.float().repeat_interleave(group // blocks.QK, dim=1)
+        zp = torch.zeros_like(scale) if qw.zero_point is None else qw.zero_point.float().repeat_interleave(group // blocks.QK, dim=1)
+        m = (-(zp + 8) * scale).numpy()
+        return blocks.encode_q4_1(codes, p.expected_d, m), T.Q4_1
+    x = p.reference().numpy()
+    if p.qtype == T.F32:
+        return np.ascontiguousarray(x, dtype=np.float32), None
+    if p.qtype == T.F16:
+        return x.astype(np.float16), None
+    if p.qtype == T.Q4_K:
+        return blocks.quantize_q4_k(x), T.Q4_K
+    if p.qtype == T.Q6_K:
+        return blocks.quantize_q6_k(x), T.Q6_K
+    return quants.quantize(x, p.qtype), p.qtype
+
+
+def _file_type(plans: list[Planned], opts: Options) -> T:
+    """The type most of the matrices' weights have (what ``general.file_type`` states)."""
+    if opts.qtype is not None:
+        return opts.qtype
+    weights: Counter = Counter()
+    for p in plans:
+        if isinstance(p.value, torch.Tensor) and p.value.dim() == 1:
+            continue
+        shape = p.value.shape if isinstance(p.value, torch.Tensor) else p.value.codes.shape
+        weights[p.qtype] += int(np.prod(shape))
+    return weights.most_common(1)[0][0] if weights else T.F32
+
+
+def write_metadata(writer: Any, source: Source, layout: Layout, file_type: T) -> None:
+    """General and architecture keys (``llama.block_count`` …) from the config and the tensors."""
+    cfg = source.config
+    rope = _rope(cfg)
+
+    def scalar_or_list(values: list[int]) -> int | list[int]:
+        return values[0] if len(set(values)) == 1 else values
+
+    name = cfg.get("_name_or_path") or source.path.name
+    writer.add_name(str(name).rstrip("/").rpartition("/")[2] or source.path.name)
+    writer.add_file_type(int(FILE_TYPES[file_type]))
+    writer.add_quantization_version(2)
+    writer.add_block_count(layout.layers)
+    writer.add_context_length(int(cfg.get("max_position_embeddings") or 2048))
+    writer.add_embedding_length(layout.hidden)
+    writer.add_feed_forward_length(scalar_or_list(layout.ffn))
+    writer.add_head_count(scalar_or_list(layout.n_head))
+    writer.add_head_count_kv(scalar_or_list(layout.n_kv))
+    writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    writer.add_vocab_size(layout.vocab)
+    writer.add_rope_dimension_count(layout.head_dim)
+    if layout.n_head and layout.head_dim * max(layout.n_head) != layout.hidden:
+        writer.add_key_length(layout.head_dim)
+        writer.add_value_length(layout.head_dim)
+    if (rope.get("rope_type") or rope.get("type")) == "linear":
+        from gguf import RopeScalingType
+
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+
+
+def _write(path: Path, arch: Arch, source: Source, layout: Layout, vocab: Vocab,
+           plans: list[Planned], file_type: T) -> None:
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), arch.gguf)
+    write_metadata(writer, source, layout, file_type)
+    write_vocab(writer, vocab)
+    for p in plans:
+        array, raw = encode(p)
+        writer.add_tensor(p.name, array, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Read-back verification
+
+
+class VerificationError(LlmoptError):
+    """The written file does not hold what was planned (a bug, never a user error)."""
+
+    exit_code = 1
+
+
+def read_back(path: Path, plans: list[Planned], layout: Layout, vocab: Vocab) -> list[TensorReport]:
+    """Read ``path`` with ``gguf.GGUFReader``; dequantize and compare every tensor with its source.
+
+    Raises VerificationError when a tensor is missing, has another type or shape, holds
+    non-finite values, or (carried codes) differs from the source codes or fp16 scales.
+    """
+    from gguf import GGUFReader, quants
+
+    reader = GGUFReader(str(path))
+    stored = {t.name: t for t in reader.tensors}
+    if set(stored) != {p.name for p in plans}:
+        raise VerificationError(f"tensor names differ after writing: {sorted(set(stored) ^ {p.name for p in plans})}")
+    fields = reader.fields
+    arch = fields["general.architecture"].contents()
+    if fields[f"{arch}.block_count"].contents() != layout.layers or len(fields["tokenizer.ggml.tokens"].data) != len(vocab.tokens):
+        raise VerificationError("metadata read back differs from what was written")
+    reports = []
+    for p in plans:
+        t = stored[p.name]
+        ref = p.reference()
+        shape = list(ref.shape)
+        if t.tensor_type != p.qtype or [int(n) for n in reversed(t.shape)] != shape:
+            raise VerificationError(f"{p.name}: read back as {t.tensor_type.name} {list(t.shape)}, planned {p.qtype.name} {shape}")
+        values = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if not np.isfinite(values).all():
+            raise VerificationError(f"{p.name}: non-finite values after writing")
+        ref_np = ref.numpy()
+        err = float(np.abs(values - ref_np).max()) if values.size else 0.0
+        scale = float(np.abs(ref_np).max()) if ref_np.size else 0.0
+        identical = None
+        if p.how == "carried codes":
+            codes, d = blocks.stored_codes(t.data, t.tensor_type, shape[0])
+            identical = bool(np.array_equal(codes, p.expected_codes) and np.array_equal(d, p.expected_d))
+            if not identical:
+                raise VerificationError(f"{p.name}: carried codes or scales differ after writing")
+        reports.append(TensorReport(p.name, p.source, shape, p.source_format, p.qtype.name, p.how, p.note,
+                                    err, err / scale if scale else 0.0, identical))
+    return reports
+
+
+def summarize(reports: list[TensorReport]) -> dict[str, dict]:
+    """Per GGUF type: tensors, weights, and the largest absolute / relative error against the source."""
+    out: dict[str, dict] = {}
+    for r in reports:
+        s = out.setdefault(r.type, {"tensors": 0, "weights": 0, "max_abs_err": 0.0, "max_rel_err": 0.0, "codes_identical": None})
+        s["tensors"] += 1
+        s["weights"] += int(np.prod(r.shape))
+        s["max_abs_err"] = max(s["max_abs_err"], r.max_abs_err)
+        s["max_rel_err"] = max(s["max_rel_err"], r.rel_err)
+        if r.codes_identical is not None:
+            s["codes_identical"] = r.codes_identical if s["codes_identical"] is None else s["codes_identical"] and r.codes_identical
+    return out
+
+
+def _decisions(plans: list[Planned]) -> list[str]:
+    """One line per distinct (source format, type, how, note), with how many tensors it covers."""
+    counts: Counter = Counter()
+    for p in plans:
+        if isinstance(p.value, torch.Tensor) and p.value.dim() == 1:
+            continue
+        counts[(p.source_format, p.qtype.name, p.how, p.note)] += 1
+    lines = []
+    for (fmt, qtype, how, note), n in counts.items():
+        lines.append(f"{n} × {fmt} → {qtype} ({how})" + (f" — {note}" if note else ""))
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def export_gguf(
+    model: str | Path,
+    output: str | Path,
+    gguf_type: str = "auto",
+    dense_type: str | None = None,
+    requantize: bool = False,
+    overwrite: bool = False,
+    verify: bool = False,
+    verify_text: str | None = None,
+) -> GGUFExportReport:
+    """Export MODEL (any spec ``resolve_model`` takes) to the GGUF file ``output``.
+
+    Writes to a temporary file beside ``output``, reads it back and checks every tensor, then
+    renames it into place; nothing is left behind on error. ``verify`` also loads the file
+    through transformers' GGUF loader and compares logits with the source model.
+    """
+    from transformers import AutoTokenizer
+
+    start = time.perf_counter()
+    output = Path(output)
+    if output.is_dir():
+        raise LlmoptError(f"output {output} is a directory", "give a file name such as model.gguf")
+    check_output(output, overwrite)
+    opts = Options(parse_type(gguf_type), parse_type(dense_type) if dense_type else None, requantize)
+    path = resolve_model(model)
+    source = read_source(path)
+    arch = check_architecture(source.config)
+    layout = read_layout(source)
+    plans, notes = plan_tensors(source, arch, layout, opts)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    vocab = build_vocab(tokenizer, layout.vocab, path)
+    notes += vocab.notes
+    if layout.layers != source.config.get("num_hidden_layers"):
+        notes.append(f"{layout.layers} layers in the tensors, {source.config.get('num_hidden_layers')} in the config: wrote {layout.layers}")
+    if sorted(layout.layer_map) != list(range(layout.layers)):
+        notes.append(f"layers renumbered {sorted(layout.layer_map)} → 0..{layout.layers - 1}")
+    if any(q.scheme.activations for q in source.quantized.values()):
+        notes.append("the checkpoint's dynamic activation quantization is not stored in GGUF (llama.cpp quantizes "
+                     "activations to 8-bit blocks itself for Q4_0/Q4_1/Q8_0 dot products)")
+    if len(set(layout.ffn)) > 1 or len(set(layout.n_head)) > 1 or len(set(layout.n_kv)) > 1:
+        notes.append("layer widths differ: feed_forward_length / head counts written per layer (llama.cpp reads arrays; transformers' GGUF loader does not)")
+    file_type = _file_type(plans, opts)
+    with atomic_file(output, overwrite) as tmp:
+        _write(tmp, arch, source, layout, vocab, plans, file_type)
+        reports = read_back(tmp, plans, layout, vocab)
+        _default_permissions(tmp)
+    report = GGUFExportReport(
+        output=str(output), source=str(path), source_kind=_source_kind(source), architecture=arch.gguf,
+        requested_type=gguf_type.upper() if gguf_type.lower() != "auto" else "auto",
+        file_type=FILE_TYPES[file_type].name, bytes=output.stat().st_size,
+        seconds=0.0, layers=layout.layers, tensors=reports, by_type=summarize(reports),
+        decisions=_decisions(plans), notes=notes, tokenizer=vocab.summary(),
+    )
+    if verify:
+        report.verify = verify_with_transformers(output, source, verify_text)
+    report.seconds = round(time.perf_counter() - start, 2)
+    return report
+
+
+def _default_permissions(path: Path) -> None:
+    """Give a temporary file (created 0600) the permissions a new file normally gets."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def _source_kind(source: Source) -> str:
+    if source.kind == "dense":
+        dtypes = Counter(str(t.dtype).replace("torch.", "") for t in source.floats.values() if t.dim() == 2)
+        return f"dense {dtypes.most_common(1)[0][0]}" if dtypes else "dense"
+    if source.kind == "bitsandbytes":
+        return "bitsandbytes NF4 (dequantized; no GGUF type holds NF4 exactly)"
+    formats = Counter(describe_quantized(q) for q in source.quantized.values())
+    return "compressed-tensors " + ", ".join(f"{fmt} ({n})" for fmt, n in formats.most_common())
+
+
+DEFAULT_VERIFY_TEXT = (
+    "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published four papers "
+    "that changed physics; one of them introduced the equation E = mc^2."
+)
+
+
+def source_model(source: Source) -> Any:
+    """The source checkpoint as a float32 transformers model (quantized Linears dequantized by us)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if source.kind == "compressed-tensors":
+        from llmopt.quant.compressed import load_dequantized
+
+        return load_dequantized(source.path, torch.float32)
+    if source.kind == "bitsandbytes":
+        config = AutoConfig.from_pretrained(source.path)
+        del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict({k: v.float() for k, v in source.floats.items()}, strict=False)
+        model.tie_weights()
+        return model.eval()
+    return AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
+
+
+def verify_with_transformers(gguf_path: Path, source: Source, text: str | None = None) -> dict:
+    """Load the GGUF through transformers' GGUF loader; compare token ids and logits with the source.
+
+    Returns the tokenizer agreement, max |Δlogit| (absolute and relative to the largest logit),
+    mean KL(source ‖ gguf) over positions and top-1 agreement.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    text = text or DEFAULT_VERIFY_TEXT
+    gguf_path = Path(gguf_path)
+    result: dict[str, Any] = {"text": text}
+    src_tok = AutoTokenizer.from_pretrained(source.path)
+    try:
+        gg_tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        gg_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    except Exception as exc:  # any failure of the loader is a finding to report, not a crash
+        result["error"] = f"transformers could not load the GGUF: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        return result
+    src_ids = src_tok(text)["input_ids"]
+    gg_ids = gg_tok(text)["input_ids"]
+    result["tokens"] = len(src_ids)
+    result["token_ids_match"] = src_ids == gg_ids
+    result["chat_template_match"] = getattr(src_tok, "chat_template", None) == getattr(gg_tok, "chat_template", None)
+    model = source_model(source)
+    ids = torch.tensor([src_ids])
+    with torch.inference_mode():
+        a = model(input_ids=ids).logits[0].float()
+        b = gg_model(input_ids=ids).logits[0].float()
+    diff = (a - b).abs().max().item()
+    logp_a, logp_b = a.log_softmax(-1), b.log_softmax(-1)
+    kld = (logp_a.exp() * (logp_a - logp_b)).sum(-1).clamp(min=0)
+    result.update({
+        "max_abs_logit_diff": diff,
+        "rel_logit_diff": diff / max(a.abs().max().item(), 1e-12),
+        "kld_mean": kld.mean().item(),
+        "top1_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
+    })
+    return result

@@ -1,0 +1,200 @@
+"""GGUF block formats: encoding integer codes we already have, and quantizing floats to K-quants.
+
+Layouts (one block, little-endian, as ggml stores them; ``d``/``m`` are float16):
+
+* ``Q4_0`` (32 weights, 18 bytes): ``d``, 16 bytes of nibbles; weight ``j`` is in the low nibble of
+  byte ``j`` (j < 16) or the high nibble of byte ``j - 16``; ``w = d * (u - 8)``, ``u`` in [0, 15].
+* ``Q4_1`` (32 weights, 20 bytes): ``d``, ``m``, nibbles as Q4_0; ``w = d * u + m``.
+* ``Q8_0`` (32 weights, 34 bytes): ``d``, 32 int8 ``q``; ``w = d * q``.
+* ``Q4_K`` (256 weights, 144 bytes): ``d``, ``dmin``, 12 bytes holding eight 6-bit sub-block scales
+  and mins, 128 bytes of nibbles (sub-blocks of 32); ``w = d * sc * u - dmin * mn``.
+* ``Q6_K`` (256 weights, 210 bytes): 128 bytes of low nibbles, 64 bytes of high 2-bit pairs,
+  sixteen int8 sub-block scales (sub-blocks of 16), ``d``; ``w = d * sc * (u - 32)``, ``u`` in [0, 63].
+
+Our codes are signed (int4 in [-8, 7]) with ``w = (q - z) * s``; the exact mappings are
+
+* int4 symmetric → Q4_0: ``u = q + 8``, ``d = fp16(s)``;
+* int4 asymmetric → Q4_1: ``u = q + 8`` and ``w = (u - 8 - z) * s = s * u - (z + 8) * s``, so
+  ``d = fp16(s)``, ``m = fp16(-(z + 8) * s)``;
+* int8 (or int4, symmetric or not) → Q8_0: ``q8 = q - z``, ``d = fp16(s)``.
+
+Only the scales are rounded (to float16); the integer codes are carried over unchanged.
+gguf's own ``quants.quantize`` (the llama.cpp reference) is used for dense Q4_0/Q4_1/Q5_0/Q8_0;
+it has no K-quant quantizer, so Q4_K and Q6_K are quantized here (per sub-block range search,
+then the sub-block scales quantized to 6 / 8 bits).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+QK = 32  # weights per Q4_0 / Q4_1 / Q5_0 / Q8_0 block
+QK_K = 256  # weights per K-quant super-block
+
+
+def block_size(qtype: T) -> int:
+    """Weights per block (1 for plain float types)."""
+    from gguf import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[qtype][0]
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    """``[n]`` float values as float16 little-endian bytes ``[n, 2]``."""
+    return np.ascontiguousarray(x.astype(np.float16).reshape(-1, 1)).view(np.uint8)
+
+
+def _nibbles(u: np.ndarray) -> np.ndarray:
+    """``[n, 32]`` values in [0, 15] → ``[n, 16]`` bytes (first half low nibbles, second half high)."""
+    u = u.astype(np.uint8)
+    return u[:, :16] | (u[:, 16:] << 4)
+
+
+def _unnibble(qs: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`_nibbles`: ``[n, 16]`` bytes → ``[n, 32]`` values in [0, 15]."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Carrying integer codes (rows × columns, one scale per block of 32)
+
+
+def encode_q4_0(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q4_0 bytes ``[rows, cols/32*18]`` from int4 codes ``[rows, cols]`` and block scales ``[rows, cols/32]``."""
+    rows, cols = codes.shape
+    u = (codes.astype(np.int16) + 8).reshape(-1, QK)
+    out = np.concatenate([_f16_bytes(d.reshape(-1)), _nibbles(u)], axis=1)
+    return out.reshape(rows, -1)
+
+
+def encode_q4_1(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Q4_1 bytes from int4 codes (``u = q + 8``), block scales ``d`` and offsets ``m``."""
+    rows, cols = codes.shape
+    u = (codes.astype(np.int16) + 8).reshape(-1, QK)
+    out = np.concatenate([_f16_bytes(d.reshape(-1)), _f16_bytes(m.reshape(-1)), _nibbles(u)], axis=1)
+    return out.reshape(rows, -1)
+
+
+def encode_q8_0(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q8_0 bytes from int8-range codes ``[rows, cols]`` and block scales ``[rows, cols/32]``."""
+    rows, cols = codes.shape
+    q = codes.astype(np.int8).reshape(-1, QK).view(np.uint8)
+    out = np.concatenate([_f16_bytes(d.reshape(-1)), q], axis=1)
+    return out.reshape(rows, -1)
+
+
+def stored_codes(data: np.ndarray, qtype: T, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The integer codes and fp16 scales ``d`` stored in a Q4_0 / Q4_1 / Q8_0 tensor's bytes.
+
+    Codes are returned in our signed convention (``u - 8`` for the 4-bit types), shape
+    ``[rows, cols]``; ``d`` has shape ``[rows, cols/32]`` (float32).
+    """
+    blocks = np.ascontiguousarray(data.reshape(-1)).reshape(-1, _type_bytes(qtype))
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
+    if qtype == T.Q8_0:
+        codes = blocks[:, 2:].copy().view(np.int8)
+    else:
+        start = 2 if qtype == T.Q4_0 else 4
+        codes = _unnibble(blocks[:, start:]).astype(np.int8) - 8
+    return codes.reshape(rows, -1), d
+
+
+def _type_bytes(qtype: T) -> int:
+    from gguf import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[qtype][1]
+
+
+# ---------------------------------------------------------------------------------------------
+# K-quants from float weights
+
+_SHRINK = np.linspace(1.0, 0.7, 13, dtype=np.float32)  # range shrinks tried per sub-block
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """Q4_K bytes ``[rows, cols/256*144]`` of float weights ``[rows, cols]`` (cols % 256 == 0)."""
+    rows, cols = x.shape
+    sub = x.astype(np.float32).reshape(-1, 8, 32)  # [n_super, 8 sub-blocks, 32]
+    scale, mn = _search_affine(sub, levels=15)
+    # Sub-block scale and min as 6-bit multiples of the super-block's d and dmin.
+    d = (scale.max(axis=1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (mn.max(axis=1) / 63).astype(np.float16).astype(np.float32)
+    sc = _safe_div(scale, d[:, None]).round().clip(0, 63).astype(np.uint8)
+    mc = _safe_div(mn, dmin[:, None]).round().clip(0, 63).astype(np.uint8)
+    eff_scale = (d[:, None] * sc)[..., None]
+    eff_min = (dmin[:, None] * mc)[..., None]
+    u = _safe_div(sub + eff_min, eff_scale).round().clip(0, 15).astype(np.uint8)  # [n, 8, 32]
+    pairs = u.reshape(-1, 4, 2, 32)
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    lo, hi = sc[:, :4], sc[:, 4:]
+    mlo, mhi = mc[:, :4], mc[:, 4:]
+    scales = np.concatenate(
+        [lo | ((hi >> 4) << 6), mlo | ((mhi >> 4) << 6), (hi & 0x0F) | ((mhi & 0x0F) << 4)], axis=1
+    )
+    out = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs], axis=1)
+    return out.reshape(rows, -1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Q6_K bytes ``[rows, cols/256*210]`` of float weights ``[rows, cols]`` (cols % 256 == 0)."""
+    rows, cols = x.shape
+    sub = x.astype(np.float32).reshape(-1, 16, 16)  # [n_super, 16 sub-blocks, 16]
+    scale = _search_symmetric(sub)
+    # ggml maps the largest sub-block scale to -128: d = -max/128, scales in [-128, 127].
+    imax = np.abs(scale).argmax(axis=1)
+    big = np.take_along_axis(scale, imax[:, None], axis=1)[:, 0]
+    d = (big / -128).astype(np.float16).astype(np.float32)
+    sc = _safe_div(scale, d[:, None]).round().clip(-128, 127).astype(np.int8)
+    eff = (d[:, None] * sc.astype(np.float32))[..., None]
+    q = _safe_div(sub, eff).round().clip(-32, 31)
+    u = (q + 32).astype(np.uint8).reshape(-1, 2, 128)  # two halves of 128 weights
+    low, high = u & 0x0F, u >> 4
+    low = low.reshape(-1, 2, 2, 64)
+    ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    high = high.reshape(-1, 2, 4, 32)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(-1, 64)
+    out = np.concatenate([ql, qh, sc.view(np.uint8), _f16_bytes(d)], axis=1)
+    return out.reshape(rows, -1)
+
+
+def _safe_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(b != 0, a / np.where(b != 0, b, 1), 0).astype(np.float32)
+
+
+def _search_affine(sub: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per sub-block ``(scale, min)`` with ``w ≈ scale * u - min``, ``u`` in [0, levels], min ≥ 0,
+    choosing the range shrink with least squared error."""
+    lo = np.minimum(sub.min(axis=-1), 0)
+    hi = sub.max(axis=-1)
+    best_err = np.full(lo.shape, np.inf, dtype=np.float32)
+    best_scale = np.zeros_like(lo)
+    best_min = np.zeros_like(lo)
+    for r in _SHRINK:
+        s = (hi - lo) * r / levels
+        m = -lo * r
+        u = _safe_div(sub + m[..., None], s[..., None]).round().clip(0, levels)
+        err = ((u * s[..., None] - m[..., None] - sub) ** 2).sum(-1)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_scale = np.where(better, s, best_scale)
+        best_min = np.where(better, m, best_min)
+    return best_scale, best_min
+
+
+def _search_symmetric(sub: np.ndarray) -> np.ndarray:
+    """Per sub-block signed scale with ``w ≈ scale * q``, ``q`` in [-32, 31]: the largest magnitude
+    maps to -32 (using the extra negative level), range shrinks searched for least squared error."""
+    imax = np.abs(sub).argmax(axis=-1)
+    extreme = np.take_along_axis(sub, imax[..., None], axis=-1)[..., 0]
+    best_err = np.full(extreme.shape, np.inf, dtype=np.float32)
+    best = np.zeros_like(extreme)
+    for r in _SHRINK:
+        s = extreme * r / -32
+        q = _safe_div(sub, s[..., None]).round().clip(-32, 31)
+        err = ((q * s[..., None] - sub) ** 2).sum(-1)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best = np.where(better, s, best)
+    return best
