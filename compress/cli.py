@@ -186,6 +186,11 @@ from .runtime_cli import bench_command, generate_command  # noqa: E402
 
 main.add_command(generate_command)
 main.add_command(bench_command)
+from .recipe_cli import recipes_group, run_command  # noqa: E402
+
+main.add_command(run_command)
+main.add_command(recipes_group)
+
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,331 @@
+"""Recipes: YAML pipelines of stages (quantize, prune, distill, export), validated before any work.
+
+A recipe names the model, shared calibration settings, an ordered list of stages and optional
+evaluation / benchmark / runtime settings::
+
+    model: demo
+    output: out/w4a16-gptq
+    calibration: {dataset: austen, samples: 128, seq_len: 512, seed: 0}
+    stages:
+      - quantize: {scheme: W4A16, method: gptq, group_size: 32}
+      - export: {format: gguf, type: Q4_0}
+    evaluate: {max_windows: 16}
+
+A stage's options are exactly its CLI command's options (``llmopt quantize --group-size 32`` is
+``group_size: 32``), checked with the same types, so a recipe and the CLI share one code path.
+Errors name the file, the line and the key. llm-compressor recipes (``*_stage`` →
+``*_modifiers``) are mapped onto these stages (see :mod:`llmopt.recipe_llmc`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from .errors import LlmoptError
+
+TOP_KEYS = {"model", "output", "calibration", "stages", "evaluate", "benchmark", "runtime", "description"}
+CALIBRATION_KEYS = {"dataset": "calib", "samples": "calib_samples", "seq_len": "calib_seq_len", "seed": "seed"}
+EVALUATE_KEYS = {"dataset": str, "seq_len": int, "max_windows": int, "top_k": int}
+BENCHMARK_KEYS = {"single_stream": bool, "serving_requests": int, "prompt_len": list, "output_len": list, "rate": float}
+# Options the runner supplies itself (input, output, printing) and the recipe may not set.
+RUNNER_OWNED = {"model", "output", "overwrite", "as_json", "teacher_default"}
+
+
+class RecipeError(LlmoptError):
+    """A recipe problem, located at ``file:line``."""
+
+
+@dataclass
+class Stage:
+    kind: str  # quantize | prune | distill | export
+    options: dict[str, Any]
+    line: int
+
+    def describe(self) -> str:
+        shown = ", ".join(f"{k}={v}" for k, v in self.options.items() if k in ("scheme", "method", "group_size", "sparsity", "pattern", "num", "format", "type", "steps"))
+        return f"{self.kind}({shown})"
+
+
+@dataclass
+class Recipe:
+    source: str
+    model: str
+    output: str
+    stages: list[Stage]
+    calibration: dict[str, Any] = field(default_factory=dict)
+    evaluate: dict[str, Any] | None = None
+    benchmark: dict[str, Any] | None = None
+    runtime: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def resolved(self) -> dict[str, Any]:
+        """The recipe with every stage's options complete (defaults filled in), for the record."""
+        return {
+            "model": self.model, "output": self.output, "calibration": self.calibration,
+            "stages": [{s.kind: _jsonable(stage_settings(s, self))} for s in self.stages],
+            "evaluate": self.evaluate, "benchmark": self.benchmark, "runtime": self.runtime,
+        }
+
+
+def _jsonable(options: dict) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in options.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# stage commands and their options
+
+
+def stage_commands() -> dict[str, click.Command]:
+    from .cli import main
+
+    return {kind: main.commands[kind] for kind in ("quantize", "prune", "distill", "export") if kind in main.commands}
+
+
+def _params(command: click.Command) -> dict[str, click.Parameter]:
+    return {p.name: p for p in command.params if p.name not in RUNNER_OWNED and p.name != "help"}
+
+
+def convert_options(kind: str, options: dict[str, Any], where: str) -> dict[str, Any]:
+    """Check a stage's options against its command's parameters and convert their types."""
+    commands = stage_commands()
+    if kind not in commands:
+        raise RecipeError(f"{where}: unknown stage '{kind}'", f"use one of {', '.join(commands)}")
+    params = _params(commands[kind])
+    ctx = click.Context(commands[kind])
+    out = {}
+    for key, value in options.items():
+        name = key.replace("-", "_")
+        if name not in params:
+            raise RecipeError(f"{where}: unknown option '{key}' for stage {kind}", f"known options: {', '.join(sorted(params))}")
+        param = params[name]
+        if param.multiple and not isinstance(value, list):
+            value = [value]
+        try:
+            out[name] = param.type_cast_value(ctx, value)
+        except click.BadParameter as exc:
+            raise RecipeError(f"{where}: option '{key}' of stage {kind}: {exc.message}", "fix the value's type") from exc
+    return out
+
+
+def _plain_default(param: click.Parameter, ctx: click.Context) -> Any:
+    """A parameter's default as plain data (click marks "no default" with a sentinel object)."""
+    value = param.get_default(ctx)
+    if isinstance(value, (str, int, float, bool, list, tuple, type(None))):
+        return list(value) if isinstance(value, tuple) else value
+    return None
+
+
+def stage_settings(stage: Stage, recipe: Recipe) -> dict[str, Any]:
+    """Every parameter of the stage's command: defaults, then shared calibration, then the stage's own."""
+    command = stage_commands()[stage.kind]
+    ctx = click.Context(command)
+    params = _params(command)
+    settings = {name: _plain_default(p, ctx) for name, p in params.items()}
+    for key, target in CALIBRATION_KEYS.items():
+        if key in recipe.calibration and target in params:
+            settings[target] = recipe.calibration[key]
+    settings.update(stage.options)
+    return settings
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def bundled_recipes() -> dict[str, Path]:
+    folder = resources.files("llmopt.recipes")
+    return {Path(str(f)).stem: Path(str(f)) for f in folder.iterdir() if str(f).endswith(".yaml")}
+
+
+def load_recipe(spec: str, overrides: list[str] | None = None) -> Recipe:
+    """Load a recipe file or a bundled recipe name, apply ``key=value`` overrides, validate it."""
+    path = Path(spec)
+    if not path.is_file():
+        bundled = bundled_recipes()
+        if spec not in bundled:
+            raise LlmoptError(f"recipe not found: {spec}", f"pass a YAML file or a bundled recipe ({', '.join(sorted(bundled))})")
+        path = bundled[spec]
+    text = path.read_text()
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise RecipeError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})", "fix the YAML syntax") from exc
+    lines = _line_index(node)
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping with 'model' and 'stages'", "see `llmopt recipes show w4a16-gptq`")
+    from .recipe_llmc import is_llmcompressor_recipe, map_llmcompressor
+
+    if is_llmcompressor_recipe(data):
+        data = map_llmcompressor(data, str(path), lines)
+    data = apply_overrides(data, overrides or [], str(path))
+    return validate(data, str(path), lines, default_output=f"out/{path.stem}")
+
+
+def _line_index(node) -> dict[tuple, int]:
+    """(key path) → 1-based line, for every mapping key and sequence item in the YAML."""
+    index: dict[tuple, int] = {}
+
+    def walk(n, path):
+        if n is None:
+            return
+        index.setdefault(path, n.start_mark.line + 1)
+        if isinstance(n, yaml.MappingNode):
+            for key, value in n.value:
+                index[path + (key.value,)] = key.start_mark.line + 1
+                walk(value, path + (key.value,))
+        elif isinstance(n, yaml.SequenceNode):
+            for i, item in enumerate(n.value):
+                walk(item, path + (i,))
+
+    walk(node, ())
+    return index
+
+
+def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
+    """``--set stages.0.quantize.group_size=64`` style overrides (values parsed as YAML)."""
+    data = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise LlmoptError(f"--set {item!r} is not key=value", "write e.g. --set stages.0.quantize.group_size=64")
+        key, raw = item.split("=", 1)
+        target: Any = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            target = target[int(part)] if isinstance(target, list) and part.isdigit() else target.setdefault(part, {})
+            if not isinstance(target, (dict, list)):
+                raise LlmoptError(f"--set {key}: '{part}' is not a section of {source}", "check the key path")
+        last = parts[-1]
+        value = yaml.safe_load(raw)
+        if isinstance(target, list):
+            target[int(last)] = value
+        else:
+            target[last] = value
+    return data
+
+
+def validate(data: dict, source: str, lines: dict[tuple, int], default_output: str) -> Recipe:
+    """Check keys, types and stage order; raise RecipeError naming file, line and key."""
+
+    def at(*path) -> str:
+        for cut in range(len(path), -1, -1):
+            if path[:cut] in lines:
+                return f"{source}:{lines[path[:cut]]}"
+        return source
+
+    for key in data:
+        if key not in TOP_KEYS:
+            raise RecipeError(f"{at(key)}: unknown key '{key}'", f"known keys: {', '.join(sorted(TOP_KEYS))}")
+    if not isinstance(data.get("model"), str):
+        raise RecipeError(f"{at('model')}: 'model' must be a model spec string", "e.g. model: demo")
+    stages_raw = data.get("stages")
+    if not isinstance(stages_raw, list) or not stages_raw:
+        raise RecipeError(f"{at('stages')}: 'stages' must be a non-empty list", "e.g. stages: [{quantize: {scheme: W4A16}}]")
+    calibration = _section(data, "calibration", {k: (str if k == "dataset" else int) for k in CALIBRATION_KEYS}, at)
+    evaluate = _section(data, "evaluate", EVALUATE_KEYS, at, allow_bool=True)
+    benchmark = _section(data, "benchmark", BENCHMARK_KEYS, at, allow_bool=True)
+    runtime = data.get("runtime") or {}
+    if not isinstance(runtime, dict):
+        raise RecipeError(f"{at('runtime')}: 'runtime' must be a mapping", "e.g. runtime: {max_num_seqs: 32}")
+    stages = []
+    for i, item in enumerate(stages_raw):
+        where = at("stages", i)
+        if not isinstance(item, dict) or len(item) != 1:
+            raise RecipeError(f"{where}: each stage is a one-key mapping like '- quantize: {{...}}'", "write one stage per list item")
+        (kind, options), = item.items()
+        options = options or {}
+        if not isinstance(options, dict):
+            raise RecipeError(f"{where}: options of stage {kind} must be a mapping", "e.g. - quantize: {scheme: W4A16}")
+        for key in options:
+            if key.replace("-", "_") in RUNNER_OWNED:
+                raise RecipeError(f"{at('stages', i, kind, key)}: '{key}' is set by the recipe runner", "set 'model' / 'output' at the top level")
+        try:
+            converted = convert_options(kind, options, where)
+        except RecipeError as exc:
+            bad = next((k for k in options if f"'{k}'" in str(exc)), None)
+            if bad is not None:
+                raise RecipeError(str(exc).replace(where, at("stages", i, kind, bad), 1)) from exc
+            raise
+        stages.append(Stage(kind, converted, lines.get(("stages", i), 0)))
+    _check_order(stages, source)
+    recipe = Recipe(
+        source=source, model=data["model"], output=str(data.get("output") or default_output), stages=stages,
+        calibration=calibration or {}, evaluate=evaluate, benchmark=benchmark, runtime=runtime,
+        description=str(data.get("description", "")), raw=data,
+    )
+    for stage in stages:
+        _check_required(stage, recipe, source)
+    _check_runtime(runtime, at)
+    return recipe
+
+
+def _section(data: dict, name: str, schema: dict, at, allow_bool: bool = False) -> dict | None:
+    value = data.get(name)
+    if value is None or value is False:
+        return None
+    if value is True and allow_bool:
+        return {}
+    if not isinstance(value, dict):
+        raise RecipeError(f"{at(name)}: '{name}' must be a mapping", f"keys: {', '.join(schema)}")
+    for key, item in value.items():
+        if key not in schema:
+            raise RecipeError(f"{at(name, key)}: unknown key '{key}' in {name}", f"known keys: {', '.join(schema)}")
+        expected = schema[key]
+        ok = isinstance(item, expected) and not (expected is int and isinstance(item, bool))
+        if expected is float:
+            ok = isinstance(item, (int, float)) and not isinstance(item, bool)
+        if not ok:
+            raise RecipeError(f"{at(name, key)}: '{name}.{key}' must be {expected.__name__}, got {type(item).__name__}", "fix the value's type")
+    return dict(value)
+
+
+def _check_order(stages: list[Stage], source: str) -> None:
+    """Quantized weights cannot be pruned, trained or quantized again; export comes last."""
+    quantized_at = None
+    for i, stage in enumerate(stages):
+        where = f"{source}:{stage.line}"
+        if stage.kind == "export":
+            if i != len(stages) - 1 and any(s.kind != "export" for s in stages[i + 1:]):
+                raise RecipeError(f"{where}: stage {i + 1} exports, but compression stages follow it", "move export stages to the end")
+            continue
+        if quantized_at is not None:
+            what = "quantize again" if stage.kind == "quantize" else stage.kind
+            method = stage.options.get("method", "")
+            detail = f" ({method} scales weights that are already quantized)" if method.startswith("awq") else ""
+            raise RecipeError(
+                f"{where}: stage {i + 1} would {what} after stage {quantized_at + 1} quantized the weights{detail}",
+                "put pruning, distillation and scaling methods (AWQ, SmoothQuant) before the quantize stage, and quantize once",
+            )
+        if stage.kind == "quantize":
+            quantized_at = i
+
+
+def _check_required(stage: Stage, recipe: Recipe, source: str) -> None:
+    settings = stage_settings(stage, recipe)
+    command = stage_commands()[stage.kind]
+    for name, param in _params(command).items():
+        if param.required and settings.get(name) is None:
+            raise RecipeError(f"{source}:{stage.line}: stage {stage.kind} needs '{name}'", f"add {name}: … to the stage")
+
+
+def _check_runtime(runtime: dict, at) -> None:
+    try:
+        from llmopt.runtime.config import EngineConfig
+    except ImportError:
+        return
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(EngineConfig)} if dataclasses.is_dataclass(EngineConfig) else set()
+    for key in runtime:
+        if known and key not in known:
+            raise RecipeError(f"{at('runtime', key)}: unknown runtime setting '{key}'", f"known settings: {', '.join(sorted(known))}")
