@@ -4,8 +4,10 @@ interruption; ``from_stage`` forces a rerun from a stage on."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +82,8 @@ def _invoke(item: StagePlan, recipe: Recipe, input_dir: str) -> None:
         kwargs["output"] = str(item.directory)
     if kind == "quantize":
         kwargs["ignore"] = tuple(kwargs.get("ignore") or ())
-    command.callback.__wrapped__(**kwargs)
+    with contextlib.redirect_stdout(sys.stderr):  # stage summaries are progress, not the run's data
+        command.callback.__wrapped__(**kwargs)
 
 
 def run_recipe(recipe: Recipe, from_stage: int | None = None, on_stage=None) -> dict:
