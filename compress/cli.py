@@ -187,6 +187,9 @@ from .runtime_cli import bench_command, generate_command  # noqa: E402
 main.add_command(generate_command)
 main.add_command(bench_command)
 from .recipe_cli import recipes_group, run_command  # noqa: E402
+from .compare_cli import compare_command  # noqa: E402
+
+main.add_command(compare_command)
 
 main.add_command(run_command)
 main.add_command(recipes_group)

@@ -1,0 +1,199 @@
+"""``llmopt compare``: accuracy, speed and size of variants side by side, in one run.
+
+Accuracy is measured against the baseline (perplexity, KLD, top-1; the baseline's distributions
+are cached); speed is measured in our runtime (single stream like llama-bench, and a seeded
+serving workload); size is the weights' bytes on disk. Results: a rich table, ``report.json``,
+``report.md`` and a Pareto plot.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .evaluate import DEFAULT_TOP_K, BaselineCache, EvalData, eval_data, evaluate, fill_baseline, model_fingerprint
+from .models import load_model, resolve_model
+
+
+@dataclass
+class CompareSettings:
+    dataset: str = "wikitext2"
+    seq_len: int = 2048
+    max_windows: int = 16
+    top_k: int = DEFAULT_TOP_K
+    speed: bool = True
+    repetitions: int = 3
+    serving_requests: int = 16
+    prompt_len: tuple[int, int] = (32, 256)
+    output_len: tuple[int, int] = (32, 128)
+    seed: int = 0
+    labels: list[str] = field(default_factory=list)
+
+
+def weight_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+def _label(spec: str, path: Path) -> str:
+    record = path / "llmopt.json"
+    if spec == "demo":
+        return "float (demo)"
+    if record.is_file():
+        data = json.loads(record.read_text())
+        if data.get("scheme"):
+            return f"{data['scheme']} {data.get('method', '')}".strip()
+    return Path(spec).name or spec
+
+
+def accuracy(specs: list[str], baseline: str, settings: CompareSettings, advance=None) -> list[dict]:
+    """Perplexity and agreement with the baseline for every spec (the baseline computed once)."""
+    base_path = resolve_model(baseline)
+    base_model, tokenizer = load_model(base_path)
+    data: EvalData = eval_data(tokenizer, settings.dataset, settings.seq_len, settings.max_windows or None)
+    cache = BaselineCache.for_model(model_fingerprint(base_path), data, settings.top_k)
+    fill_baseline(base_model, data, cache)
+    del base_model
+    rows = []
+    for spec in specs:
+        model, _ = load_model(spec)
+        rows.append(evaluate(model, data, cache).to_dict())
+        del model
+        gc.collect()
+        if advance:
+            advance(1)
+    return rows
+
+
+def speed(spec: str, settings: CompareSettings, advance=None) -> dict:
+    """Single-stream pp512 / tg128 and serving figures in our runtime."""
+    from llmopt.runtime import LLMEngine
+    from llmopt.runtime.bench import make_workload, serving, single_stream
+
+    engine = LLMEngine(spec)
+    single = single_stream(engine, repetitions=settings.repetitions, seed=settings.seed)
+    workload = make_workload(settings.serving_requests, settings.prompt_len, settings.output_len,
+                             engine.arch.vocab_size, seed=settings.seed)
+    served = serving(engine, workload)
+    del engine
+    gc.collect()
+    if advance:
+        advance(1)
+    keep = ("output_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "requests")
+    return {"pp512_tok_s": single["pp512_tok_s"], "tg128_tok_s": single["tg128_tok_s"],
+            **{f"serving_{k}": served[k] for k in keep if k in served}}
+
+
+def compare(baseline: str, variants: list[str], settings: CompareSettings, advance=None) -> dict:
+    """Measure the baseline and every variant; returns the report (rows in input order)."""
+    specs = [baseline, *variants]
+    paths = [resolve_model(s) for s in specs]
+    labels = settings.labels or [_label(s, p) for s, p in zip(specs, paths)]
+    rows = accuracy(specs, baseline, settings, advance)
+    for spec, path, label, row in zip(specs, paths, labels, rows):
+        row.update({"label": label, "spec": spec, "weights_bytes": weight_bytes(path)})
+        if settings.speed:
+            row.update(speed(str(path), settings, advance))
+    return {
+        "baseline": baseline,
+        "rows": rows,
+        "settings": {k: v for k, v in settings.__dict__.items() if k != "labels"},
+        "machine": {"platform": platform.platform(), "processor": platform.machine(), "threads": torch.get_num_threads()},
+        "versions": _versions(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def _versions() -> dict:
+    import transformers
+
+    from . import __version__
+
+    return {"llmopt": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of points not dominated (lower x and higher y are better), sorted by x."""
+    front = []
+    for i, (x, y) in enumerate(points):
+        dominated = any((x2 <= x and y2 >= y) and (x2 < x or y2 > y) for j, (x2, y2) in enumerate(points) if j != i)
+        if not dominated:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def plot_pareto(report: dict, path: Path) -> None:
+    """Speed (or size) against KLD, every point labelled, the Pareto front drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    has_speed = all("tg128_tok_s" in r for r in rows)
+    y_key, y_label = ("tg128_tok_s", "generation speed, tokens/s (tg128, higher is better)") if has_speed else \
+        ("weights_mib", "weights, MiB (lower is better)")
+    xs = [max(r["kld_mean"], 1e-6) for r in rows]
+    ys = [r[y_key] if has_speed else r["weights_bytes"] / 2**20 for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    ax.scatter(xs, ys, s=40, zorder=3)
+    for x, y, r in zip(xs, ys, rows):
+        ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    signed = [(x, y if has_speed else -y) for x, y in zip(xs, ys)]
+    front = pareto_front(signed)
+    ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="tab:red", zorder=2, label="Pareto front")
+    ax.set_xscale("log")
+    ax.set_xlabel("mean KL divergence vs baseline (log, lower is better)")
+    ax.set_ylabel(y_label)
+    ax.set_title(f"llmopt compare — baseline {report['baseline']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    rows = report["rows"]
+    speed_cols = all("tg128_tok_s" in r for r in rows)
+    head = "| variant | ppl | KLD mean | KLD p99 | top-1 | weights (MiB) |"
+    sep = "|---|---|---|---|---|---|"
+    if speed_cols:
+        head += " pp512 tok/s | tg128 tok/s | serving tok/s | TTFT p50 (ms) | TPOT p50 (ms) |"
+        sep += "---|---|---|---|---|"
+    lines = [
+        f"# llmopt compare — baseline `{report['baseline']}`", "",
+        f"Accuracy: {s['dataset']}, {rows[0]['windows']} windows of {s['seq_len']} tokens ({rows[0]['tokens']:,} scored tokens); "
+        f"speed: our runtime, single stream median of {s['repetitions']}, serving {s['serving_requests']} requests "
+        f"(prompt {s['prompt_len'][0]}–{s['prompt_len'][1]}, output {s['output_len'][0]}–{s['output_len'][1]} tokens, seed {s['seed']}); "
+        f"{report['machine']['processor']}, {report['machine']['threads']} threads; {report['date']}.", "", head, sep,
+    ]
+    for r in rows:
+        line = (f"| {r['label']} | {r['perplexity']:.3f} | {r['kld_mean']:.4f} | {r['kld_p99']:.3f} | "
+                f"{100 * r['top1_agreement']:.1f}% | {r['weights_bytes'] / 2**20:.1f} |")
+        if speed_cols:
+            line += (f" {r['pp512_tok_s']:.0f} | {r['tg128_tok_s']:.1f} | {r['serving_output_tok_s']:.1f} | "
+                     f"{1000 * r['serving_ttft_p50_s']:.0f} | {1000 * r['serving_tpot_p50_s']:.0f} |")
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, directory: Path, plot: Path | None = None) -> dict[str, Path]:
+    """``report.json``, ``report.md`` and the Pareto plot, each written whole or not at all."""
+    from .atomic import atomic_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {"json": directory / "report.json", "md": directory / "report.md", "plot": plot or directory / "pareto.png"}
+    with atomic_file(files["json"], overwrite=True) as tmp:
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+    with atomic_file(files["md"], overwrite=True) as tmp:
+        tmp.write_text(markdown(report))
+    with atomic_file(files["plot"], overwrite=True) as tmp:
+        plot_pareto(report, tmp)
+    return files

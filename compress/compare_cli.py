@@ -1,0 +1,62 @@
+"""``llmopt compare``: variants side by side (accuracy, speed, size) with a Pareto plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from .cli import emit_json, user_errors
+
+
+def compare_table(report: dict) -> Table:
+    rows = report["rows"]
+    speed = all("tg128_tok_s" in r for r in rows)
+    table = Table(title=f"compare vs {report['baseline']} ({rows[0]['windows']}×{rows[0]['seq_len']} tokens)", title_justify="left")
+    columns = ["variant", "ppl", "KLD mean", "KLD p99", "top-1", "MiB"] + (["pp512 t/s", "tg128 t/s", "serve t/s", "TTFT p50", "TPOT p50"] if speed else [])
+    for c in columns:
+        table.add_column(c, justify="left" if c == "variant" else "right")
+    for r in rows:
+        cells = [r["label"], f"{r['perplexity']:.3f}", f"{r['kld_mean']:.4f}", f"{r['kld_p99']:.3f}",
+                 f"{100 * r['top1_agreement']:.1f}%", f"{r['weights_bytes'] / 2**20:.1f}"]
+        if speed:
+            cells += [f"{r['pp512_tok_s']:.0f}", f"{r['tg128_tok_s']:.1f}", f"{r['serving_output_tok_s']:.1f}",
+                      f"{1000 * r['serving_ttft_p50_s']:.0f} ms", f"{1000 * r['serving_tpot_p50_s']:.0f} ms"]
+        table.add_row(*cells)
+    return table
+
+
+@click.command("compare")
+@click.argument("baseline")
+@click.argument("variants", nargs=-1, required=True)
+@click.option("--label", "labels", multiple=True, help="Row labels, one per model (baseline first); default from each checkpoint's llmopt.json.")
+@click.option("--dataset", default="wikitext2", show_default=True)
+@click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(2))
+@click.option("--max-windows", default=16, show_default=True, type=click.IntRange(0))
+@click.option("--speed/--no-speed", default=True, show_default=True, help="Also measure speed in our runtime.")
+@click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1), help="Single-stream repetitions (median).")
+@click.option("--serving-requests", default=16, show_default=True, type=click.IntRange(1))
+@click.option("-o", "--output", default="out/compare", show_default=True, type=click.Path(file_okay=False), help="Directory for report.md, report.json and pareto.png.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Pareto plot path (default OUTPUT/pareto.png).")
+@click.option("--json", "as_json", is_flag=True)
+@user_errors
+def compare_command(baseline, variants, labels, dataset, seq_len, max_windows, speed, repetitions, serving_requests, output, plot, as_json):
+    """Accuracy (perplexity, KLD, top-1 vs BASELINE), speed (our runtime) and size of every VARIANT."""
+    from .compare import CompareSettings, compare, write_report
+    from .console import out, progress_task
+    from .errors import LlmoptError
+
+    if labels and len(labels) != len(variants) + 1:
+        raise LlmoptError(f"{len(labels)} labels for {len(variants) + 1} models", "give one --label per model, baseline first")
+    settings = CompareSettings(dataset=dataset, seq_len=seq_len, max_windows=max_windows, speed=speed,
+                               repetitions=repetitions, serving_requests=serving_requests, labels=list(labels))
+    steps = (len(variants) + 1) * (2 if speed else 1)
+    with progress_task("comparing", steps) as advance:
+        report = compare(baseline, list(variants), settings, advance)
+    files = write_report(report, Path(output), Path(plot) if plot else None)
+    if as_json:
+        emit_json(report)
+        return
+    out.print(compare_table(report))
+    out.print(f"wrote {files['md']}, {files['json']}, {files['plot']}")

@@ -1,0 +1,51 @@
+"""`llmopt compare`: one consistent report (JSON, markdown, Pareto PNG) for several variants."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from conftest import SHARED_DATA, save_model, tiny_llama
+from llmopt.cli import main
+from llmopt.compare import pareto_front
+
+WIKI = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
+
+
+def test_pareto_front_matches_brute_force():
+    import random
+
+    rng = random.Random()
+    points = [(rng.random(), rng.random()) for _ in range(40)]
+    front = set(pareto_front(points))
+    for i, (x, y) in enumerate(points):
+        dominated = any(a <= x and b >= y and (a, b) != (x, y) for a, b in points)
+        assert (i in front) == (not dominated)
+
+
+def test_compare_tiny_variants(tmp_path):
+    base = save_model(tiny_llama(max_position_embeddings=1024), tmp_path / "base")
+    runner = CliRunner()
+    variants = []
+    for scheme, extra in (("W8A16", []), ("W4A16", ["--group-size", "32"])):
+        out = tmp_path / scheme
+        result = runner.invoke(main, ["quantize", str(base), "--scheme", scheme, "-o", str(out), *extra])
+        assert result.exit_code == 0, result.output
+        variants.append(str(out))
+    report_dir = tmp_path / "report"
+    result = runner.invoke(main, ["compare", str(base), *variants, "--dataset", str(WIKI), "--seq-len", "128",
+                                  "--max-windows", "2", "--repetitions", "1", "--serving-requests", "3",
+                                  "-o", str(report_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    rows = report["rows"]
+    assert [r["label"] for r in rows] == ["base", "W8A16 rtn", "W4A16 rtn"]
+    assert rows[0]["kld_mean"] == 0 and rows[0]["top1_agreement"] == 1.0
+    assert 0 < rows[1]["kld_mean"] < rows[2]["kld_mean"]  # int8 is closer to the float model than int4
+    assert rows[2]["weights_bytes"] < rows[1]["weights_bytes"] < rows[0]["weights_bytes"]
+    for r in rows:
+        assert r["tokens"] == 2 * 127 and r["tg128_tok_s"] > 0 and r["serving_requests"] == 3
+    assert json.loads((report_dir / "report.json").read_text())["rows"] == rows
+    assert "W4A16 rtn" in (report_dir / "report.md").read_text()
+    assert (report_dir / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
