@@ -10,7 +10,7 @@ import click
 from .cli import emit_json, user_errors
 
 
-def _table(outcome) -> "object":
+def _table(outcome) -> object:
     from rich.table import Table
 
     record = outcome.record

@@ -237,7 +237,9 @@ def _quantize_calibrated(
         if not mods:
             return
         need_hessian = use_gptq or use_awq or opts.clip_search
-        with LinearStats(linear_modules(layer, prefix), hessian=need_hessian) as stats:
+        need_channel = use_awq or use_smooth
+        observed = linear_modules(layer, prefix) if need_channel else mods
+        with LinearStats(observed, hessian=need_hessian, channel=need_channel) as stats:
             run_layer()
         if use_smooth or use_awq:
             mappings, skipped = layer_mappings(layer, prefix)

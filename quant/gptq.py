@@ -38,21 +38,6 @@ def _qparams(
     return compute_qparams(w, scheme, group_size)
 
 
-def _quantize_column(
-    w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, scheme: QuantScheme
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (as float64) and dequantized values (float64, float32-exact) of one column."""
-    if scheme.is_float:
-        code = (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-        return code.double(), (code * scale).double()
-    code = torch.round(w.float() / scale)
-    if zp is not None:
-        code = (code + zp).clamp(scheme.qmin, scheme.qmax)
-        return code.double(), ((code - zp) * scale).double()
-    code = code.clamp(scheme.qmin, scheme.qmax)
-    return code.double(), (code * scale).double()
-
-
 def gptq_quantize_weight(
     weight: torch.Tensor,
     hessian: torch.Tensor,
@@ -72,7 +57,7 @@ def gptq_quantize_weight(
     or up front from the original weights with ``static_groups`` (forced with ``act_order``).
     ``clip`` adds a clipping search weighted by the Hessian diagonal. ``mask`` (bool, True =
     kept) forces masked entries to exact zeros, their error compensated by later columns.
-    Computation is float64 on the weight's device and deterministic.
+    The Hessian is inverted in float64, the column loop runs in float32; deterministic.
     """
     if static_groups is None:
         static_groups = act_order
@@ -110,48 +95,68 @@ def gptq_quantize_weight(
         keep = None if keep is None else keep[:, perm]
     col_group = (perm if perm is not None else torch.arange(n)) // gs
 
-    u = _inverse_hessian_factor(h, damp)
+    u = _inverse_hessian_factor(h, damp).float()
     if dynamic:
         block_size = gs * max(1, block_size // gs)  # groups never straddle blocks
-    codes = torch.zeros_like(w)
-    zp_f = None if zp is None else zp.float()
+    # Work transposed ([in, out]) so that a column of W is a contiguous row.
+    wt = w.float().T.contiguous()
+    codes_t = torch.zeros_like(wt)
+    keep_t = None if keep is None else keep.T.float().contiguous()
+    scale_t = scale.T.contiguous()
+    zp_t = None if zp is None else zp.T.float().contiguous()
+    inv_d = 1.0 / u.diagonal()
 
     for i1 in range(0, n, block_size):
         i2 = min(i1 + block_size, n)
-        w1 = w[:, i1:i2]  # view: updated in place
-        err1 = torch.zeros(out_f, i2 - i1, dtype=torch.float64)
+        w1 = wt[i1:i2]  # view, updated in place
+        err1 = torch.zeros(i2 - i1, out_f)
         u1 = u[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
             g = int(col_group[col])
             if dynamic and col % gs == 0:
-                part = w1[:, i : i + gs]
-                if keep is not None:
-                    part = part * keep[:, col : col + gs]
+                part = w1[i : i + gs].T
+                if keep_t is not None:
+                    part = part * keep_t[col : col + gs].T
                 s_g, z_g = _qparams(part, scheme, gs, clip, diag[col : col + gs])
+                scale_t[g] = s_g[:, 0]
                 scale[:, g] = s_g[:, 0]
                 if zp is not None:
                     zp[:, g] = z_g[:, 0]
-                    zp_f = zp.float()
-            s = scale[:, g]
-            z = None if zp_f is None else zp_f[:, g]
-            wc = w1[:, i]
-            code, deq = _quantize_column(wc, s, z, scheme)
-            if keep is not None:
-                k = keep[:, col]
-                deq = torch.where(k, deq, torch.zeros_like(deq))
-                code = torch.where(k, code, torch.zeros_like(code) if z is None else z.double())
-            e = (wc - deq) / u1[i, i]
-            w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
-            err1[:, i] = e
-            codes[:, col] = code
+                    zp_t[g] = z_g[:, 0].float()
+            code, deq = _quantize_row(w1[i], scale_t[g], None if zp_t is None else zp_t[g], scheme)
+            if keep_t is not None:
+                k = keep_t[col]
+                deq.mul_(k)
+                code = code * k if zp_t is None else torch.where(k > 0, code, zp_t[g])
+            e = (w1[i] - deq).mul_(inv_d[col])
+            w1[i:].addr_(u1[i, i:], e, alpha=-1.0)
+            err1[i] = e
+            codes_t[col] = code
         if i2 < n:
-            w[:, i2:] -= err1 @ u[i1:i2, i2:]
+            wt[i2:].addmm_(u[i1:i2, i2:].T, err1, alpha=-1.0)
 
+    codes = codes_t.T
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
     codes = codes.to(torch.float8_e4m3fn) if scheme.is_float else codes.to(torch.int8)
-    return QuantizedWeight(codes.to(weight.device), scale.float(), zp, scheme, group_size)
+    return QuantizedWeight(codes.contiguous().to(weight.device), scale.float(), zp, scheme, group_size)
+
+
+def _quantize_row(
+    w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, scheme: QuantScheme
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and dequantized values (both float32) of one weight column, exactly as
+    :func:`~.formats.quantize` / :func:`~.formats.dequantize` compute them."""
+    if scheme.is_float:
+        code = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        return code, code * scale
+    code = torch.round(w / scale)
+    if zp is None:
+        code.clamp_(scheme.qmin, scheme.qmax)
+        return code, code * scale
+    code.add_(zp).clamp_(scheme.qmin, scheme.qmax)
+    return code, (code - zp) * scale
 
 
 def split_rows(qw: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:

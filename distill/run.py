@@ -1,0 +1,151 @@
+"""One distillation run end to end: load the teacher, build the student, pack the data, train,
+and save an ordinary Hugging Face checkpoint with ``llmopt.json`` (settings, loss curve).
+
+The same function runs in every process of a ``torchrun`` launch: the main process ranks the
+teacher's blocks and writes the output; the others follow its choices.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from llmopt.atomic import atomic_dir, check_output
+from llmopt.errors import LlmoptError
+
+from . import checkpoint
+from .data import DEFAULT_TRAIN, DEFAULT_VALIDATION, pack_text, spread
+from .display import TrainDisplay
+from .precision import resolve_precision
+from .student import Student, StudentRequest, build_student
+from .trainer import Trainer, TrainResult, TrainSettings
+
+
+@dataclass
+class DistillRequest:
+    """Everything ``llmopt distill`` takes."""
+
+    teacher: str
+    output: Path
+    student: StudentRequest
+    settings: TrainSettings
+    data: str = DEFAULT_TRAIN
+    validation: str | None = DEFAULT_VALIDATION
+    seq_len: int = 256
+    resume: bool = False
+    overwrite: bool = False
+    checkpoint_dir: Path | None = None
+    show_progress: bool = True
+
+    @property
+    def checkpoints(self) -> Path:
+        """Where training checkpoints go (default: ``OUTPUT.checkpoints`` beside the output)."""
+        return Path(self.checkpoint_dir or f"{self.output}.checkpoints")
+
+
+@dataclass
+class DistillOutcome:
+    """The run's provenance record, and whether it finished or stopped early (Ctrl-C)."""
+
+    record: dict
+    result: TrainResult
+    output: Path | None = None
+    interrupted: bool = False
+
+
+def _check_request(request: DistillRequest) -> None:
+    request.settings.validate()
+    request.student.validate()
+    if request.seq_len < 8:
+        raise LlmoptError(f"--seq-len {request.seq_len} is too short", "use 256-1024 tokens")
+    check_output(request.output, request.overwrite)
+    if not request.resume and checkpoint.latest(request.checkpoints) is not None and not request.overwrite:
+        raise LlmoptError(
+            f"{request.checkpoints} holds checkpoints of an earlier run",
+            "pass --resume to continue it, or --overwrite to start over",
+        )
+
+
+def _student(request: DistillRequest, teacher, tokenizer, state, bf16: bool) -> Student:
+    """Build the student on the main process; the others drop the same blocks it chose."""
+    from accelerate.utils import broadcast_object_list
+
+    if state.num_processes == 1:
+        return build_student(request.student, teacher, tokenizer, request.teacher, bf16)
+    shared = [None]
+    if state.is_main_process:
+        student = build_student(request.student, teacher, tokenizer, request.teacher, bf16)
+        shared = [{"record": student.record, "layer_map": student.layer_map}]
+    broadcast_object_list(shared, from_process=0)
+    if state.is_main_process:
+        return student
+    chosen = shared[0]
+    follower = StudentRequest(**{**asdict(request.student), "drop_indices": chosen["record"].get("dropped")})
+    student = build_student(follower, teacher, tokenizer, request.teacher, bf16)
+    return Student(student.model, student.tokenizer, chosen["layer_map"], chosen["record"])
+
+
+def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
+    """Distil and save; returns the record written to ``OUTPUT/llmopt.json``."""
+    from accelerate import PartialState
+    from llmopt.console import err
+    from llmopt.evaluate import check_seq_len, model_fingerprint
+    from llmopt.models import load_model, resolve_model
+    from llmopt.quantize_run import versions
+
+    _check_request(request)
+    cpu = not torch.cuda.is_available()
+    state = PartialState(cpu=cpu)  # picks up torchrun / accelerate launch processes (gloo on the CPU)
+    if request.overwrite and not request.resume and state.is_main_process:
+        shutil.rmtree(request.checkpoints, ignore_errors=True)
+    start = time.perf_counter()
+    teacher_path = resolve_model(request.teacher)
+    teacher, tokenizer = load_model(teacher_path)
+    check_seq_len(teacher, request.seq_len)
+    bf16_ranking = cpu and resolve_precision(request.settings.precision, cpu) == "bf16"
+    student = _student(request, teacher, tokenizer, state, bf16_ranking)
+    with state.main_process_first():
+        train = pack_text(tokenizer, request.data, request.seq_len)
+        val = pack_text(tokenizer, request.validation, request.seq_len) if request.validation else None
+    val_ids = spread(val, request.settings.val_samples) if val is not None else None
+    cache = None
+    if request.settings.teacher_top_k:
+        from .teacher_cache import TeacherCache
+
+        cache = TeacherCache.for_run(model_fingerprint(teacher_path), train.ids, request.settings.teacher_top_k,
+                                     request.settings.temperature, resolve_precision(request.settings.precision, cpu))
+    display = TrainDisplay(err, enabled=request.show_progress and state.is_main_process, log_every=request.settings.log_every)
+    trainer = Trainer(student.model, teacher, train, request.settings, request.checkpoints, val_ids,
+                      student.layer_map, cache, display, on_step)
+    with display:
+        result = trainer.run(resume=request.resume)
+    record = {
+        "source": str(teacher_path), "teacher": request.teacher, "student": student.record,
+        "layer_map": student.layer_map, "settings": asdict(request.settings), "seq_len": request.seq_len,
+        "data": train.record, "validation_data": None if val is None else {**val.record, "samples": len(val_ids)},
+        "teacher_cache": None if cache is None else str(cache.root),
+        "steps": result.steps_done, "tokens": result.tokens, "train_seconds": round(result.seconds, 1),
+        "world_size": result.world_size, "precision": result.precision, "shards": result.shards,
+        "loss_curve": result.history, "validation_curve": result.validation, "versions": versions(),
+    }
+    if result.interrupted:
+        return DistillOutcome(record, result, interrupted=True)
+    record["total_seconds"] = round(time.perf_counter() - start, 1)
+    if state.is_main_process:
+        _save(student, record, request)
+        shutil.rmtree(request.checkpoints, ignore_errors=True)
+    state.wait_for_everyone()
+    return DistillOutcome(record, result, output=request.output)
+
+
+def _save(student: Student, record: dict, request: DistillRequest) -> None:
+    model = student.model
+    model.config.use_cache = True
+    with atomic_dir(request.output, overwrite=request.overwrite) as tmp:
+        model.save_pretrained(tmp)
+        student.tokenizer.save_pretrained(tmp)
+        (tmp / "llmopt.json").write_text(json.dumps({"stage": "distill", **record}, indent=1) + "\n")

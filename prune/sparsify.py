@@ -1,0 +1,166 @@
+"""Unstructured and N:M pruning of every decoder-layer Linear (magnitude, Wanda, SparseGPT).
+
+Wanda and SparseGPT run the sequential engine of :mod:`llmopt.calibration`: each decoder
+layer is observed on the outputs of the already-pruned layers before it, then pruned. With the
+OWL profile a first engine pass over the dense model measures each layer's outlier ratio
+(from Wanda scores) to set per-layer sparsities. Linears sharing an input (q/k/v, gate/up)
+share one set of statistics; SparseGPT stacks them row-wise (exact, since every row is pruned
+and reconstructed independently).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmopt.calibration import LinearStats, decoder_layers, linear_modules, run_sequential
+
+from .magnitude import magnitude_mask
+from .masks import Pattern, nm_valid, outlier_ratio, owl_sparsities
+from .sparsegpt import sparsegpt_prune_weight
+from .wanda import wanda_mask, wanda_scores
+
+MASK_METHODS = ("magnitude", "wanda", "sparsegpt")
+PROFILES = ("uniform", "owl")
+
+
+@dataclass
+class SparsifyOptions:
+    """How to prune: ``sparsity`` (per row) or ``pattern`` (N:M), and the per-layer profile."""
+
+    method: str
+    sparsity: float | None = None
+    pattern: Pattern | None = None
+    profile: str = "uniform"
+    owl_lambda: float = 0.08
+    owl_m: float = 5.0
+    damp: float = 0.01
+    block_size: int = 128
+    batch_size: int = 8
+
+
+@dataclass
+class SparsifyResult:
+    """Per-layer target sparsities, OWL outlier ratios (if used) and time taken."""
+
+    layer_targets: list[float]
+    outlier_ratios: list[float] | None = None
+    seconds: float = 0.0
+    notices: list[str] = field(default_factory=list)
+
+
+def layer_prefixes(model: nn.Module) -> list[str]:
+    """``model.layers.{i}.`` for every decoder layer (the names its Linears have in the model)."""
+    layers = decoder_layers(model)
+    where = {id(m): n for n, m in model.named_modules()}
+    return [f"{where[id(layers)]}.{i}." for i in range(len(layers))]
+
+
+def sparsify_model(
+    model: nn.Module,
+    options: SparsifyOptions,
+    calib_ids: torch.Tensor | None = None,
+    *,
+    progress: Any = None,
+    show_progress: bool = True,
+) -> SparsifyResult:
+    """Prune every Linear inside the decoder layers of ``model`` in place (weights set to
+    exact zeros; SparseGPT also updates the kept weights)."""
+    if options.method not in MASK_METHODS:
+        raise ValueError(f"unknown method {options.method!r}: choose one of {', '.join(MASK_METHODS)}")
+    if options.profile not in PROFILES:
+        raise ValueError(f"unknown profile {options.profile!r}: choose one of {', '.join(PROFILES)}")
+    calibrated = options.method != "magnitude" or options.profile == "owl"
+    if calibrated and calib_ids is None:
+        raise ValueError(f"{options.method} with the {options.profile} profile needs calibration data")
+    start = time.perf_counter()
+    n_layers = len(decoder_layers(model))
+    result = SparsifyResult([options.sparsity if options.pattern is None else options.pattern.sparsity] * n_layers)
+    run = dict(batch_size=options.batch_size, progress=progress, show_progress=show_progress)
+    if options.profile == "owl":
+        if options.pattern is not None:
+            raise ValueError("the OWL profile varies sparsity per layer and does not apply to N:M patterns")
+        result.outlier_ratios = owl_outlier_ratios(model, calib_ids, options.owl_m, **run)
+        result.layer_targets = owl_sparsities(result.outlier_ratios, options.sparsity, options.owl_lambda)
+
+    def prune_layer(index: int, layer: nn.Module, run_layer: Any) -> None:
+        mods = linear_modules(layer)
+        sparsity = None if options.pattern is not None else result.layer_targets[index]
+        if options.method == "magnitude":
+            for module in mods.values():
+                module.weight.data.mul_(magnitude_mask(module.weight, sparsity, options.pattern))
+            return
+        wanda = options.method == "wanda"
+        with LinearStats(mods, hessian=not wanda, channel=wanda) as stats:
+            run_layer()
+        if wanda:
+            for name, module in mods.items():
+                module.weight.data.mul_(wanda_mask(module.weight, stats.l2_norm(name), sparsity, options.pattern))
+        else:
+            _sparsegpt_layer(mods, stats, sparsity, options)
+
+    if calibrated and options.method != "magnitude":
+        run_sequential(model, calib_ids, prune_layer, description=f"{options.method}", **run)
+    else:
+        with torch.no_grad():
+            for index, layer in enumerate(decoder_layers(model)):
+                prune_layer(index, layer, lambda: None)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _sparsegpt_layer(mods: dict[str, nn.Linear], stats: LinearStats, sparsity: float | None, options: SparsifyOptions) -> None:
+    for names in stats.shared_groups():
+        weights = [mods[n].weight for n in names]
+        w, keep = sparsegpt_prune_weight(
+            torch.cat([x.detach() for x in weights]), stats.hessian(names[0]), sparsity, options.pattern,
+            block_size=options.block_size, damp=options.damp,
+        )
+        for weight, part in zip(weights, w.split([x.shape[0] for x in weights])):
+            weight.data.copy_(part)
+
+
+def owl_outlier_ratios(
+    model: nn.Module, calib_ids: torch.Tensor, m: float = 5.0, **run: Any
+) -> list[float]:
+    """OWL's outlier ratio of each decoder layer (Wanda scores of all its Linears > ``m`` × mean),
+    measured on the dense model through the sequential engine (nothing is modified)."""
+    ratios: list[float] = []
+
+    def observe(index: int, layer: nn.Module, run_layer: Any) -> None:
+        mods = linear_modules(layer)
+        with LinearStats(mods, hessian=False, channel=True) as stats:
+            run_layer()
+        ratios.append(outlier_ratio([wanda_scores(mod.weight, stats.l2_norm(n)) for n, mod in mods.items()], m))
+
+    run_sequential(model, calib_ids, observe, description="OWL outlier ratios", **run)
+    return ratios
+
+
+@torch.no_grad()
+def sparsity_report(model: nn.Module, pattern: Pattern | None = None) -> dict:
+    """Measured sparsity of every decoder-layer Linear, per layer and overall, and whether
+    every Linear satisfies ``pattern`` (when given)."""
+    modules: dict[str, float] = {}
+    layers: list[float] = []
+    zeros = total = 0
+    valid = True
+    for prefix, layer in zip(layer_prefixes(model), decoder_layers(model)):
+        lz = lt = 0
+        for name, module in linear_modules(layer, prefix).items():
+            w = module.weight
+            z = int((w == 0).sum())
+            modules[name] = round(z / w.numel(), 6)
+            lz, lt = lz + z, lt + w.numel()
+            if pattern is not None:
+                valid = valid and nm_valid(w, pattern)
+        layers.append(round(lz / lt, 6) if lt else 0.0)
+        zeros, total = zeros + lz, total + lt
+    report = {"overall": round(zeros / total, 6) if total else 0.0, "layers": layers, "modules": modules}
+    if pattern is not None:
+        report["pattern_valid"] = valid
+    return report

@@ -1,0 +1,138 @@
+"""Engine settings and the model architecture facts the runtime needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmopt.errors import LlmoptError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+GIB = 1024**3
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine.
+
+    ``num_kv_blocks`` (when given) fixes the KV cache size; otherwise ``kv_cache_gib`` is the
+    budget, trimmed to what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_gib: float = 2.0
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    threads: int | None = None
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+    seed: int = 0
+
+    def validate(self) -> None:
+        checks = [
+            (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
+            (self.block_size >= 1, "block_size must be at least 1"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be at least 1"),
+            (self.kv_cache_gib > 0, "kv_cache_gib must be positive"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
+            (self.threads is None or self.threads >= 1, "threads must be at least 1"),
+            (self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}"),
+        ]
+        for ok, problem in checks:
+            if not ok:
+                raise LlmoptError(f"invalid engine setting: {problem}", "fix the value passed to LLM / LLMEngine")
+
+
+@dataclass
+class ModelArch:
+    """Shape and options of a Llama-family decoder, read from its config."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool
+    sliding_window: int | None
+    hf_config: Any  # the transformers config object (RoPE init functions read it)
+
+    @property
+    def rope_type(self) -> str:
+        params = getattr(self.hf_config, "rope_parameters", None) or {}
+        return params.get("rope_type", "default")
+
+
+def read_arch(path: Path) -> ModelArch:
+    """The architecture of the checkpoint at ``path``; unsupported ones are a clear error."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise LlmoptError(f"cannot read {path}/config.json: {str(exc).splitlines()[0]}", "pass a Hugging Face checkpoint directory") from exc
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise LlmoptError(
+            f"the runtime does not support architecture '{model_type}'",
+            f"it runs the Llama family: {', '.join(SUPPORTED_MODEL_TYPES)} (SmolLM is llama)",
+        )
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise LlmoptError(f"unsupported activation '{act}' in {path}", "the runtime implements SwiGLU (silu) MLPs only")
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise LlmoptError(f"unsupported RoPE type '{rope_type}'", f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise LlmoptError("partial rotary embeddings are not supported", "use a model that rotates the whole head")
+    window = getattr(cfg, "sliding_window", None)
+    if model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
+        window = None
+    return ModelArch(
+        model_type=model_type,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        vocab_size=cfg.vocab_size,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qk_norm=model_type == "qwen3",
+        sliding_window=window,
+        hf_config=cfg,
+    )
+
+
+def resolve_max_model_len(arch: ModelArch, asked: int | None) -> int:
+    """The longest sequence (prompt + output) the engine accepts.
+
+    Dynamic NTK RoPE extends the context by its factor; sliding-window attention is not
+    implemented, so a model with a window is limited to it.
+    """
+    limit = arch.max_position_embeddings
+    if arch.rope_type == "dynamic":
+        limit = int(limit * float(arch.hf_config.rope_parameters.get("factor", 1.0)))
+    if arch.sliding_window:
+        limit = min(limit, arch.sliding_window)
+    if asked is None:
+        return limit
+    if asked > limit:
+        reason = "its sliding window" if arch.sliding_window and arch.sliding_window < arch.max_position_embeddings else "max_position_embeddings"
+        raise LlmoptError(f"max_model_len {asked} exceeds the model's limit of {limit} tokens ({reason})", f"use max_model_len <= {limit}")
+    return asked

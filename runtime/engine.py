@@ -1,0 +1,262 @@
+"""LLMEngine: requests in, one scheduled forward per ``step``, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from llmopt.errors import LlmoptError
+
+from .block_manager import BlockManager
+from .config import GIB, EngineConfig, read_arch, resolve_max_model_len
+from .loader import load_weights
+from .metrics import RunStats, request_metrics
+from .model import KVCache, LlamaModel
+from .model_runner import ModelRunner
+from .outputs import RequestOutput
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+
+class LLMEngine:
+    """The serving loop: ``add_request``, then ``step`` until ``has_unfinished`` is False.
+
+    ``model`` is anything ``llmopt.models.resolve_model`` accepts (``demo``, a directory, a
+    ``.gguf`` file, a Hub id). Settings come from ``config`` and/or keyword overrides of
+    :class:`EngineConfig` fields.
+    """
+
+    def __init__(self, model: str | os.PathLike, config: EngineConfig | None = None, *, tokenizer=None, **overrides) -> None:
+        from llmopt.models import resolve_model
+
+        try:
+            config = replace(config or EngineConfig(), **overrides)
+        except TypeError as exc:
+            raise LlmoptError(f"unknown engine setting: {exc}", f"settings: {', '.join(EngineConfig.__dataclass_fields__)}") from exc
+        config.validate()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.config = config
+        self.path = resolve_model(model)
+        self.arch = read_arch(self.path)
+        dtype = getattr(torch, config.dtype)
+        self.max_model_len = resolve_max_model_len(self.arch, config.max_model_len)
+        self.weights = load_weights(self.path, self.arch, dtype)
+        bs = config.block_size
+        self.bytes_per_block = KVCache.bytes_per_block(self.arch, bs, dtype)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            num_blocks = min(int(config.kv_cache_gib * GIB) // self.bytes_per_block, config.max_num_seqs * -(-self.max_model_len // bs))
+            if num_blocks < 1:
+                raise LlmoptError(
+                    f"a KV cache budget of {config.kv_cache_gib} GiB holds no block ({self.bytes_per_block} bytes each)",
+                    "raise kv_cache_gib or lower block_size",
+                )
+        self.cache = KVCache(self.arch, num_blocks, bs, dtype)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(self.arch, LlamaModel(self.arch, self.weights), self.cache, self.max_model_len, dtype)
+        self.sampler = Sampler(config.seed)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(self.path)
+        self.eos_token_ids = _eos_ids(self.path, self.tokenizer)
+        self.stats = RunStats()
+        self._requests: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+
+    # -- requests ------------------------------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request (text or token ids); returns its id. Invalid requests raise
+        ``LlmoptError`` and leave the engine as it was."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise LlmoptError(f"sampling parameters must be SamplingParams, not {type(params).__name__}", "pass SamplingParams(...)")
+        text, ids = self._tokens(prompt)
+        self._check_request(ids, params)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise LlmoptError(f"request id '{request_id}' is already in use", "pass a unique request_id")
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        seq = Sequence(request_id, ids, params, text, arrival_time, generator)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _tokens(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
+            return None, prompt.tolist()
+        raise LlmoptError(f"a prompt must be a string or a list of token ids, not {type(prompt).__name__}", "pass text or token ids")
+
+    def _check_request(self, ids: list[int], params: SamplingParams) -> None:
+        n = len(ids)
+        if n == 0:
+            raise LlmoptError("the prompt is empty (no tokens)", "pass a prompt of at least one token")
+        vocab = self.arch.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise LlmoptError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "pass ids from this model's tokenizer")
+        if n >= self.max_model_len:
+            raise LlmoptError(
+                f"the prompt has {n} tokens but the model length is {self.max_model_len} (prompt plus at least one generated token)",
+                "shorten the prompt or raise max_model_len",
+            )
+        wanted = min(n + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if wanted > self.kv_capacity_tokens:
+            raise LlmoptError(
+                f"the KV cache holds {self.kv_capacity_tokens} tokens ({self.block_manager.num_blocks} blocks of "
+                f"{self.block_manager.block_size}) but this request may need {wanted} (prompt {n} + max_tokens)",
+                "raise kv_cache_gib / num_kv_blocks, or lower max_tokens",
+            )
+
+    def abort(self, request_id: str, report: bool = True) -> bool:
+        """Stop a request now and free its blocks; False if it is unknown or already finished.
+        With ``report`` the next ``step`` returns its final output (finish_reason "abort")."""
+        seq = self._requests.get(str(request_id))
+        if seq is None or seq.is_finished:
+            return False
+        self._finish(seq, "abort")
+        output = self._output(seq, [])
+        if report:
+            self._pending.append(output)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def metrics(self) -> dict:
+        """Run figures so far: throughput, KV usage, prefix-cache hit rate, preemptions …"""
+        return self.stats.snapshot(self.scheduler, self.block_manager, self.bytes_per_block)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and compute one step; returns an output per request that got a token or ended."""
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        started = time.perf_counter()
+        try:
+            logits, sampled = self.runner.run(batch.items)
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+            for seq, _ in batch.items:
+                seq.error = f"forward failed: {type(exc).__name__}: {exc}"
+                self._finish(seq, "error")
+                outputs.append(self._output(seq, []))
+            return outputs
+        now = time.perf_counter()
+        for seq, n in batch.items:
+            seq.num_computed += n
+            if seq.times.first_scheduled is None:
+                seq.times.first_scheduled = started
+            self.block_manager.register_full_blocks(seq)
+        self.stats.steps += 1
+        self.stats.prompt_tokens_computed += batch.num_tokens - len(sampled)
+        self.stats.busy_seconds += now - started
+        for seq, result in zip(sampled, self.sampler(logits, sampled)):
+            if result.error is not None:
+                seq.error = result.error
+                self._finish(seq, "error")
+                outputs.append(self._output(seq, []))
+                continue
+            seq.append_token(result.token_id)
+            self.stats.generated_tokens += 1
+            if seq.times.first_token is None:
+                seq.times.first_token = now
+            if result.logprobs is not None:
+                seq.logprobs.append(result.logprobs)
+                seq.cumulative_logprob += result.logprobs[result.token_id]
+            self._check_stop(seq, result.token_id)
+            outputs.append(self._output(seq, [result.token_id]))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            reason, seq.stop_reason = "stop", token
+        elif params.stop:
+            text = self._decode(seq, cut=False)
+            hits = [(text.find(s), s) for s in params.stop if s in text]
+            if hits:
+                at, stop = min(hits)
+                seq.text_end = at + len(stop) if params.include_stop_str_in_output else at
+                reason, seq.stop_reason = "stop", stop
+        if reason is None and (
+            (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
+            or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.times.finished = time.perf_counter()
+        self.stats.finished_requests += 1
+
+    def _decode(self, seq: Sequence, cut: bool = True) -> str:
+        return self._decode_ids(seq.output_token_ids, seq.params, seq.text_end if cut else None)
+
+    def _decode_ids(self, ids: list[int], params: SamplingParams, end: int | None) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        return text if end is None else text[:end]
+
+    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        finished = seq.status is Status.FINISHED
+        if finished:
+            self._requests.pop(seq.request_id, None)
+        ids, end = seq.output_token_ids, seq.text_end
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            token_ids=ids,
+            new_token_ids=new,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
+            cumulative_logprob=None if seq.logprobs is None else seq.cumulative_logprob,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=request_metrics(seq),
+            error=seq.error,
+            _decode=lambda: self._decode_ids(ids, seq.params, end),
+        )
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise LlmoptError(f"cannot load the tokenizer of {path}: {str(exc).splitlines()[0]}", "copy the tokenizer files into the checkpoint") from exc
+
+
+def _eos_ids(path: Path, tokenizer) -> set[int]:
+    """End-of-sequence ids: generation_config.json's, else config.json's, else the tokenizer's."""
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if file.is_file():
+            value = json.loads(file.read_text()).get("eos_token_id")
+            if value is not None:
+                return set(value) if isinstance(value, list) else {int(value)}
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return set() if eos is None else {int(eos)}

@@ -1,0 +1,141 @@
+"""Plain-torch reference kernels: quantized linears and paged attention.
+
+KV cache layout per layer: ``[kv_heads, num_blocks * block_size, head_dim]``; the slots of
+block ``b`` are ``b * block_size ... (b + 1) * block_size - 1``. Viewed as rows of one block
+and one head, ``[kv_heads * num_blocks, block_size * head_dim]``, row ``h * num_blocks + b``
+holds head ``h`` of block ``b``: a gather of such rows (``gather_rows``) lays each head's keys
+out contiguously. Gathers write into reusable workspace buffers: a fresh multi-megabyte tensor
+per layer costs page faults that dwarf the copy itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmopt.quant.formats import dequantize, fake_quantize_activations
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def quant_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    group_size: int | None,
+    activations: str | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``x @ W.T`` for a quantized ``W``, dequantized for this call; W8A8 / FP8_DYNAMIC also
+    quantize ``x`` per token (quantize-dequantize, as their kernels compute)."""
+    if activations is not None:
+        x = fake_quantize_activations(x, activations)
+    weight = dequantize(codes, scale, zero_point, group_size, dtype=x.dtype)
+    return F.linear(x, weight, bias)
+
+
+class Workspace:
+    """A grow-only scratch buffer handing out contiguous views of the requested shape."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.buffer = torch.empty(0, dtype=dtype)
+
+    def take(self, *shape: int) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        if self.buffer.numel() < n:
+            self.buffer = torch.empty(n, dtype=self.buffer.dtype)
+        return self.buffer[:n].view(shape)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store ``k``/``v`` (``[tokens, kv_heads, head_dim]``) at ``slots``."""
+    k_cache.index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.index_copy_(1, slots, v.transpose(0, 1))
+
+
+def gather_rows(cache: torch.Tensor, rows: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Tensor:
+    """Copy block-head rows (see the module doc) of ``cache`` into ``out`` ``[len(rows), block_size * head_dim]``."""
+    heads, slots, dim = cache.shape
+    return torch.index_select(cache.view(heads * slots // block_size, block_size * dim), 0, rows, out=out)
+
+
+def block_rows(block_ids: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Rows for ``block_ids`` ``[..., n]`` ordered ``[..., head, block]``."""
+    heads = torch.arange(kv_heads) * num_blocks
+    return (block_ids.unsqueeze(-2) + heads[:, None]).flatten()
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    width: int,
+    mask: torch.Tensor | None,
+    block_size: int,
+    scale: float,
+    k_space: Workspace,
+    v_space: Workspace,
+) -> torch.Tensor:
+    """One query token per sequence against its cached context.
+
+    ``q`` ``[B, heads, head_dim]``; ``rows`` from :func:`block_rows` of the padded block
+    tables ``[B, width / block_size]``; ``mask`` ``[B, 1, 1, width]`` additive (0 / -inf), or
+    None when every sequence has exactly ``width`` tokens. Returns ``[B, heads * head_dim]``.
+    """
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[0]
+    shape = (len(rows), block_size * dim)
+    k = gather_rows(k_cache, rows, block_size, k_space.take(*shape)).view(batch, kv_heads, -1, dim)
+    v = gather_rows(v_cache, rows, block_size, v_space.take(*shape)).view(batch, kv_heads, -1, dim)
+    if mask is None:
+        k, v = k[:, :, :width], v[:, :, :width]
+    # Grouped-query attention without repeating K/V: the query heads sharing a KV head are its rows.
+    qg = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(batch, heads * dim)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prompt chunk with no cached context. ``q`` ``[n, heads, dim]``,
+    ``k``/``v`` ``[n, kv_heads, dim]``; returns ``[n, heads * dim]``."""
+    n, heads, dim = q.shape
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        is_causal=True, scale=scale, enable_gqa=heads != k.shape[1],
+    )
+    return out[0].transpose(0, 1).reshape(n, heads * dim)
+
+
+def chunked_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    mask: torch.Tensor,
+    block_size: int,
+    scale: float,
+    k_space: Workspace,
+    v_space: Workspace,
+) -> torch.Tensor:
+    """A prompt chunk attending to its cached context and itself (already written to the cache).
+
+    ``q`` ``[n, heads, dim]`` at positions ``ctx - n ... ctx - 1``; ``rows`` from
+    :func:`block_rows` of the blocks covering ``ctx``; ``mask`` ``[n, ctx]`` bool (True: may
+    attend). Returns ``[n, heads * dim]``.
+    """
+    n, heads, dim = q.shape
+    kv_heads = k_cache.shape[0]
+    ctx = mask.shape[1]
+    shape = (len(rows), block_size * dim)
+    k = gather_rows(k_cache, rows, block_size, k_space.take(*shape)).view(1, kv_heads, -1, dim)[:, :, :ctx]
+    v = gather_rows(v_cache, rows, block_size, v_space.take(*shape)).view(1, kv_heads, -1, dim)[:, :, :ctx]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads,
+    )
+    return out[0].transpose(0, 1).reshape(n, heads * dim)

@@ -1,0 +1,120 @@
+"""Linear layers behind one small interface, so faster kernels can replace the reference ones.
+
+``DenseLinear`` holds a float weight; ``QuantLinear`` keeps a quantized weight as stored (int4
+codes in int8, int8, or float8 with scales / zero points) and calls a kernel that dequantizes
+it per call. Projections that read the same input (q/k/v, gate/up) are merged into one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmopt.quant.formats import QuantizedWeight
+
+from .kernels import reference
+
+
+class Linear:
+    """``y = x @ W.T + b``."""
+
+    out_features: int
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+@dataclass
+class DenseLinear(Linear):
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return reference.dense_linear(x, self.weight, self.bias)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.bias)
+
+
+@dataclass
+class QuantLinear(Linear):
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    group_size: int | None
+    activations: str | None
+    scheme_name: str
+    bias: torch.Tensor | None = None
+
+    @classmethod
+    def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> "QuantLinear":
+        return cls(qw.codes, qw.scale, qw.zero_point, qw.group_size, qw.scheme.activations, qw.scheme.name, bias)
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return reference.quant_linear(x, self.codes, self.scale, self.zero_point, self.group_size, self.activations, self.bias)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.codes, self.scale, self.zero_point, self.bias)
+
+
+@dataclass
+class ConcatLinear(Linear):
+    """Several linears of one input whose outputs are concatenated (when they cannot merge)."""
+
+    parts: list[Linear]
+    bias: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _cat_bias(parts: list[Linear]) -> torch.Tensor | None:
+    if all(p.bias is None for p in parts):
+        return None
+    ref = next(p.bias for p in parts if p.bias is not None)
+    return torch.cat([p.bias if p.bias is not None else ref.new_zeros(p.out_features) for p in parts])
+
+
+def merge_linears(parts: list[Linear]) -> Linear:
+    """One linear computing ``cat([p(x) for p in parts], -1)``: weights concatenated along the
+    output dimension when the formats agree, a ``ConcatLinear`` otherwise."""
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, DenseLinear) for p in parts):
+        return DenseLinear(torch.cat([p.weight for p in parts]), _cat_bias(parts))
+    if all(isinstance(p, QuantLinear) for p in parts):
+        first = parts[0]
+        same = all(
+            (p.group_size, p.activations, p.scheme_name, p.codes.dtype, p.zero_point is None, p.scale.shape[1])
+            == (first.group_size, first.activations, first.scheme_name, first.codes.dtype, first.zero_point is None, first.scale.shape[1])
+            for p in parts
+        )
+        if same:
+            zp = None if first.zero_point is None else torch.cat([p.zero_point for p in parts])
+            return QuantLinear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zp,
+                               first.group_size, first.activations, first.scheme_name, _cat_bias(parts))
+    return ConcatLinear(parts)

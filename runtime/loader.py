@@ -1,0 +1,151 @@
+"""Read a checkpoint's weights into the runtime's layers.
+
+Dense safetensors (single file or sharded) load directly; compressed-tensors checkpoints keep
+their quantized Linears quantized (``QuantLinear``); bitsandbytes NF4 checkpoints are
+dequantized at load. Q/K/V and gate/up projections are merged so each is one matmul.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from llmopt.errors import LlmoptError
+
+from .config import ModelArch
+from .layers import DenseLinear, Linear, QuantLinear, merge_linears
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim] (Qwen3), else None
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: Linear
+    quantization: str | None  # e.g. "compressed-tensors W4A16", None when dense
+
+    def nbytes(self) -> int:
+        """Bytes of weights in memory (a tied head shares the embedding)."""
+        total = self.embed.numel() * self.embed.element_size() + self.norm.numel() * self.norm.element_size()
+        for layer in self.layers:
+            total += sum(t.numel() * t.element_size() for t in (layer.input_norm, layer.post_norm) if t is not None)
+            total += sum(lin.nbytes() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        if not (isinstance(self.lm_head, DenseLinear) and self.lm_head.weight is self.embed):
+            total += self.lm_head.nbytes()
+        return total
+
+
+def _dense_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor in the checkpoint's safetensors (or pytorch .bin) files."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                tensors[key] = handle.get_tensor(key)
+    if not files:
+        for file in sorted(path.glob("pytorch_model*.bin")):
+            tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+    return tensors
+
+
+def _quantized(path: Path, config: dict) -> tuple[dict, dict[str, torch.Tensor], str | None]:
+    """(quantized weights by module, dense tensors, description) for any supported format."""
+    qconfig = config.get("quantization_config") or {}
+    method = qconfig.get("quant_method")
+    if not method:
+        return {}, _dense_tensors(path), None
+    if method == "compressed-tensors":
+        from llmopt.quant.compressed import read_compressed
+
+        weights, _ = read_compressed(path)
+        dense = {k: v for k, v in _dense_tensors(path).items()
+                 if not (k.rpartition(".")[0] in weights and k.rpartition(".")[2].startswith("weight"))}
+        names = sorted({qw.scheme.name for qw in weights.values()})
+        return weights, dense, f"compressed-tensors {'/'.join(names)}"
+    if method == "bitsandbytes":
+        from llmopt.quant.compressed import nf4_dequantized_state
+
+        return {}, nf4_dequantized_state(path), "bitsandbytes NF4 (dequantized at load)"
+    raise LlmoptError(f"the runtime cannot read '{method}' checkpoints", "use a dense or compressed-tensors checkpoint (llmopt quantize writes those)")
+
+
+def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype) -> ModelWeights:
+    """Load the decoder's weights from ``path`` for ``arch``."""
+    config = json.loads((path / "config.json").read_text())
+    quantized, dense, description = _quantized(path, config)
+
+    def tensor(name: str, required: bool = True) -> torch.Tensor | None:
+        if name not in dense:
+            if required:
+                raise LlmoptError(f"{path} has no tensor '{name}'", "the checkpoint does not fit its config.json; re-create it")
+            return None
+        t = dense[name]
+        return t.to(dtype) if t.is_floating_point() else t
+
+    def linear(module: str) -> Linear:
+        bias = tensor(f"{module}.bias", required=False)
+        if module in quantized:
+            return QuantLinear.from_quantized(quantized[module], bias)
+        return DenseLinear(tensor(f"{module}.weight").contiguous(), bias)
+
+    layers = []
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}"
+        attn, mlp = f"{p}.self_attn", f"{p}.mlp"
+        qk_norm = None
+        if arch.qk_norm:
+            qn, kn = tensor(f"{attn}.q_norm.weight"), tensor(f"{attn}.k_norm.weight")
+            qk_norm = torch.cat([qn.expand(arch.num_heads, -1), kn.expand(arch.num_kv_heads, -1)]).contiguous()
+        layers.append(LayerWeights(
+            input_norm=tensor(f"{p}.input_layernorm.weight"),
+            post_norm=tensor(f"{p}.post_attention_layernorm.weight"),
+            qkv=merge_linears([linear(f"{attn}.{n}_proj") for n in "qkv"]),
+            o=linear(f"{attn}.o_proj"),
+            gate_up=merge_linears([linear(f"{mlp}.gate_proj"), linear(f"{mlp}.up_proj")]),
+            down=linear(f"{mlp}.down_proj"),
+            qk_norm=qk_norm,
+        ))
+    embed = tensor("model.embed_tokens.weight").contiguous()
+    if "lm_head" in quantized:
+        lm_head: Linear = QuantLinear.from_quantized(quantized["lm_head"])
+    elif arch.tie_word_embeddings or "lm_head.weight" not in dense:
+        if not arch.tie_word_embeddings:
+            raise LlmoptError(f"{path} has no lm_head.weight and its embeddings are not tied", "re-create the checkpoint")
+        lm_head = DenseLinear(embed)
+    else:
+        lm_head = DenseLinear(tensor("lm_head.weight").contiguous())
+    weights = ModelWeights(embed, layers, tensor("model.norm.weight"), lm_head, description)
+    _check_shapes(weights, arch, path)
+    return weights
+
+
+def _check_shapes(w: ModelWeights, arch: ModelArch, path: Path) -> None:
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    expected = [
+        ("embedding", tuple(w.embed.shape), (arch.vocab_size, arch.hidden_size)),
+        ("q/k/v projections", w.layers[0].qkv.out_features, qkv),
+        ("gate/up projections", w.layers[0].gate_up.out_features, 2 * arch.intermediate_size),
+    ]
+    for what, got, want in expected:
+        if got != want:
+            raise LlmoptError(f"{path}: {what} have shape {got}, config.json implies {want}", "the checkpoint does not fit its config; re-create it")

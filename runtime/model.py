@@ -1,0 +1,135 @@
+"""Our Llama-family decoder forward over a flattened batch with a paged KV cache.
+
+All scheduled tokens of a step form one ``[tokens, hidden]`` matrix, so every Linear runs once
+per layer for the whole batch. Only attention looks at sequences: the decode tokens (one per
+sequence) attend in one batched call over their gathered blocks; each prompt chunk attends
+causally to its cached context and itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelArch
+from .kernels import reference as kernels
+from .loader import LayerWeights, ModelWeights
+from .rope import apply_rotary
+
+
+@dataclass
+class PrefillChunk:
+    """A run of ``length`` prompt tokens of one sequence starting at row ``start`` of the batch."""
+
+    start: int
+    length: int
+    rows: torch.Tensor | None  # cache rows of the context (see kernels.reference); None: no cached context
+    mask: torch.Tensor | None  # [length, context] bool, with rows
+
+
+@dataclass
+class DecodeGroup:
+    """``count`` decode tokens (one per sequence) at rows ``start ...``, attended in one call
+    over their block tables padded to ``width`` tokens."""
+
+    start: int
+    count: int
+    rows: torch.Tensor
+    width: int
+    mask: torch.Tensor | None  # [count, 1, 1, width] additive; None when all contexts are ``width`` long
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one forward: decode tokens first (in groups of similar context length), then chunks."""
+
+    input_ids: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] KV cache slot of each token
+    cos: torch.Tensor  # [T, 1, head_dim]
+    sin: torch.Tensor  # [T, 1, head_dim]
+    decodes: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    sample_rows: torch.Tensor | None = None  # rows whose next-token logits are needed
+
+
+class KVCache:
+    """Per layer K and V tensors ``[kv_heads, num_blocks * block_size, head_dim]``.
+
+    Allocated once with ``torch.empty``: the operating system backs pages only as blocks are
+    first written, so resident memory follows the blocks actually used.
+    """
+
+    def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (arch.num_layers, 2, arch.num_kv_heads, num_blocks * block_size, arch.head_dim)
+        self.data = torch.empty(shape, dtype=dtype)
+        self.k = [self.data[i, 0] for i in range(arch.num_layers)]
+        self.v = [self.data[i, 1] for i in range(arch.num_layers)]
+        self.k_space = kernels.Workspace(dtype)  # scratch for gathered context, reused by every layer
+        self.v_space = kernels.Workspace(dtype)
+
+    @staticmethod
+    def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return arch.num_layers * 2 * arch.num_kv_heads * block_size * arch.head_dim * element
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class LlamaModel:
+    """Forward of Llama / Mistral / Qwen2 / Qwen3 / SmolLM decoders."""
+
+    def __init__(self, arch: ModelArch, weights: ModelWeights) -> None:
+        self.arch = arch
+        self.w = weights
+        self.scale = arch.head_dim ** -0.5
+        self.eps = arch.rms_norm_eps
+        self.hidden_shape = (arch.hidden_size,)
+        self.head_shape = (arch.head_dim,)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Logits ``[len(batch.sample_rows), vocab]`` (float32)."""
+        h = F.embedding(batch.input_ids, self.w.embed)
+        for i, layer in enumerate(self.w.layers):
+            x = F.rms_norm(h, self.hidden_shape, layer.input_norm, self.eps)
+            h = h + layer.o(self._attention(layer, x, batch, cache, i))
+            x = F.rms_norm(h, self.hidden_shape, layer.post_norm, self.eps)
+            gate_up = layer.gate_up(x)
+            half = gate_up.shape[-1] // 2
+            h = h + layer.down(F.silu(gate_up[:, :half]) * gate_up[:, half:])
+        if batch.sample_rows is not None:
+            h = h.index_select(0, batch.sample_rows)
+        h = F.rms_norm(h, self.hidden_shape, self.w.norm, self.eps)
+        return self.w.lm_head(h).float()
+
+    def _attention(self, layer: LayerWeights, x: torch.Tensor, b: ForwardBatch, cache: KVCache, index: int) -> torch.Tensor:
+        arch = self.arch
+        heads, kv_heads = arch.num_heads, arch.num_kv_heads
+        qkv = layer.qkv(x).view(x.shape[0], heads + 2 * kv_heads, arch.head_dim)
+        qk = qkv[:, :heads + kv_heads]
+        if layer.qk_norm is not None:
+            qk = F.rms_norm(qk, self.head_shape, None, self.eps) * layer.qk_norm
+        qk = apply_rotary(qk, b.cos, b.sin)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+        k_cache, v_cache = cache.k[index], cache.v[index]
+        kernels.write_kv(k_cache, v_cache, k, v, b.slots)
+        outs = []
+        for g in b.decodes:
+            outs.append(kernels.paged_decode_attention(
+                q[g.start:g.start + g.count], k_cache, v_cache, g.rows, g.width, g.mask, cache.block_size, self.scale,
+                cache.k_space, cache.v_space))
+        for chunk in b.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.length)
+            if chunk.rows is None:
+                outs.append(kernels.prefill_attention(q[rows], k[rows], v[rows], self.scale))
+            else:
+                outs.append(kernels.chunked_prefill_attention(
+                    q[rows], k_cache, v_cache, chunk.rows, chunk.mask, cache.block_size, self.scale,
+                    cache.k_space, cache.v_space))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

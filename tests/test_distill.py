@@ -1,0 +1,348 @@
+"""Distillation and depth pruning on tiny random models: losses against direct computations,
+block ranking and removal, training, resume, the teacher cache, errors and 2-process DDP."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from conftest import save_model, tiny_llama
+from llmopt.cli import main
+from llmopt.distill.data import DataOrder
+from llmopt.distill.hidden import layer_map_from_kept, uniform_layer_map
+from llmopt.distill.losses import (
+    TopK,
+    cross_entropy,
+    forward_kl,
+    generalized_jsd,
+    hidden_mse,
+    kd_loss,
+    reverse_kl,
+)
+from llmopt.errors import LlmoptError
+from llmopt.prune.depth import (
+    block_influence,
+    drop_layers,
+    kept_layers,
+    prune_depth,
+    removal_perplexity,
+)
+
+GUTENBERG = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gutenberg" / "persuasion.txt"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: tiny models run ~20x faster than with threads fighting over a busy CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory) -> dict[str, Path]:
+    """A small training text and a separate validation text (real English, bytes as tokens)."""
+    root = tmp_path_factory.mktemp("texts")
+    text = GUTENBERG.read_text() if GUTENBERG.is_file() else ("It is a truth universally acknowledged. " * 2000)
+    body = text[5000:45000]
+    (root / "train.txt").write_text(body[:32000])
+    (root / "val.txt").write_text(body[32000:])
+    return {"train": root / "train.txt", "val": root / "val.txt"}
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> Path:
+    return save_model(tiny_llama(seed=0, num_hidden_layers=4), tmp_path_factory.mktemp("teacher") / "t")
+
+
+def _ref_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    p = torch.softmax(p_logits.double(), -1)
+    q = torch.softmax(q_logits.double(), -1)
+    return (p * (p.log() - q.log())).sum(-1).mean()
+
+
+# -- losses ------------------------------------------------------------------------------------
+
+def test_divergences_of_identical_distributions_are_zero():
+    logits = torch.randn(2, 5, 11)
+    for loss in (forward_kl, reverse_kl, generalized_jsd):
+        assert loss(logits, logits.clone(), 2.0).abs() < 1e-6
+
+
+def test_forward_and_reverse_kl_match_direct_computation():
+    student, teacher = torch.randn(2, 5, 11), torch.randn(2, 5, 11) * 2
+    assert torch.allclose(forward_kl(student, teacher).double(), _ref_kl(teacher, student), atol=1e-5)
+    assert torch.allclose(reverse_kl(student, teacher).double(), _ref_kl(student, teacher), atol=1e-5)
+
+
+def test_temperature_scales_by_t_squared():
+    student, teacher = torch.randn(3, 4, 9), torch.randn(3, 4, 9)
+    t = 3.0
+    expected = _ref_kl(teacher / t, student / t) * t**2
+    assert torch.allclose(kd_loss(student, teacher, "fkl", temperature=t).double(), expected, atol=1e-5)
+
+
+def test_jsd_is_symmetric_at_half_and_matches_definition():
+    a, b = torch.randn(2, 3, 7), torch.randn(2, 3, 7) * 3
+    assert torch.allclose(generalized_jsd(a, b, beta=0.5), generalized_jsd(b, a, beta=0.5), atol=1e-6)
+    beta = 0.3
+    p, q = torch.softmax(b.double(), -1), torch.softmax(a.double(), -1)
+    m = beta * p + (1 - beta) * q
+    ref = (beta * (p * (p / m).log()).sum(-1) + (1 - beta) * (q * (q / m).log()).sum(-1)).mean()
+    assert torch.allclose(generalized_jsd(a, b, beta=beta).double(), ref, atol=1e-6)
+    assert generalized_jsd(a, b, beta=0.5) <= math.log(2) + 1e-6
+
+
+def test_top_k_teacher_with_full_vocabulary_equals_dense():
+    student, teacher = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    logp = torch.log_softmax(teacher / 2.0, -1)
+    full = TopK(*reversed(logp.topk(8, -1)), temperature=2.0)
+    full = TopK(full.log_probs, full.indices, 2.0) if full.indices.dtype.is_floating_point else full
+    for kind in ("fkl", "rkl", "jsd"):
+        assert torch.allclose(kd_loss(student, full, kind, 2.0), kd_loss(student, teacher, kind, 2.0), atol=1e-5)
+    values, idx = logp.topk(3, -1)
+    assert kd_loss(student, TopK(idx, values, 2.0), "fkl", 2.0) <= kd_loss(student, teacher, "fkl", 2.0) + 1e-6
+
+
+def test_hidden_mse_and_cross_entropy_match_direct_computation():
+    s = [torch.randn(2, 4, 6) for _ in range(2)]
+    t = [torch.randn(2, 4, 6) * 3 for _ in range(3)]
+    expected = ((s[0] - t[1]).pow(2).mean() / t[1].pow(2).mean() + (s[1] - t[2]).pow(2).mean() / t[2].pow(2).mean()) / 2
+    assert torch.allclose(hidden_mse(s, t, [(0, 1), (1, 2)]), expected, atol=1e-6)
+    logits, ids = torch.randn(2, 5, 9), torch.randint(0, 9, (2, 5))
+    assert torch.allclose(cross_entropy(logits, ids), F.cross_entropy(logits[:, :-1].reshape(-1, 9), ids[:, 1:].reshape(-1)))
+
+
+def test_loss_arguments_are_checked():
+    x = torch.randn(1, 2, 5)
+    with pytest.raises(LlmoptError, match="unknown distillation loss"):
+        kd_loss(x, x, "mse")
+    with pytest.raises(LlmoptError, match="temperature"):
+        kd_loss(x, x, "fkl", temperature=0)
+    with pytest.raises(LlmoptError, match="beta"):
+        generalized_jsd(x, x, beta=1.0)
+    with pytest.raises(LlmoptError, match="vocabulary"):
+        kd_loss(x, torch.randn(1, 2, 6))
+
+
+# -- depth pruning -----------------------------------------------------------------------------
+
+def test_block_influence_matches_direct_cosine():
+    model = tiny_llama(seed=1, num_hidden_layers=3)
+    ids = torch.randint(3, 259, (2, 16))
+    ranking = block_influence(model, ids)
+    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
+    layer0 = model.model.layers[0]
+    out0 = model.model(input_ids=ids, output_hidden_states=True).hidden_states[1]
+    cos = F.cosine_similarity(hidden[0], out0, dim=-1).mean().detach()
+    assert ranking.scores[0] == pytest.approx(1 - float(cos), abs=1e-5)
+    assert layer0 is model.model.layers[0] and len(ranking.scores) == 3 and sorted(ranking.order) == [0, 1, 2]
+    by_ppl = removal_perplexity(model, ids)
+    assert len(by_ppl.scores) == 3 and all(s > 1 for s in by_ppl.scores)
+
+
+def test_drop_layers_checkpoint_loads_and_generates_with_kv_cache(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    drop_layers(model, [1])
+    assert model.config.num_hidden_layers == 3
+    assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1, 2]
+    save_model(model, tmp_path / "pruned")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned").eval()
+    assert len(loaded.model.layers) == 3 and loaded.config.layer_types == model.config.layer_types
+    prompt = torch.randint(3, 259, (1, 6))
+    generated = loaded.generate(prompt, max_new_tokens=12, do_sample=False)
+    ids = prompt
+    for _ in range(12):  # greedy without a cache must agree with the cached generation
+        ids = torch.cat([ids, loaded(input_ids=ids, use_cache=False).logits[:, -1:].argmax(-1)], 1)
+    assert torch.equal(generated, ids)
+
+
+def test_drop_layers_refuses_bad_indices():
+    model = tiny_llama(seed=0, num_hidden_layers=3)
+    for bad, message in (([0, 1, 2], "cannot drop 3"), ([3], "invalid layer"), ([-1], "invalid layer"), ([1, 1], "repeat")):
+        with pytest.raises(LlmoptError, match=message):
+            drop_layers(model, bad)
+    with pytest.raises(LlmoptError, match="cannot drop 4"):
+        prune_depth(model, torch.randint(3, 259, (1, 8)), 4)
+    assert len(model.model.layers) == 3
+
+
+def test_layer_maps_and_data_order():
+    assert kept_layers(6, [3, 4]) == [0, 1, 2, 5]
+    assert layer_map_from_kept([0, 1, 2, 5], 6) == [(0, 0), (1, 1), (2, 4), (3, 5)]
+    assert uniform_layer_map(2, 4) == [(0, 1), (1, 3)]
+    order = DataOrder(10, seed=3)
+    shards = [order.micro_batch(0, 0, rank, 2, 3, 1) for rank in range(2)]
+    assert not set(shards[0]) & set(shards[1])
+    stream = [order.sample(p) for p in range(20)]
+    assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:]) == list(range(10))
+
+
+# -- training ----------------------------------------------------------------------------------
+
+def _request(teacher_dir, texts, out: Path, steps: int = 12, **settings):
+    from llmopt.distill.run import DistillRequest
+    from llmopt.distill.student import StudentRequest
+    from llmopt.distill.trainer import TrainSettings
+
+    options = dict(steps=steps, batch_size=4, lr=3e-3, warmup=2, precision="no", log_every=1000)
+    options.update(settings)
+    return DistillRequest(
+        teacher=str(teacher_dir), output=out,
+        student=StudentRequest(student_from=str(teacher_dir), drop_layers=2, calib=str(texts["train"]), calib_samples=4, calib_seq_len=64),
+        settings=TrainSettings(**options), data=str(texts["train"]), validation=str(texts["val"]), seq_len=64, show_progress=False,
+    )
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
+
+
+def test_distillation_lowers_kl_to_teacher_via_cli(teacher_dir, texts, tmp_path):
+    out = tmp_path / "student"
+    args = ["distill", "--teacher", str(teacher_dir), "--student-from", str(teacher_dir), "--drop-layers", "2",
+            "--calib", str(texts["train"]), "--data", str(texts["train"]), "--validation", str(texts["val"]),
+            "--steps", "40", "--seq-len", "64", "--lr", "3e-3", "--hidden-weight", "1", "--ce-weight", "0.1",
+            "--eval-every", "40", "--precision", "no", "--json", "-o", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "llmopt.json").read_text())
+    first, last = record["validation_curve"][0], record["validation_curve"][-1]
+    assert last["step"] == 40 and last["kl"] < 0.85 * first["kl"]
+    assert record["student"]["layers"] == 2 and len(record["loss_curve"]) == 40
+    assert {"loss", "fkl", "hidden", "ce", "lr"} <= set(record["loss_curve"][0])
+    assert not Path(f"{out}.checkpoints").exists()
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config.num_hidden_layers == 2
+    assert loaded.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False).shape == (1, 7)
+
+
+def test_ctrl_c_checkpoints_and_resume_matches_uninterrupted_run(teacher_dir, texts, tmp_path):
+    from llmopt.distill.run import run_distill
+
+    full = run_distill(_request(teacher_dir, texts, tmp_path / "full", hidden_weight=0.5, grad_accum=2))
+    assert full.output is not None
+
+    def ctrl_c(step, terms):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    request = _request(teacher_dir, texts, tmp_path / "split", hidden_weight=0.5, grad_accum=2, save_every=3)
+    stopped = run_distill(request, on_step=ctrl_c)
+    assert stopped.interrupted and stopped.result.steps_done == 5
+    assert not request.output.exists() and Path(stopped.result.checkpoint).name == "step-0000005"
+    request.resume = True
+    resumed = run_distill(request)
+    assert not resumed.interrupted and resumed.record["steps"] == 12
+    a, b = _weights(full.output), _weights(resumed.output)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.record["loss_curve"] == full.record["loss_curve"]
+
+
+def test_teacher_cache_is_filled_and_reused(teacher_dir, texts, tmp_path):
+    from llmopt.distill.run import run_distill
+
+    first = run_distill(_request(teacher_dir, texts, tmp_path / "a", steps=4, teacher_top_k=259, temperature=2.0))
+    cache = Path(first.record["teacher_cache"])
+    files = sorted(cache.glob("sample-*.pt"))
+    assert len(files) == 16
+    stamps = [f.stat().st_mtime_ns for f in files]
+    second = run_distill(_request(teacher_dir, texts, tmp_path / "b", steps=4, teacher_top_k=259, temperature=2.0))
+    assert [f.stat().st_mtime_ns for f in files] == stamps  # read, not recomputed
+    assert second.record["loss_curve"] == first.record["loss_curve"]
+    dense = run_distill(_request(teacher_dir, texts, tmp_path / "c", steps=4, temperature=2.0))
+    for x, y in zip(first.record["loss_curve"], dense.record["loss_curve"]):
+        assert x["fkl"] == pytest.approx(y["fkl"], abs=1e-4)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+def _cli(*args: str):
+    return CliRunner().invoke(main, ["distill", *args])
+
+
+def test_vocabulary_mismatch_is_refused(teacher_dir, texts, tmp_path):
+    other = save_model(tiny_llama(seed=0, num_hidden_layers=2, vocab_size=300), tmp_path / "other")
+    result = _cli("--teacher", str(teacher_dir), "--student", str(other), "--data", str(texts["train"]), "--steps", "2", "-o", str(tmp_path / "o"))
+    assert result.exit_code == 2
+    assert "vocabulary (300 tokens) differs from the teacher's (259)" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--student", "X", "--student-from", "Y"], "exactly one of --student and --student-from"),
+    ([], "exactly one of --student and --student-from"),
+    (["--student-from", "T"], "needs one of --drop-layers"),
+    (["--student-from", "T", "--width", "50%"], "width pruning (--width) is not available yet"),
+    (["--student-from", "T", "--drop-layers", "4"], "cannot drop 4 of the model's 4 layers"),
+    (["--student-from", "T", "--drop-layers", "1", "--steps", "0"], "--steps 0"),
+    (["--student-from", "T", "--drop-layers", "1", "--temperature", "0"], "--temperature 0"),
+    (["--student-from", "T", "--drop-layers", "1", "--kd-weight", "0"], "all loss weights are 0"),
+    (["--student-from", "T", "--drop-layers", "1", "--hidden-weight", "1", "--teacher-top-k", "8"], "hidden states"),
+    (["--student-from", "T", "--drop-layers", "1", "--data", "/nonexistent.txt"], "dataset not found"),
+])
+def test_bad_arguments_give_clear_errors(teacher_dir, texts, tmp_path, args, message):
+    args = [str(teacher_dir) if a == "T" else a for a in args]
+    base = ["--teacher", str(teacher_dir), "--steps", "2", "--calib", str(texts["train"]), "--validation", "none", "-o", str(tmp_path / "o")]
+    if "--data" not in args:
+        base += ["--data", str(texts["train"])]
+    result = _cli(*base, *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_existing_output_and_stale_checkpoints_are_refused(teacher_dir, texts, tmp_path):
+    (tmp_path / "o").mkdir()
+    result = _cli("--teacher", str(teacher_dir), "--student-from", str(teacher_dir), "--drop-layers", "1", "--steps", "2", "-o", str(tmp_path / "o"))
+    assert result.exit_code == 2 and "already exists" in result.output
+    (tmp_path / "p.checkpoints" / "step-0000001").mkdir(parents=True)
+    (tmp_path / "p.checkpoints" / "step-0000001" / "state.json").write_text("{}")
+    result = _cli("--teacher", str(teacher_dir), "--student-from", str(teacher_dir), "--drop-layers", "1", "--steps", "2", "-o", str(tmp_path / "p"))
+    assert result.exit_code == 2 and "--resume" in result.output
+
+
+# -- data parallel -----------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_torchrun_shards_data_and_keeps_weights_identical(teacher_dir, texts, tmp_path):
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMOPT_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(_free_port()), "-m", "llmopt", "distill", "--teacher", str(teacher_dir),
+               "--student-from", str(teacher_dir), "--drop-layers", "2", "--calib", str(texts["train"]),
+               "--data", str(texts["train"]), "--validation", str(texts["val"]), "--steps", "6", "--seq-len", "64",
+               "--batch-size", "2", "--hidden-weight", "1", "--eval-every", "6", "--precision", "no", "--json", "-o", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((out / "llmopt.json").read_text())
+    assert record["world_size"] == 2 and record["tokens"] == 6 * 2 * 2 * 64
+    ranks = {shard["rank"]: shard for shard in record["shards"]}
+    assert set(ranks) == {0, 1}
+    assert not set(ranks[0]["first_samples"]) & set(ranks[1]["first_samples"])
+    assert ranks[0]["samples_sha256"] != ranks[1]["samples_sha256"]
+    assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]

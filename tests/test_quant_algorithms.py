@@ -1,0 +1,451 @@
+"""Tests of the calibration engine and the RTN / GPTQ / AWQ / SmoothQuant algorithms on tiny
+random models and random data (drawn fresh each run)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from llmopt.calibration import LinearStats, linear_modules, run_sequential
+from llmopt.quant.apply import quantize_model
+from llmopt.quant.awq import awq_apply_layer, awq_search_scale
+from llmopt.quant.formats import FP8_MAX, compute_qparams, get_scheme
+from llmopt.quant.gptq import gptq_quantize_weight
+from llmopt.quant.mappings import layer_mappings
+from llmopt.quant.rtn import rtn_quantize_modules, rtn_quantize_weight
+from llmopt.quant.smoothquant import smoothquant_apply_layer
+
+VOCAB = 128
+
+
+def tiny_model(layers: int = 2) -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # non-trivial norms so that folding into them is exercised
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    return model
+
+
+def calib_ids(n: int = 6, seq: int = 16) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, seq))
+
+
+def logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def expand_groups(t: torch.Tensor, in_features: int) -> torch.Tensor:
+    """[out, n_groups] → [out, in] (each group's value repeated over its columns)."""
+    return t.repeat_interleave(in_features // t.shape[1], dim=1)
+
+
+def correlated_inputs(n: int, d: int) -> torch.Tensor:
+    """Inputs with strongly correlated, unevenly scaled channels: X = Z @ A, columns scaled."""
+    z = torch.randn(n, d)
+    a = torch.randn(d, d) / d**0.5 + torch.eye(d) * 0.3
+    return (z @ a) * torch.exp(torch.randn(d))
+
+
+def out_err(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    return float((x @ w.T - x @ w_hat.T).pow(2).sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# RTN
+
+
+@pytest.mark.parametrize(
+    "name,gs", [("W4A16", 32), ("W4A16_ASYM", 32), ("W4A16", 0), ("W8A16", None), ("W8A8", None)]
+)
+def test_rtn_int_error_within_half_step(name: str, gs: int | None) -> None:
+    scheme = get_scheme(name, gs)
+    w = torch.randn(48, 128) * torch.exp(torch.randn(48, 1))
+    qw = rtn_quantize_weight(w, scheme, scheme.group_size)
+    codes = qw.codes.float()
+    assert codes.min() >= scheme.qmin and codes.max() <= scheme.qmax
+    scale = expand_groups(qw.scale, 128)
+    zp = expand_groups(qw.zero_point.float(), 128) if qw.zero_point is not None else 0.0
+    lo, hi = (scheme.qmin - zp) * scale, (scheme.qmax - zp) * scale
+    inside = (w >= lo) & (w <= hi)
+    assert inside.float().mean() > 0.9
+    err = (w - qw.dequantize()).abs()
+    assert torch.all(err[inside] <= scale[inside] * (0.5 + 1e-5))
+
+
+def test_rtn_fp8_relative_error() -> None:
+    scheme = get_scheme("FP8")
+    w = torch.randn(32, 96) * torch.exp(2 * torch.randn(32, 1))
+    qw = rtn_quantize_weight(w, scheme, None)
+    assert qw.codes.dtype == torch.float8_e4m3fn
+    scale = qw.scale.expand_as(w)
+    bound = torch.maximum(w.abs() * 2.0**-4, scale * 2.0**-10) * (1 + 1e-5)
+    assert torch.all((w - qw.dequantize()).abs() <= bound)
+    assert torch.allclose(qw.scale[:, 0], w.abs().amax(1) / FP8_MAX)
+
+
+@pytest.mark.parametrize("name", ["W4A16", "W4A16_ASYM"])
+def test_rtn_mse_clipping_never_worse_than_minmax(name: str) -> None:
+    scheme = get_scheme(name, 32)
+    w = torch.randn(64, 128) + torch.randn(64, 128).pow(5) * 0.05  # heavy tails
+    e_mm = (w - rtn_quantize_weight(w, scheme, 32, "minmax").dequantize()).pow(2)
+    e_mse = (w - rtn_quantize_weight(w, scheme, 32, "mse").dequantize()).pow(2)
+    per_group = lambda e: e.reshape(64, 4, 32).sum(-1)  # noqa: E731
+    assert torch.all(per_group(e_mse) <= per_group(e_mm) + 1e-6)
+    assert e_mse.sum() < e_mm.sum()
+
+
+def test_rtn_modules_written_in_place() -> None:
+    model = tiny_model(1)
+    mods = linear_modules(model.model.layers[0], "l0.")
+    before = {n: m.weight.detach().clone() for n, m in mods.items()}
+    scheme = get_scheme("W4A16", 32)
+    out = rtn_quantize_modules(mods, scheme, {n: 32 for n in mods})
+    for n, m in mods.items():
+        assert torch.equal(m.weight, out[n].dequantize(m.weight.dtype))
+        assert not torch.equal(m.weight, before[n])
+
+
+# ---------------------------------------------------------------------------------------------
+# GPTQ
+
+
+@pytest.mark.parametrize("name,gs", [("W4A16", 32), ("W4A16_ASYM", 32), ("W8A16", None), ("FP8", None)])
+def test_gptq_beats_rtn_on_correlated_inputs(name: str, gs: int | None) -> None:
+    scheme = get_scheme(name, gs)
+    x = correlated_inputs(2048, 128)
+    w = torch.randn(96, 128) * 0.1
+    h = 2.0 / x.shape[0] * (x.T.double() @ x.double())
+    rtn = rtn_quantize_weight(w, scheme, scheme.group_size).dequantize()
+    qw = gptq_quantize_weight(w, h, scheme, scheme.group_size)
+    assert out_err(x, w, qw.dequantize()) < 0.8 * out_err(x, w, rtn)
+    again = gptq_quantize_weight(w, h, scheme, scheme.group_size)
+    assert torch.equal(qw.codes.float(), again.codes.float())
+    assert torch.equal(qw.scale, again.scale)
+
+
+@pytest.mark.parametrize("name", ["W4A16", "W4A16_ASYM"])
+def test_gptq_act_order_static_groups(name: str) -> None:
+    scheme = get_scheme(name, 32)
+    x = correlated_inputs(2048, 128)
+    w = torch.randn(64, 128) * 0.1
+    h = 2.0 / x.shape[0] * (x.T.double() @ x.double())
+    qw = gptq_quantize_weight(w, h, scheme, 32, act_order=True)
+    # Static groups: qparams of each natural-order group come from the original weights.
+    scale, zp = compute_qparams(w, scheme, 32)
+    assert qw.group_size == 32 and qw.scale.shape == (64, 4)
+    assert torch.equal(qw.scale, scale)
+    if zp is not None:
+        assert torch.equal(qw.zero_point, zp)
+    codes = qw.codes.float()
+    assert codes.min() >= scheme.qmin and codes.max() <= scheme.qmax
+    # Had the codes been produced with another group's qparams, the stored weights would not be
+    # the ones GPTQ compensated for and the output error would blow up.
+    rtn = rtn_quantize_weight(w, scheme, 32).dequantize()
+    assert out_err(x, w, qw.dequantize()) < 0.8 * out_err(x, w, rtn)
+
+
+@pytest.mark.parametrize("name,gs", [("W4A16", 32), ("W4A16_ASYM", 32), ("FP8", None)])
+def test_gptq_respects_sparsity_mask(name: str, gs: int | None) -> None:
+    scheme = get_scheme(name, gs)
+    x = correlated_inputs(1024, 64)
+    w = torch.randn(48, 64) * 0.1 + 0.05  # shifted so asymmetric zero points are non-trivial
+    mask = torch.rand_like(w) > 0.5
+    w = w * mask
+    h = 2.0 / x.shape[0] * (x.T.double() @ x.double())
+    qw = gptq_quantize_weight(w, h, scheme, scheme.group_size, mask=mask)
+    w_hat = qw.dequantize()
+    assert torch.all(w_hat[~mask] == 0)
+    if qw.zero_point is not None:
+        zp = expand_groups(qw.zero_point, 64).to(qw.codes.dtype)
+        assert torch.equal(qw.codes[~mask], zp[~mask])
+    rtn = rtn_quantize_weight(w, scheme, scheme.group_size).dequantize()
+    assert out_err(x, w, w_hat) < out_err(x, w, rtn)
+
+
+def test_gptq_dead_columns() -> None:
+    scheme = get_scheme("W4A16", 16)
+    x = correlated_inputs(512, 64)
+    x[:, 5] = 0
+    h = 2.0 / x.shape[0] * (x.T.double() @ x.double())
+    qw = gptq_quantize_weight(torch.randn(32, 64), h, scheme, 16)
+    assert torch.all(qw.dequantize()[:, 5] == 0) and torch.isfinite(qw.scale).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration engine
+
+
+def test_engine_identity_matches_forward() -> None:
+    model = tiny_model(3)
+    ids = calib_ids(5, 12)
+    captured = []
+    handle = model.model.layers[-1].register_forward_hook(lambda m, a, o: captured.append(o))
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    handle.remove()
+    seen = []
+    out = run_sequential(
+        model, ids, lambda i, layer, run: (seen.append(i), run()), batch_size=2, show_progress=False
+    )
+    assert seen == [0, 1, 2]
+    last = captured[0][0] if isinstance(captured[0], tuple) else captured[0]
+    torch.testing.assert_close(out, last, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.model.norm(out), ref.hidden_states[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_engine_propagates_compressed_layers_and_stats() -> None:
+    model = tiny_model(2)
+    ids = calib_ids(5, 12)
+    inputs: dict[str, list[torch.Tensor]] = {}
+
+    def layer_fn(index: int, layer: torch.nn.Module, run) -> None:
+        mods = linear_modules(layer)
+        grab = [
+            m.register_forward_pre_hook(lambda _m, a, n=n: inputs.setdefault(f"{index}.{n}", []).append(a[0]))
+            for n, m in mods.items()
+        ]
+        with LinearStats(mods, stop_early=False) as stats:
+            run()
+        for g in grab:
+            g.remove()
+        for n in mods:
+            x = torch.cat(inputs[f"{index}.{n}"]).reshape(-1, mods[n].in_features).double()
+            torch.testing.assert_close(stats.hessian(n), 2 / x.shape[0] * x.T @ x)
+            torch.testing.assert_close(stats.abs_mean(n), x.abs().mean(0).float())
+            torch.testing.assert_close(stats.abs_max(n), x.abs().amax(0).float())
+            torch.testing.assert_close(stats.l2_norm(n), x.norm(dim=0).float())
+        groups = stats.shared_groups()
+        assert ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"] in groups
+        assert ["mlp.gate_proj", "mlp.up_proj"] in groups
+        with torch.no_grad():  # "compress": perturb the weights
+            for m in mods.values():
+                m.weight.mul_(torch.rand_like(m.weight))
+
+    out = run_sequential(model, ids, layer_fn, batch_size=2, show_progress=False)
+    with torch.no_grad():  # the result must be what the modified model computes
+        ref = model(ids, output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(model.model.norm(out), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_stop_early_gives_same_stats() -> None:
+    model = tiny_model(1)
+    ids = calib_ids(6, 10)
+    results = []
+    for stop in (False, True):
+        def layer_fn(index, layer, run, stop=stop):
+            with LinearStats(linear_modules(layer), stop_early=stop) as stats:
+                run()
+            results.append(stats.hessian("mlp.down_proj"))
+        run_sequential(model, ids, layer_fn, batch_size=2, show_progress=False)
+    torch.testing.assert_close(results[0], results[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# AWQ / SmoothQuant folding
+
+
+def test_fold_random_scales_preserves_function_with_gqa() -> None:
+    model = tiny_model(2)
+    ids = calib_ids(3, 12)
+    ref = logits(model, ids)
+    names = set()
+    for layer in model.model.layers:
+        mappings, notices = layer_mappings(layer)
+        assert not notices
+        for m in mappings:
+            names.add(m.name)
+            m.fold(torch.exp(0.5 * torch.randn(m.channels)))
+    assert names == {
+        "input_layernorm→q/k/v", "v_proj→o_proj", "post_attention_layernorm→gate/up", "up_proj→down_proj"
+    }
+    torch.testing.assert_close(logits(model, ids), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_awq_loss_matches_activations_and_never_increases() -> None:
+    model = tiny_model(1)
+    ids = calib_ids(8, 16)
+    scheme = get_scheme("W4A16", 16)
+    checked = []
+
+    def layer_fn(index, layer, run):
+        mods = linear_modules(layer, "")
+        xs: dict[str, list[torch.Tensor]] = {}
+        grab = [m.register_forward_pre_hook(lambda _m, a, n=n: xs.setdefault(n, []).append(a[0]))
+                for n, m in mods.items()]
+        with LinearStats(mods) as stats:
+            run()
+        for g in grab:
+            g.remove()
+        mappings, _ = layer_mappings(layer)
+        gsz = {n: 16 for n in mods}
+        for mapping in mappings:
+            s, res = awq_search_scale(mapping, stats, scheme, gsz, set(mods))
+            assert res.loss <= res.loss_unscaled
+            # Recompute both losses directly from the recorded activations.
+            direct = {}
+            for label, scale in (("unscaled", None), ("scaled", mapping.expand(s))):
+                total = 0.0
+                for n, lin in mapping.linears.items():
+                    x = torch.cat(xs[n]).reshape(-1, lin.in_features)
+                    w = lin.weight.detach()
+                    ws = w if scale is None else w * scale
+                    sc, zp = compute_qparams(ws, scheme, 16)
+                    wq = rtn_quantize_weight(ws, scheme, 16).dequantize()
+                    if scale is not None:
+                        wq = wq / scale
+                    total += out_err(x, w, wq) * 2 / x.shape[0]
+                direct[label] = total
+            assert res.loss_unscaled == pytest.approx(direct["unscaled"], rel=1e-3)
+            assert res.loss == pytest.approx(direct["scaled"], rel=1e-3)
+            checked.append(res)
+            mapping.fold(s)
+            stats.scale_inputs(list(mapping.linears), mapping.expand(s))
+            for n in mapping.linears:  # the consumers now see x / s
+                xs[n] = [x / mapping.expand(s) for x in xs[n]]
+
+    run_sequential(model, ids, layer_fn, show_progress=False)
+    assert len(checked) == 4 and any(r.alpha > 0 for r in checked)
+
+
+def test_awq_folding_preserves_function() -> None:
+    model = tiny_model(2)
+    ids = calib_ids(6, 16)
+    ref = logits(model, ids)
+    scheme = get_scheme("W4A16", 16)
+    results = []
+
+    def layer_fn(index, layer, run):
+        mods = linear_modules(layer, "")
+        with LinearStats(mods) as stats:
+            run()
+        mappings, _ = layer_mappings(layer)
+        results.extend(awq_apply_layer(mappings, stats, scheme, {n: 16 for n in mods}, set(mods)))
+
+    run_sequential(model, ids, layer_fn, show_progress=False)
+    assert all(r.loss <= r.loss_unscaled for r in results)
+    assert any(r.alpha > 0 for r in results)
+    torch.testing.assert_close(logits(model, ids), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_smoothquant_folding_preserves_function_and_balances() -> None:
+    model = tiny_model(2)
+    with torch.no_grad():  # an outlier channel, as in real LLMs
+        model.model.layers[0].input_layernorm.weight[3] = 20.0
+    ids = calib_ids(6, 16)
+    ref = logits(model, ids)
+    results = []
+
+    def layer_fn(index, layer, run):
+        mods = linear_modules(layer, "")
+        with LinearStats(mods, hessian=False) as stats:
+            run()
+        mappings, _ = layer_mappings(layer)
+        results.extend(smoothquant_apply_layer(mappings, stats, alpha=0.5))
+        if index == 0:  # after smoothing, max |x_j| == max |W_j| for alpha = 0.5
+            with LinearStats(mods, hessian=False) as after:
+                run()
+            x_max = after.abs_max("self_attn.q_proj")
+            w_max = torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                               layer.self_attn.v_proj.weight]).abs().amax(0)
+            torch.testing.assert_close(x_max, w_max.detach(), rtol=1e-4, atol=1e-6)
+
+    run_sequential(model, ids, layer_fn, show_progress=False)
+    assert results[0].max_scale > 1.5 * results[0].min_scale
+    torch.testing.assert_close(logits(model, ids), ref, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize_model
+
+
+@pytest.mark.parametrize(
+    "method,scheme,gs",
+    [
+        ("rtn", "W4A16", 32), ("gptq", "W4A16", 32), ("gptq", "W4A16_ASYM", 0),
+        ("awq", "W4A16", 32), ("awq+gptq", "W4A16_ASYM", 16), ("smoothquant", "W8A8", None),
+        ("smoothquant+gptq", "W8A8", None), ("gptq", "FP8_DYNAMIC", None), ("awq", "FP8", None),
+    ],
+)
+def test_quantize_model_methods(method: str, scheme: str, gs: int | None) -> None:
+    model = tiny_model(2)
+    ids = calib_ids(6, 16)
+    ref = logits(model, ids)
+    embed = model.model.embed_tokens.weight.detach().clone()
+    res = quantize_model(model, scheme, method, gs, ids if method != "rtn" else None, show_progress=False)
+    targets = linear_modules(model.model, "model.")
+    assert set(res.weights) == set(targets) and len(targets) == 14
+    for name, qw in res.weights.items():
+        assert torch.equal(targets[name].weight, qw.dequantize(targets[name].weight.dtype))
+        assert qw.group_size == res.group_sizes[name]
+    assert torch.equal(model.model.embed_tokens.weight, embed)
+    rel = (logits(model, ids) - ref).pow(2).mean() / ref.pow(2).mean()
+    assert rel < 0.1
+    if method.startswith("awq"):
+        assert res.mappings and all(r.loss <= r.loss_unscaled for r in res.mappings)
+    assert res.seconds > 0
+
+
+def test_quantize_model_gptq_deterministic_and_better_than_rtn() -> None:
+    base = tiny_model(2)
+    ids = calib_ids(8, 16)
+    test_ids = calib_ids(8, 16)
+    ref = logits(base, test_ids)
+    errs, codes = {}, []
+    for method in ("rtn", "gptq", "gptq"):
+        model = copy.deepcopy(base)
+        res = quantize_model(model, "W4A16", method, 16, ids, show_progress=False)
+        errs[method] = float((logits(model, test_ids) - ref).pow(2).mean())
+        if method == "gptq":
+            codes.append(torch.cat([q.codes.flatten().float() for q in res.weights.values()]))
+    assert torch.equal(codes[0], codes[1])
+    assert errs["gptq"] < errs["rtn"]
+
+
+def test_quantize_model_ignore_and_group_fallback() -> None:
+    model = tiny_model(1)
+    down = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    res = quantize_model(model, "W4A16", "rtn", 48, ignore=["lm_head", r"down_proj$"], show_progress=False)
+    assert not any(n.endswith("down_proj") for n in res.weights)
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, down)
+    assert set(res.group_sizes.values()) == {32}  # 48 divides neither 64 nor 128 → 32
+    assert len(res.notices) == 1
+    assert "use group size 32: 48 does not divide 64 input features" in res.notices[0]
+    assert "q_proj" in res.notices[0]
+    with pytest.raises(ValueError, match=r"group size 48 does not divide .*q_proj"):
+        quantize_model(tiny_model(1), "W4A16", "rtn", 48, strict_groups=True, show_progress=False)
+
+
+@pytest.mark.parametrize(
+    "scheme,method,gs,calib,pattern",
+    [
+        ("W4A16", "smoothquant", None, True, "needs scheme W8A8"),
+        ("FP8_DYNAMIC", "smoothquant+gptq", None, True, "needs scheme W8A8"),
+        ("W8A8", "awq", None, True, "use smoothquant"),
+        ("W4A16", "gptq", 32, False, "needs calibration data"),
+        ("W4A16", "magic", 32, True, "unknown method"),
+        ("W3A16", "rtn", 32, False, "unknown scheme"),
+        ("W8A16", "rtn", 64, False, "takes no group size"),
+    ],
+)
+def test_quantize_model_refuses_bad_requests(scheme, method, gs, calib, pattern) -> None:
+    model = tiny_model(1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=pattern):
+        quantize_model(model, scheme, method, gs, calib_ids() if calib else None, show_progress=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_quantize_model_act_order_only_with_gptq() -> None:
+    with pytest.raises(ValueError, match="act-order"):
+        quantize_model(tiny_model(1), "W4A16", "awq", 32, calib_ids(), act_order=True, show_progress=False)
+    res = quantize_model(tiny_model(1), "W4A16", "gptq", 32, calib_ids(), act_order=True, show_progress=False)
+    assert all(q.scale.shape[1] == q.codes.shape[1] // 32 for q in res.weights.values())
