@@ -297,14 +297,16 @@ def run_sequential(
         inputs = capture_layer_inputs(model, calib_ids, batch_size)
 
         def bar_context() -> Any:
-            if progress is not None or not show_progress:
-                return nullcontext(progress)
-            from rich.progress import Progress
+            if progress is not None:
+                task = progress.add_task(description, total=len(layers))
+                return nullcontext(lambda: progress.advance(task))
+            if not show_progress:
+                return nullcontext(None)
+            from llmopt.console import progress_task
 
-            return Progress(transient=True)
+            return progress_task(description, len(layers))
 
-        with bar_context() as bar:
-            task = bar.add_task(description, total=len(layers)) if bar is not None else None
+        with bar_context() as advance:
             for index, layer in enumerate(layers):
 
                 def run_layer(layer: nn.Module = layer) -> None:
@@ -317,10 +319,8 @@ def run_sequential(
                 layer_fn(index, layer, run_layer)
                 for b, (h, kw) in enumerate(zip(inputs.hidden, inputs.kwargs)):
                     inputs.hidden[b] = _call_layer(layer, h, kw)
-                if bar is not None:
-                    bar.advance(task)
-            if bar is not None and progress is not None:
-                bar.remove_task(task)
+                if advance is not None:
+                    advance()
     model.train(was_training)
     return torch.cat(inputs.hidden, dim=0)
 

@@ -187,13 +187,17 @@ from .runtime_cli import bench_command, generate_command  # noqa: E402
 main.add_command(generate_command)
 main.add_command(bench_command)
 from .recipe_cli import recipes_group, run_command  # noqa: E402
-from .compare_cli import compare_command  # noqa: E402
+from .compare_cli import compare_command, demo_command  # noqa: E402
 
 main.add_command(compare_command)
+main.add_command(demo_command)
 
 main.add_command(run_command)
 main.add_command(recipes_group)
 
+
+from .prune_cli import prune_command  # noqa: E402
+main.add_command(prune_command)
 
 if __name__ == "__main__":
     main()

@@ -60,3 +60,41 @@ def compare_command(baseline, variants, labels, dataset, seq_len, max_windows, s
         return
     out.print(compare_table(report))
     out.print(f"wrote {files['md']}, {files['json']}, {files['plot']}")
+
+
+@click.command("demo")
+@click.option("--model", default="demo", show_default=True, help="Model to build the variants from.")
+@click.option("-o", "--output", default="out/demo", show_default=True, type=click.Path(file_okay=False), help="Where variants and the report go.")
+@click.option("--max-windows", default=4, show_default=True, type=click.IntRange(1), help="WikiText-2 windows of 2048 tokens for accuracy.")
+@click.option("--speed/--no-speed", default=True, show_default=True, help="Also measure speed in our runtime.")
+@click.option("--json", "as_json", is_flag=True)
+@user_errors
+def demo_command(model, output, max_windows, speed, as_json):
+    """Build the standard variants of the demo model and compare them.
+
+    \b
+    Variants: float, W8A16, FP8, W4A16 g32 GPTQ, 2:4 SparseGPT, and a student with 6
+    fewer layers recovered by distillation. Each is a recipe run (a second run reuses
+    finished variants); then `compare` writes report.md, report.json and pareto.png.
+    """
+    from .compare import CompareSettings
+    from .console import out, progress_task
+    from .demo import VARIANTS, run_demo
+
+    settings = CompareSettings(max_windows=max_windows, repetitions=3, serving_requests=8, speed=speed)
+    with progress_task("llmopt demo", len(VARIANTS) + 1) as advance:
+        seen = []
+
+        def on_step(label, reused):
+            if seen:
+                advance(1)
+            seen.append(label)
+            out.print(f"[bold]{label}[/bold]" + (" [dim](reused)[/dim]" if reused else ""))
+
+        report = run_demo(Path(output), model, settings, on_step)
+        advance(1)
+    if as_json:
+        emit_json(report)
+        return
+    out.print(compare_table(report))
+    out.print(f"{report['wall_seconds']:.0f} s in all; wrote {report['files']['md']}, {report['files']['json']}, {report['files']['plot']}")

@@ -37,9 +37,29 @@ def make_progress(transient: bool = True) -> Progress:
     )
 
 
+_active: Progress | None = None  # the display on screen; nested bars join it as extra lines
+
+
 @contextmanager
 def progress_task(description: str, total: int) -> Iterator:
-    """Yield an ``advance()`` callable bound to a fresh progress bar."""
-    with make_progress() as progress:
+    """Yield an ``advance()`` callable for a progress bar.
+
+    Nested calls (a quantization inside a recipe inside ``llmopt demo``) add a line to the one
+    display already on screen instead of starting a second one.
+    """
+    global _active
+    if _active is not None:
+        progress = _active
         task = progress.add_task(description, total=total)
-        yield lambda n=1: progress.advance(task, n)
+        try:
+            yield lambda n=1: progress.advance(task, n)
+        finally:
+            progress.remove_task(task)
+        return
+    with make_progress() as progress:
+        _active = progress
+        try:
+            task = progress.add_task(description, total=total)
+            yield lambda n=1: progress.advance(task, n)
+        finally:
+            _active = None

@@ -45,7 +45,7 @@ def _table(outcome) -> object:
 @click.option("--student", metavar="MODEL", help="Student model (must share the teacher's tokenizer).")
 @click.option("--student-from", metavar="MODEL", help="Make the student from this model (usually the teacher) with --drop-layers or --width.")
 @click.option("--drop-layers", type=int, metavar="N", help="Drop the N least important decoder blocks (block influence on calibration text).")
-@click.option("--width", metavar="SPEC", help="Width-prune the student (needs llmopt's width pruning).")
+@click.option("--width", metavar="SPEC", help="Width-prune the student: ffn=RATIO,heads=RATIO (fractions of MLP channels / attention heads to remove).")
 @click.option("--layer-method", default="block-influence", show_default=True, type=click.Choice(["block-influence", "perplexity"]), help="How blocks are ranked for --drop-layers.")
 @click.option("--calib", default="austen", show_default=True, help="Calibration text for ranking blocks.")
 @click.option("--data", default="gutenberg", show_default=True, help="Training text: corpus name, text file, folder of .txt files, or hf:NAME[:CONFIG[:SPLIT]].")
