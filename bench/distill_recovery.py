@@ -238,6 +238,7 @@ def main() -> None:
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     trial = sub.add_parser("trial", help="a short distillation run, reporting held-out validation")

@@ -4,8 +4,9 @@ Q4_0, each loaded back through transformers' GGUF loader and evaluated like any 
 For every variant: perplexity on WikiText-2 (16 windows of 2048 tokens) and KLD / top-1 against
 the float demo model (its distributions cached once), next to the same checkpoint's figures in
 our own evaluation (the float model for the dense exports, the compressed-tensors checkpoint for
-the GPTQ one). Results go to ``bench/results/gguf_export.{json,md}``; finished variants are kept
-in the JSON and skipped on a rerun unless ``--force``.
+the GPTQ one). When ``llama_cpp`` (llama-cpp-python) is importable, each file is also run by
+llama.cpp itself on the same windows. Results go to ``bench/results/gguf_export.{json,md}``;
+finished variants are kept in the JSON and skipped on a rerun unless ``--force``.
 
     python bench/gguf_export.py [--windows 16] [--method gptq|rtn] [--force]
 """
@@ -48,6 +49,33 @@ def gguf_tokens_match(path: Path, tokenizer, text: str) -> bool:
 
     gg = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return gg(text, add_special_tokens=False)["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class LlamaCppModel:
+    """A GGUF file run by llama.cpp, called like a transformers model: ``model(input_ids=…).logits``."""
+
+    def __init__(self, path: Path, n_ctx: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, logits_all=True, verbose=False,
+                         n_threads=os.cpu_count())
+
+    def __call__(self, input_ids: torch.Tensor):
+        import numpy as np
+        from types import SimpleNamespace
+
+        ids = input_ids[0].tolist()
+        self.llm.reset()
+        self.llm.eval(ids)
+        return SimpleNamespace(logits=torch.from_numpy(np.array(self.llm.scores[: len(ids)], dtype=np.float32))[None])
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def figures(result) -> dict:
@@ -124,6 +152,15 @@ def main() -> None:
         }
         ref = rows[reference]["ppl"]
         rows[name]["ppl_vs_reference_pct"] = 100 * (rows[name]["ppl"] / ref - 1)
+        if llama_cpp_available():
+            from llama_cpp import __version__ as llama_cpp_version
+
+            start = time.perf_counter()
+            lc = figures(evaluate(LlamaCppModel(path, SEQ_LEN), data, cache))
+            lc["eval_seconds"] = round(time.perf_counter() - start, 1)
+            lc["version"] = f"llama-cpp-python {llama_cpp_version}"
+            lc["ppl_vs_reference_pct"] = 100 * (lc["ppl"] / ref - 1)
+            rows[name]["llama_cpp"] = lc
         save()
         path.unlink()
 
@@ -151,15 +188,17 @@ def markdown(payload: dict) -> str:
         f"{payload['eval']}. Machine: {payload['machine']}. Versions: "
         + ", ".join(f"{k} {v}" for k, v in payload["versions"].items()) + ".",
         "",
-        "| variant | GGUF types | size (MiB) | ppl | Δppl vs reference | KLD mean | KLD p99 | top-1 | reference |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| variant | run by | GGUF types | size (MiB) | ppl | Δppl vs reference | KLD mean | KLD p99 | top-1 | reference |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in payload["variants"].items():
         types = ", ".join(sorted(r.get("max_abs_err_by_type", {}))) or "—"
         size = f"{r['bytes'] / 2**20:.1f}" if "bytes" in r else "—"
-        delta = f"{r['ppl_vs_reference_pct']:+.2f}%" if "ppl_vs_reference_pct" in r else "—"
-        lines.append(f"| {name} | {types} | {size} | {r['ppl']:.3f} | {delta} | {r['kld_mean']:.4f} | {r['kld_p99']:.4f} | "
-                     f"{100 * r['top1']:.2f}% | {r.get('reference', '—')} |")
+        runs = [("transformers" if "bytes" in r else "our eval", r)] + ([("llama.cpp", r["llama_cpp"])] if "llama_cpp" in r else [])
+        for runner, f in runs:
+            delta = f"{f['ppl_vs_reference_pct']:+.2f}%" if "ppl_vs_reference_pct" in f else "—"
+            lines.append(f"| {name} | {runner} | {types} | {size} | {f['ppl']:.3f} | {delta} | {f['kld_mean']:.4f} | "
+                         f"{f['kld_p99']:.4f} | {100 * f['top1']:.2f}% | {r.get('reference', '—')} |")
     lines += ["", "Per export:", ""]
     for name, r in payload["variants"].items():
         if "decisions" in r:

@@ -75,7 +75,7 @@ def detect_pre(pre_tokenizer: dict | None) -> str | None:
         return None
     kind = pre_tokenizer.get("type")
     if kind == "ByteLevel":
-        return "gpt2" if pre_tokenizer.get("use_regex", True) else None
+        return "gpt-2" if pre_tokenizer.get("use_regex", True) else None
     if kind != "Sequence":
         return None
     items = pre_tokenizer.get("pretokenizers") or []

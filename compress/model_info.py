@@ -27,6 +27,8 @@ class ModuleInfo:
     activations: str | None = None
     sparsity: float | None = None
     pattern_2_4: bool | None = None
+    pattern: str | None = None  # the tightest N:M pattern (recorded, 2:4 or 4:8) every group satisfies
+    pattern_valid: bool | None = None  # whether the pattern recorded in llmopt.json holds here
     bytes: int = 0
 
     def label(self) -> str:
@@ -58,6 +60,7 @@ class ModelInfo:
     bytes_on_disk: int
     bytes_in_memory: int
     modules: list[ModuleInfo] = field(default_factory=list)
+    pruning: dict | None = None  # what llmopt.json records about pruning (method, sparsity, pattern …)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,14 +104,46 @@ def _read_tensor(file: Path, name: str):
         return handle.get_tensor(name)
 
 
-def _dense_stats(file: Path, name: str) -> tuple[float, bool | None]:
+COMMON_PATTERNS = ("2:4", "4:8")
+
+
+def _dense_stats(file: Path, name: str, info: ModuleInfo, recorded: str | None) -> None:
+    """Fill in a dense module's sparsity, 2:4 validity, the N:M pattern it satisfies, and whether
+    the pattern recorded in ``llmopt.json`` holds."""
+    from llmopt.prune.masks import nm_valid, parse_pattern
+
     w = _read_tensor(file, name)
-    zero = w == 0
-    sparsity = float(zero.float().mean())
-    pattern = None
-    if sparsity >= 0.49 and w.dim() == 2 and w.shape[1] % 4 == 0:
-        pattern = bool(((~zero).reshape(w.shape[0], -1, 4).sum(-1) <= 2).all())
-    return sparsity, pattern
+    info.sparsity = float((w == 0).float().mean())
+    candidates = list(dict.fromkeys(([recorded] if recorded else []) + list(COMMON_PATTERNS)))
+    for text in candidates:
+        pattern = parse_pattern(text)
+        if w.dim() != 2 or w.shape[1] % pattern.m or info.sparsity < pattern.sparsity - 0.01:
+            valid = None if text != recorded else False
+        else:
+            valid = nm_valid(w, pattern)
+        if text == "2:4":
+            info.pattern_2_4 = valid
+        if text == recorded:
+            info.pattern_valid = bool(valid)
+        if valid and info.pattern is None:
+            info.pattern = text
+
+
+def _pruning_record(path: Path) -> dict | None:
+    """The pruning part of ``llmopt.json`` (without the per-module list), if any."""
+    try:
+        record = json.loads((path / "llmopt.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not any(k in record for k in ("sparsity", "depth", "width")):
+        return None
+    out = {"method": record.get("method"), "settings": record.get("settings"), "parameters": record.get("parameters")}
+    if "sparsity" in record:
+        out["sparsity"] = {k: v for k, v in record["sparsity"].items() if k != "modules"}
+    for key in ("depth", "width"):
+        if key in record:
+            out[key] = {k: v for k, v in record[key].items() if k not in ("ranking", "kept_heads")}
+    return out
 
 
 def inspect_checkpoint(path: Path, sparsity: bool = True) -> ModelInfo:
@@ -117,6 +152,8 @@ def inspect_checkpoint(path: Path, sparsity: bool = True) -> ModelInfo:
     headers = _safetensor_headers(path)
     qconfig = config.get("quantization_config") or {}
     activations = _activation_label(config)
+    pruning = _pruning_record(path)
+    recorded = ((pruning or {}).get("sparsity") or {}).get("pattern")
     modules: list[ModuleInfo] = []
     parameters = 0
     for name, (dtype, shape, file) in sorted(headers.items(), key=lambda item: _natural(item[0])):
@@ -137,7 +174,7 @@ def inspect_checkpoint(path: Path, sparsity: bool = True) -> ModelInfo:
         elif name.endswith(".weight") and len(shape) == 2 and "embed" not in name and "norm" not in name:
             info = ModuleInfo(module, "dense", dtype, shape, bytes=_nbytes(dtype, shape))
             if sparsity:
-                info.sparsity, info.pattern_2_4 = _dense_stats(file, name)
+                _dense_stats(file, name, info, recorded if LAYER.match(module) else None)
         if info is not None:
             modules.append(info)
             parameters += info.shape[0] * info.shape[1]
@@ -165,6 +202,7 @@ def inspect_checkpoint(path: Path, sparsity: bool = True) -> ModelInfo:
         bytes_on_disk=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
         bytes_in_memory=in_memory,
         modules=modules,
+        pruning=pruning,
     )
 
 
@@ -211,7 +249,9 @@ def grouped_rows(modules: list[ModuleInfo]) -> list[tuple[str, str, str, str]]:
         match = LAYER.match(module.name)
         prefix, index, suffix = (match.group(1), int(match.group(2)), match.group(3)) if match else ("", -1, module.name)
         sparsity = "" if module.sparsity is None or module.sparsity < 0.001 else f"{100 * module.sparsity:.1f}%"
-        pattern = "" if module.pattern_2_4 is None else (" (2:4)" if module.pattern_2_4 else "")
+        pattern = f" ({module.pattern})" if module.pattern else ""
+        if module.pattern_valid is False:
+            pattern += " (recorded N:M pattern VIOLATED)"
         key = (f"{prefix}|{suffix}|{'x'.join(map(str, module.shape))}", module.label() + "|" + sparsity + pattern)
         rows.setdefault(key, []).append((index, module))
     out = []

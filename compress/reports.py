@@ -46,6 +46,29 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
+def pruning_summary(pruning: dict | None) -> str | None:
+    """One line for the pruning recorded in a checkpoint's llmopt.json (None when there is none)."""
+    if not pruning:
+        return None
+    text = str(pruning.get("method"))
+    sparsity = pruning.get("sparsity")
+    if sparsity:
+        layers = sparsity.get("layers") or [sparsity.get("overall", 0)]
+        text += f", {100 * sparsity['overall']:.1f}% of decoder weights zero"
+        text += f" ({sparsity['pattern']} {'valid' if sparsity.get('pattern_valid') else 'VIOLATED'})" if sparsity.get("pattern") else ""
+        text += f", {sparsity.get('profile', 'uniform')} profile, layers {100 * min(layers):.1f}–{100 * max(layers):.1f}%"
+    if pruning.get("depth"):
+        d = pruning["depth"]
+        text += f", layers {d['layers'][0]} → {d['layers'][1]} (dropped {', '.join(map(str, d['dropped']))})"
+    if pruning.get("width"):
+        w = pruning["width"]
+        text += f", MLP {w['intermediate'][0]} → {w['intermediate'][1]}, heads {w['heads'][0]}/{w['kv_heads'][0]} → {w['heads'][1]}/{w['kv_heads'][1]}"
+    params = pruning.get("parameters")
+    if params:
+        text += f"; parameters {params['before']:,} → {params['after']:,}"
+    return text
+
+
 def info_tables(info) -> list[Table]:
     """A summary table and a per-module table (consecutive layers with one format collapsed)."""
     from .model_info import grouped_rows
@@ -60,10 +83,12 @@ def info_tables(info) -> list[Table]:
         ("hidden / heads / kv heads", f"{info.hidden_size} / {info.heads} / {info.kv_heads}"),
         ("vocabulary", f"{info.vocab_size:,}"),
         ("quantization", info.quantization or "none"),
+        ("pruning (llmopt.json)", pruning_summary(info.pruning)),
         ("bytes on disk", _bytes(info.bytes_on_disk)),
         ("bytes in memory (tensors as stored)", _bytes(info.bytes_in_memory)),
     ]:
-        summary.add_row(name, value)
+        if value is not None:
+            summary.add_row(name, value)
     modules = Table(title="Linear modules", title_justify="left")
     for column in ("module", "shape", "format", "sparsity"):
         modules.add_column(column)

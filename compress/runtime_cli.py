@@ -59,8 +59,9 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
       llmopt generate demo "The capital of France is" --max-tokens 16
       llmopt generate demo "Write a haiku about the sea" --chat --stream --temperature 0.7
     """
-    from .console import err, out
     from llmopt.runtime import LLM, SamplingParams
+
+    from .console import err, out
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos)
@@ -118,10 +119,10 @@ def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_l
       llmopt bench demo -n 64 --rate 2 --output-len 64:128 --json
     """
     import torch
-
-    from .console import make_progress, out
     from llmopt.runtime import LLMEngine
     from llmopt.runtime.bench import make_workload, serving, single_stream
+
+    from .console import make_progress, out
 
     prompt_range, output_range = _range(prompt_len, "prompt-len"), _range(output_len, "output-len")
     settings = _engine_settings(threads, None, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -144,8 +145,9 @@ def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_l
     if as_json:
         emit_json(result)
     else:
-        from .reports import _fmt
         from rich.table import Table
+
+        from .reports import _fmt
 
         table = Table(title=f"llmopt bench {model} ({result['threads']} threads)", title_justify="left")
         table.add_column("figure")

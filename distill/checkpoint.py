@@ -70,12 +70,23 @@ def save(root: Path, accelerator, model, optimizer, scheduler, state: dict, keep
     return final
 
 
+def read_state(path: Path) -> dict:
+    """The ``state.json`` of a checkpoint: step, data position, curves, settings."""
+    return json.loads((Path(path) / "state.json").read_text())
+
+
 def load(path: Path, accelerator, model, optimizer, scheduler) -> dict:
     """Restore a checkpoint into the (prepared) model, optimizer and scheduler; return its state."""
     path = Path(path)
-    state = json.loads((path / "state.json").read_text())
+    state = read_state(path)
     weights = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-    accelerator.unwrap_model(model).load_state_dict(weights)
+    try:
+        accelerator.unwrap_model(model).load_state_dict(weights)
+    except RuntimeError as exc:
+        raise LlmoptError(
+            f"checkpoint {path} holds a different student ({str(exc).splitlines()[0]})",
+            "resume with the same student options, or start over with --overwrite",
+        ) from exc
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     rng_file = path / f"rng-{accelerator.process_index}.pt"

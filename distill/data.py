@@ -9,6 +9,7 @@ packed tensor is cached on disk, keyed by the text's hash, the tokenizer and ``s
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,7 @@ def pack_text(tokenizer, spec: str, seq_len: int) -> PackedText:
         ids = torch.load(file, weights_only=True)
     else:
         ids = _pack(tokenizer, source, seq_len)
-        tmp = file.with_suffix(".tmp")
+        tmp = file.with_suffix(f".tmp{os.getpid()}")
         torch.save(ids, tmp)
         tmp.replace(file)
     if len(ids) == 0:

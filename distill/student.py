@@ -1,5 +1,5 @@
 """Students for distillation: a given model, or the teacher with its least important blocks
-dropped (:mod:`llmopt.prune.depth`), or — once available — width-pruned.
+dropped (:mod:`llmopt.prune.depth`), or width-pruned (:mod:`llmopt.prune.width`, where present).
 
 Every student must share the teacher's vocabulary; :func:`check_vocab` refuses otherwise.
 The result carries the hidden-state layer map (student block → teacher block) when one follows
@@ -153,7 +153,7 @@ def _width(request: StudentRequest, model: nn.Module, tokenizer, n_teacher: int,
     n_layers = len(decoder_layers(model))
     layer_map = [(i, i) for i in range(n_layers)] if n_layers == n_teacher else None
     record = {"kind": "width", "spec": request.student_from, "width": request.width, "layers": n_layers,
-              "calibration": calib_record, **result.to_dict()}
+              "calibration": calib_record, **{k: v for k, v in result.to_dict().items() if not k.startswith("kept_")}}
     return Student(model, tokenizer, layer_map, record)
 
 

@@ -8,6 +8,7 @@ file per sample; writes are atomic, so processes sharing a cache never see a par
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import torch
@@ -54,7 +55,7 @@ class TeacherCache:
         top_idx = top_idx.to(torch.int32)
         for row, sample in enumerate(samples):
             entry = {"indices": top_idx[row].cpu().contiguous(), "log_probs": top_lp[row].cpu().contiguous()}
-            tmp = self._file(sample).with_suffix(f".tmp{id(entry)}")
+            tmp = self._file(sample).with_suffix(f".tmp{os.getpid()}")
             torch.save(entry, tmp)
             tmp.replace(self._file(sample))
         return TopK(top_idx, top_lp, self.temperature)

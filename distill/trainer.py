@@ -299,7 +299,7 @@ class Trainer:
         if path is None:
             self._note(f"no checkpoint in {self.checkpoint_dir}: starting from step 0")
             return 0
-        state = checkpoint.load(path, self.accelerator, self.model, self.optimizer, self.scheduler)
+        state = checkpoint.read_state(path)
         saved, now = state["settings"], self.settings.result_settings()
         changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         if changed:
@@ -312,6 +312,7 @@ class Trainer:
                 f"cannot resume from {path}: it was saved by {state.get('world_size')} processes, this run has {self.accelerator.num_processes}",
                 "resume with the same number of processes",
             )
+        checkpoint.load(path, self.accelerator, self.model, self.optimizer, self.scheduler)
         self.history, self.val_history = state["history"], state["validation"]
         self._note(f"resumed from {path} (step {state['step']})")
         return int(state["step"])

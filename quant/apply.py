@@ -161,6 +161,7 @@ def quantize_model(
     smooth_alpha: float = 0.5,
     preserve_zeros: bool | None = None,
     batch_size: int = 8,
+    compute_dtype: torch.dtype | None = torch.bfloat16,
     progress: Any = None,
     show_progress: bool = True,
 ) -> QuantizeResult:
@@ -173,7 +174,10 @@ def quantize_model(
     ``act_order``: GPTQ activation ordering (static groups). ``preserve_zeros``: keep exact
     zeros (pruned weights) zero in GPTQ; None decides per Linear (≥10% exact zeros).
     ``smooth_alpha``: SmoothQuant migration strength. ``batch_size``: calibration samples per
-    forward. ``progress``: an optional ``rich.progress.Progress`` to report layers to.
+    forward. ``compute_dtype``: dtype of the calibration forward passes (autocast; default
+    bfloat16, about 2× faster on CPU; None: the model's dtype) — statistics, GPTQ and the
+    written weights stay in float32 / the model's dtype. ``progress``: an optional
+    ``rich.progress.Progress`` to report layers to.
     """
     start = time.perf_counter()
     scheme = validate_request(scheme_name, method, group_size, calib_ids is not None, act_order)
@@ -194,8 +198,9 @@ def quantize_model(
             scheme, method, clip_search, act_order, damp, block_size, awq_grid, awq_clip,
             smooth_alpha, preserve_zeros,
         )
-        _quantize_calibrated(model, calib_ids, targets, group_sizes, opts, result, batch_size,
-                             progress, show_progress)
+        _quantize_calibrated(model, calib_ids, targets, group_sizes, opts, result,
+                             dict(batch_size=batch_size, compute_dtype=compute_dtype,
+                                  progress=progress, show_progress=show_progress))
     result.seconds = time.perf_counter() - start
     return result
 
@@ -221,9 +226,7 @@ def _quantize_calibrated(
     group_sizes: dict[str, int | None],
     opts: _Options,
     result: QuantizeResult,
-    batch_size: int,
-    progress: Any,
-    show_progress: bool,
+    engine_options: dict[str, Any],
 ) -> None:
     prefixes = _layer_prefixes(model)
     use_gptq = opts.method.endswith("gptq")
@@ -269,8 +272,8 @@ def _quantize_calibrated(
 
     try:
         run_sequential(
-            model, calib_ids, layer_fn, batch_size=batch_size, progress=progress,
-            description=f"{opts.method} {opts.scheme.name}", show_progress=show_progress,
+            model, calib_ids, layer_fn, description=f"{opts.method} {opts.scheme.name}",
+            **engine_options,
         )
     finally:
         for h in act_hooks:

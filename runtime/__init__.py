@@ -10,4 +10,4 @@ from .llm import LLM
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]

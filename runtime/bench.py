@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .engine import LLMEngine
 from .metrics import percentiles

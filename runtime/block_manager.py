@@ -65,7 +65,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(min(seq.num_computed // bs, len(seq.block_table))):
+        for i in range(seq.num_registered_blocks, min(seq.num_computed // bs, len(seq.block_table))):
+            seq.num_registered_blocks = i + 1
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue
@@ -112,6 +113,7 @@ class BlockManager:
                 if block.hash is None:  # nothing reusable: hand it out first
                     self._free.move_to_end(block_id, last=False)
         seq.block_table = []
+        seq.num_registered_blocks = 0
 
     def check(self) -> None:
         """Assert the accounting is consistent (used by tests)."""

@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-
 from llmopt.errors import LlmoptError
 
 from .block_manager import BlockManager
@@ -167,7 +166,7 @@ class LLMEngine:
                 seq.times.first_scheduled = started
             self.block_manager.register_full_blocks(seq)
         self.stats.steps += 1
-        self.stats.prompt_tokens_computed += batch.num_tokens - len(sampled)
+        self.stats.computed_tokens += batch.num_tokens
         self.stats.busy_seconds += now - started
         for seq, result in zip(sampled, self.sampler(logits, sampled)):
             if result.error is not None:

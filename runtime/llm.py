@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 
 from llmopt.errors import LlmoptError
 

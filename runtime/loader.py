@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from llmopt.errors import LlmoptError
+from safetensors import safe_open
 
 from .config import ModelArch
 from .layers import DenseLinear, Linear, QuantLinear, merge_linears
@@ -33,21 +32,27 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor
+    """``embed`` is ``[vocab, hidden]``, or ``None`` when tied to a dense head: the lookup then
+    reads the head's ``[hidden, vocab]`` weight, so the matrix is held once."""
+
+    embed: torch.Tensor | None
     layers: list[LayerWeights]
     norm: torch.Tensor
     lm_head: Linear
     quantization: str | None  # e.g. "compressed-tensors W4A16", None when dense
 
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            return torch.nn.functional.embedding(ids, self.embed)
+        return self.lm_head.weight_t.index_select(1, ids).t()
+
     def nbytes(self) -> int:
-        """Bytes of weights in memory (a tied head shares the embedding)."""
-        total = self.embed.numel() * self.embed.element_size() + self.norm.numel() * self.norm.element_size()
+        """Bytes of weights in memory."""
+        total = sum(t.numel() * t.element_size() for t in (self.embed, self.norm) if t is not None)
         for layer in self.layers:
-            total += sum(t.numel() * t.element_size() for t in (layer.input_norm, layer.post_norm) if t is not None)
+            total += sum(t.numel() * t.element_size() for t in (layer.input_norm, layer.post_norm, layer.qk_norm) if t is not None)
             total += sum(lin.nbytes() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        if not (isinstance(self.lm_head, DenseLinear) and self.lm_head.weight is self.embed):
-            total += self.lm_head.nbytes()
-        return total
+        return total + self.lm_head.nbytes()
 
 
 def _dense_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -106,7 +111,7 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype) -> ModelWeight
         bias = tensor(f"{module}.bias", required=False)
         if module in quantized:
             return QuantLinear.from_quantized(quantized[module], bias)
-        return DenseLinear(tensor(f"{module}.weight").contiguous(), bias)
+        return DenseLinear.from_weight(tensor(f"{module}.weight"), bias)
 
     layers = []
     for i in range(arch.num_layers):
@@ -131,9 +136,9 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype) -> ModelWeight
     elif arch.tie_word_embeddings or "lm_head.weight" not in dense:
         if not arch.tie_word_embeddings:
             raise LlmoptError(f"{path} has no lm_head.weight and its embeddings are not tied", "re-create the checkpoint")
-        lm_head = DenseLinear(embed)
+        lm_head, embed = DenseLinear.from_weight(embed), None
     else:
-        lm_head = DenseLinear(tensor("lm_head.weight").contiguous())
+        lm_head = DenseLinear.from_weight(tensor("lm_head.weight"))
     weights = ModelWeights(embed, layers, tensor("model.norm.weight"), lm_head, description)
     _check_shapes(weights, arch, path)
     return weights
@@ -142,7 +147,7 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype) -> ModelWeight
 def _check_shapes(w: ModelWeights, arch: ModelArch, path: Path) -> None:
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
     expected = [
-        ("embedding", tuple(w.embed.shape), (arch.vocab_size, arch.hidden_size)),
+        ("output head", w.lm_head.out_features, arch.vocab_size),
         ("q/k/v projections", w.layers[0].qkv.out_features, qkv),
         ("gate/up projections", w.layers[0].gate_up.out_features, 2 * arch.intermediate_size),
     ]

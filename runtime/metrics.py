@@ -43,7 +43,7 @@ class RunStats:
     def reset(self) -> None:
         self.started = time.perf_counter()
         self.steps = 0
-        self.prompt_tokens_computed = 0
+        self.computed_tokens = 0  # every token run through the model (prompts, chunks, recomputation)
         self.generated_tokens = 0
         self.finished_requests = 0
         self.busy_seconds = 0.0
@@ -54,12 +54,13 @@ class RunStats:
         queried = scheduler.prefix_queried_tokens
         return {
             "elapsed_s": elapsed,
+            "busy_s": self.busy_seconds,
             "steps": self.steps,
             "finished_requests": self.finished_requests,
-            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "computed_tokens": self.computed_tokens,
             "generated_tokens": self.generated_tokens,
             "generation_tok_s": self.generated_tokens / elapsed,
-            "total_tok_s": (self.generated_tokens + self.prompt_tokens_computed) / elapsed,
+            "computed_tok_s": self.computed_tokens / elapsed,
             "preemptions": scheduler.num_preemptions,
             "prefix_cache_hit_rate": scheduler.prefix_hit_tokens / queried if queried else 0.0,
             "prefix_cache_hit_tokens": scheduler.prefix_hit_tokens,

@@ -95,7 +95,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Logits ``[len(batch.sample_rows), vocab]`` (float32)."""
-        h = F.embedding(batch.input_ids, self.w.embed)
+        h = self.w.embed_tokens(batch.input_ids)
         for i, layer in enumerate(self.w.layers):
             x = F.rms_norm(h, self.hidden_shape, layer.input_norm, self.eps)
             h = h + layer.o(self._attention(layer, x, batch, cache, i))

@@ -43,7 +43,7 @@ class SamplingParams:
         self._validate()
 
     @classmethod
-    def greedy(cls, **kwargs) -> "SamplingParams":
+    def greedy(cls, **kwargs) -> SamplingParams:
         return cls(temperature=0.0, **kwargs)
 
     @property

@@ -6,7 +6,7 @@ import enum
 import hashlib
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -48,6 +48,7 @@ class Sequence:
         self.num_computed = 0
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, memoized
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.num_cached_tokens = 0  # prefix-cache hits at the first admission
         self.generator = generator
         self.finish_reason: str | None = None

@@ -253,6 +253,10 @@ def test_ctrl_c_checkpoints_and_resume_matches_uninterrupted_run(teacher_dir, te
     assert stopped.interrupted and stopped.result.steps_done == 5
     assert not request.output.exists() and Path(stopped.result.checkpoint).name == "step-0000005"
     request.resume = True
+    changed = _request(teacher_dir, texts, tmp_path / "split", hidden_weight=0.5, grad_accum=2, lr=1e-3)
+    changed.resume = True
+    with pytest.raises(LlmoptError, match=r"settings changed \(lr: 0.003 → 0.001\)"):
+        run_distill(changed)
     resumed = run_distill(request)
     assert not resumed.interrupted and resumed.record["steps"] == 12
     a, b = _weights(full.output), _weights(resumed.output)
@@ -276,6 +280,23 @@ def test_teacher_cache_is_filled_and_reused(teacher_dir, texts, tmp_path):
         assert x["fkl"] == pytest.approx(y["fkl"], abs=1e-4)
 
 
+def test_live_display_shows_step_losses_lr_speed_and_eta():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from llmopt.distill.display import Progress, TrainDisplay
+
+    buffer = StringIO()
+    console = Console(file=buffer, force_terminal=True, width=100)
+    with TrainDisplay(console) as display:
+        assert display.live
+        display.update(Progress(3, 10, {"loss": 1.5, "fkl": 1.25}, 2e-4, 1234.0, 75.0, {"ppl": 42.0}))
+    text = buffer.getvalue()
+    for expected in ("3/10", "fkl", "1.2500", "2.00e-04", "1,234", "1:15", "validation ppl", "42"):
+        assert expected in text
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 def _cli(*args: str):
@@ -293,7 +314,8 @@ def test_vocabulary_mismatch_is_refused(teacher_dir, texts, tmp_path):
     (["--student", "X", "--student-from", "Y"], "exactly one of --student and --student-from"),
     ([], "exactly one of --student and --student-from"),
     (["--student-from", "T"], "needs one of --drop-layers"),
-    (["--student-from", "T", "--width", "50%"], "width pruning (--width) is not available yet"),
+    (["--student-from", "T", "--width", "50%"], "cannot read --width '50%'"),
+    (["--student-from", "T", "--width", "ffn=0.5", "--drop-layers", "1"], "needs one of --drop-layers"),
     (["--student-from", "T", "--drop-layers", "4"], "cannot drop 4 of the model's 4 layers"),
     (["--student-from", "T", "--drop-layers", "1", "--steps", "0"], "--steps 0"),
     (["--student-from", "T", "--drop-layers", "1", "--temperature", "0"], "--temperature 0"),
@@ -309,6 +331,33 @@ def test_bad_arguments_give_clear_errors(teacher_dir, texts, tmp_path, args, mes
     result = _cli(*base, *args)
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_width_pruning_is_refused_while_missing(monkeypatch):
+    from llmopt.distill import student
+
+    monkeypatch.setattr(student.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(LlmoptError, match="not available yet"):
+        student.StudentRequest(student_from="demo", width="ffn=0.5").validate()
+
+
+def test_width_pruned_student_distils(teacher_dir, texts, tmp_path):
+    from llmopt.distill import student
+    from llmopt.distill.run import run_distill
+
+    try:
+        student.width_pruning()
+    except LlmoptError:
+        pytest.skip("llmopt.prune.width is not available")
+    request = _request(teacher_dir, texts, tmp_path / "w", steps=3, hidden_weight=1.0)
+    request.student = student.StudentRequest(student_from=str(teacher_dir), width="ffn=0.5", calib=str(texts["train"]),
+                                             calib_samples=4, calib_seq_len=64)
+    outcome = run_distill(request)
+    assert outcome.record["student"]["kind"] == "width"
+    assert [tuple(pair) for pair in outcome.record["layer_map"]] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(outcome.output).intermediate_size == 96
 
 
 def test_existing_output_and_stale_checkpoints_are_refused(teacher_dir, texts, tmp_path):

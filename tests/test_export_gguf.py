@@ -197,7 +197,7 @@ def test_metadata_and_tokenizer_through_transformers(dense_dir, tmp_path):
     assert field(out, "llama.block_count") == 2
     assert field(out, "llama.attention.head_count") == 4 and field(out, "llama.attention.head_count_kv") == 2
     assert field(out, "llama.feed_forward_length") == 512 and field(out, "llama.embedding_length") == 256
-    assert field(out, "tokenizer.ggml.model") == "gpt2" and field(out, "tokenizer.ggml.pre") == "gpt2"
+    assert field(out, "tokenizer.ggml.model") == "gpt2" and field(out, "tokenizer.ggml.pre") == "gpt-2"
     assert field(out, "tokenizer.ggml.merges") == ["Ġ t", "h e", "Ġt he", "a t", "Ġ c"]
     assert field(out, "tokenizer.ggml.bos_token_id") == 1 and field(out, "tokenizer.ggml.eos_token_id") == 2
     assert field(out, "tokenizer.chat_template") == TEMPLATE

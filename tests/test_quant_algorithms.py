@@ -219,7 +219,7 @@ def test_engine_propagates_compressed_layers_and_stats() -> None:
             g.remove()
         for n in mods:
             x = torch.cat(inputs[f"{index}.{n}"]).reshape(-1, mods[n].in_features).double()
-            torch.testing.assert_close(stats.hessian(n), 2 / x.shape[0] * x.T @ x)
+            torch.testing.assert_close(stats.hessian(n), 2 / x.shape[0] * x.T @ x, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(stats.abs_mean(n), x.abs().mean(0).float())
             torch.testing.assert_close(stats.abs_max(n), x.abs().amax(0).float())
             torch.testing.assert_close(stats.l2_norm(n), x.norm(dim=0).float())
@@ -349,14 +349,16 @@ def test_smoothquant_folding_preserves_function_and_balances() -> None:
         with LinearStats(mods, hessian=False) as stats:
             run()
         mappings, _ = layer_mappings(layer)
-        results.extend(smoothquant_apply_layer(mappings, stats, alpha=0.5))
-        if index == 0:  # after smoothing, max |x_j| == max |W_j| for alpha = 0.5
-            with LinearStats(mods, hessian=False) as after:
-                run()
-            x_max = after.abs_max("self_attn.q_proj")
-            w_max = torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                               layer.self_attn.v_proj.weight]).abs().amax(0)
-            torch.testing.assert_close(x_max, w_max.detach(), rtol=1e-4, atol=1e-6)
+        assert mappings[0].name == "input_layernorm→q/k/v"
+        results.extend(smoothquant_apply_layer(mappings[:1], stats, alpha=0.5))
+        # After smoothing, max |x_j| == max |W_j| over q/k/v for alpha = 0.5.
+        with LinearStats(mods, hessian=False) as after:
+            run()
+        x_max = after.abs_max("self_attn.q_proj")
+        w_max = torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                           layer.self_attn.v_proj.weight]).abs().amax(0)
+        torch.testing.assert_close(x_max, w_max.detach(), rtol=1e-4, atol=1e-6)
+        results.extend(smoothquant_apply_layer(mappings[1:], stats, alpha=0.5))
 
     run_sequential(model, ids, layer_fn, show_progress=False)
     assert results[0].max_scale > 1.5 * results[0].min_scale

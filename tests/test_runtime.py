@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-
 from conftest import byte_tokenizer, save_model, tiny_llama
 from llmopt.cli import main
 from llmopt.errors import LlmoptError
@@ -57,7 +56,14 @@ def _randomize(model):
 
 def tiny(kind: str, seed: int = 0):
     """A random tiny model of one of the supported families (or RoPE variants)."""
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -374,7 +380,11 @@ def test_degenerate_filters_equal_greedy(models):
 
 
 def test_filters_match_transformers_warpers():
-    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     logits = torch.randn(VOCAB) * 3
     for params, warper in (
@@ -436,6 +446,18 @@ def test_request_and_run_metrics(models):
     assert 0 < stats["kv_blocks_peak"] <= sum(-(-(len(o.prompt_token_ids) + 6) // 8) for o in outs)
     assert stats["kv_bytes_peak_in_use"] == stats["kv_blocks_peak"] * engine.bytes_per_block
     assert stats["generation_tok_s"] > 0 and stats["kv_blocks_used"] == 0
+
+
+def test_serving_workload_and_bfloat16(models):
+    from llmopt.runtime.bench import make_workload, serving
+
+    _, path = models("llama")
+    work = make_workload(5, (4, 30), (2, 6), VOCAB, seed=3, rate=50.0)
+    assert work == make_workload(5, (4, 30), (2, 6), VOCAB, seed=3, rate=50.0)
+    assert [w.arrival for w in work] == sorted(w.arrival for w in work) and work[-1].arrival > 0
+    result = serving(LLMEngine(path, dtype="bfloat16"), work)
+    assert result["requests"] == 5 and result["output_tokens"] == sum(w.max_tokens for w in work)
+    assert result["ttft_p50_s"] > 0 and result["duration_s"] >= work[-1].arrival
 
 
 # ---------------------------------------------------------------------------------------------

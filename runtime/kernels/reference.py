@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from llmopt.quant.formats import dequantize, fake_quantize_activations
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+def dense_linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight_t (+ bias)`` for a 2-D ``x`` and a weight stored as ``[in, out]``."""
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
 def quant_linear(
