@@ -75,7 +75,7 @@ def single_stream(engine: LLMEngine, pp: int = 512, tg: int = 128, repetitions: 
 def serving(engine: LLMEngine, workload: list[WorkItem], advance: Callable[[int], None] | None = None) -> dict:
     """Run ``workload`` through the engine, adding each request at its arrival time."""
     pending = sorted(workload, key=lambda w: w.arrival)
-    engine.stats.reset()
+    engine.reset_metrics()
     start = time.perf_counter()
     finished = []
     i = 0

@@ -139,6 +139,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_metrics(self) -> None:
+        """Start a new measurement window for :meth:`metrics` (counters, peaks, clock)."""
+        self.stats.reset()
+        self.scheduler.num_preemptions = self.scheduler.prefix_queried_tokens = self.scheduler.prefix_hit_tokens = 0
+        self.block_manager.peak_used = self.block_manager.num_used_blocks
+
     def metrics(self) -> dict:
         """Run figures so far: throughput, KV usage, prefix-cache hit rate, preemptions …"""
         return self.stats.snapshot(self.scheduler, self.block_manager, self.bytes_per_block)
