@@ -4,11 +4,11 @@ Q4_0, each loaded back through transformers' GGUF loader and evaluated like any 
 For every variant: perplexity on WikiText-2 (16 windows of 2048 tokens) and KLD / top-1 against
 the float demo model (its distributions cached once), next to the same checkpoint's figures in
 our own evaluation (the float model for the dense exports, the compressed-tensors checkpoint for
-the GPTQ one). When ``llama_cpp`` (llama-cpp-python) is importable, each file is also run by
-llama.cpp itself on the same windows. Results go to ``bench/results/gguf_export.{json,md}``;
+the GPTQ one). With ``--llama-cpp`` (and llama-cpp-python importable) each file is also run by
+llama.cpp itself on the same windows (slow on 2 cores: ~30 tokens/s with all logits kept). Results go to ``bench/results/gguf_export.{json,md}``;
 finished variants are kept in the JSON and skipped on a rerun unless ``--force``.
 
-    python bench/gguf_export.py [--windows 16] [--method gptq|rtn] [--force]
+    python bench/gguf_export.py [--windows 16] [--method gptq|rtn] [--llama-cpp] [--force]
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--method", default="gptq", choices=["gptq", "rtn"])
+    parser.add_argument("--llama-cpp", action="store_true", help="also evaluate each GGUF in llama.cpp")
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args()
 
@@ -152,7 +153,7 @@ def main() -> None:
         }
         ref = rows[reference]["ppl"]
         rows[name]["ppl_vs_reference_pct"] = 100 * (rows[name]["ppl"] / ref - 1)
-        if llama_cpp_available():
+        if args.llama_cpp and llama_cpp_available():
             from llama_cpp import __version__ as llama_cpp_version
 
             start = time.perf_counter()

@@ -106,6 +106,7 @@ def export_command(model, output, fmt, gguf_type, dense_type, requantize, verify
             notice(line)
     else:
         out.print(f"exported {report.source} ({report.source_kind}) → {Path(report.output)} "
-                  f"[{report.format}{', ' + report.dtype if report.dtype else ''}, {report.bytes / 2**20:.1f} MiB, {report.seconds:.1f} s]")
+                  f"[{report.format}{', ' + report.dtype if report.dtype else ''}, {report.bytes / 2**20:.1f} MiB, {report.seconds:.1f} s]",
+                  markup=False, highlight=False)
         for line in report.notes:
             notice(line)
