@@ -87,7 +87,7 @@ def quantize_gptq(method: str, out: Path) -> dict:
     """Our W4A16 g32 checkpoint (GPTQ, or RTN when asked), made by the CLI in a child process."""
     if (out / "config.json").is_file():
         return json.loads((out / "llmopt.json").read_text())
-    command = [sys.executable, "-m", "llmopt.cli", "quantize", "demo", "--scheme", "W4A16", "--group-size", "32",
+    command = [sys.executable, "-m", "llmopt", "quantize", "demo", "--scheme", "W4A16", "--group-size", "32",
                "--method", method, "-o", str(out), "--overwrite", "--json"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:

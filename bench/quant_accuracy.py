@@ -47,7 +47,7 @@ VARIANTS: dict[str, tuple[str, str, int | None, list[str]]] = {
 
 def llmopt(*args: str) -> dict:
     """Run the CLI with --json in a child process and return its JSON output."""
-    command = [sys.executable, "-m", "llmopt.cli", *args, "--json"]
+    command = [sys.executable, "-m", "llmopt", *args, "--json"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed:\n{done.stderr[-3000:]}")

@@ -198,6 +198,3 @@ main.add_command(recipes_group)
 
 from .prune_cli import prune_command  # noqa: E402
 main.add_command(prune_command)
-
-if __name__ == "__main__":
-    main()
