@@ -47,7 +47,7 @@ VARIANTS: dict[str, list[str]] = {
 def llmopt(*args: str) -> dict:
     """Run the CLI with --json in a child process and return its JSON output."""
     command = [sys.executable, "-m", "llmopt", *args, "--json"]
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout)
@@ -103,13 +103,14 @@ def write_markdown(results: dict, meta: dict) -> None:
     lines = [
         "# Pruning accuracy on the demo model (SmolLM2-135M-Instruct)",
         "",
-        f"WikiText-2 raw test, first {meta['windows']} windows of 2048 tokens ({base['tokens']:,} scored tokens); "
-        f"KLD and top-1 against the float model (ppl {base['perplexity']:.4f}, {meta['parameters']:,} parameters). "
-        f"Calibration: {meta['calibration']}. Machine: {meta['machine']}; {meta['date']}.",
+        (f"WikiText-2 raw test, first {meta['windows']} windows of 2048 tokens ({base['tokens']:,} scored tokens); "
+         f"KLD and top-1 against the float model (ppl {base['perplexity']:.4f}, {meta['parameters']:,} parameters). "
+         f"Calibration: {meta['calibration']}. Machine: {meta['machine']}; {meta['date']}."),
         "",
         "| variant | parameters | weights (MiB) | zeros in decoder Linears | ppl | KLD mean | KLD p99 | top-1 | prune time | peak RSS (MiB) |",
         "|---|---|---|---|---|---|---|---|---|---|",
-        f"| float (baseline) | {meta['parameters']:,} | {meta['weights_bytes'] / 2**20:.1f} | 0% | {base['perplexity']:.3f} | 0 | 0 | 100% | | |",
+        (f"| float (baseline) | {meta['parameters']:,} | {meta['weights_bytes'] / 2**20:.1f} | 0% | "
+         f"{base['perplexity']:.3f} | 0 | 0 | 100% | | |"),
     ]
     for name, r in results.items():
         zeros = "" if r["sparsity"] is None else f"{100 * r['sparsity']:.1f}%" + (" (2:4 valid)" if r.get("pattern_valid") else "")
@@ -123,8 +124,8 @@ def write_markdown(results: dict, meta: dict) -> None:
     checks = _shape_checks(results)
     if checks:
         lines += ["", "Expected shape (SparseGPT / Wanda papers, Llama models):", "", *checks]
-    lines += ["", "Prune time includes calibration (sequential engine) but not loading or saving; unstructured and 2:4 "
-              "checkpoints are dense safetensors, so their size equals the float model's."]
+    lines += ["", ("Prune time includes calibration (sequential engine) but not loading or saving; unstructured and 2:4 "
+                   "checkpoints are dense safetensors, so their size equals the float model's.")]
     (RESULTS / "prune_accuracy.md").write_text("\n".join(lines) + "\n")
 
 
@@ -144,8 +145,22 @@ def main() -> None:
     saved = json.loads(path.read_text()) if path.is_file() else {}
     same = saved.get("windows") == args.windows and saved.get("calib_args") == calib
     results = saved.get("variants", {}) if same else {}
-    baseline = llmopt("eval", "demo", "--baseline", "demo", "--max-windows", str(args.windows))
+    baseline = saved.get("baseline") if same else None
+    baseline = baseline or llmopt("eval", "demo", "--baseline", "demo", "--max-windows", str(args.windows))
     info = llmopt("inspect", "demo", "--no-sparsity")
+    meta = {
+        "windows": args.windows, "calib_args": calib, "baseline": baseline, "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
+        "parameters": info["parameters"], "weights_bytes": info["bytes_in_memory"],
+        "calibration": f"austen, seed 0: {args.calib_samples}×{args.calib_seq_len} tokens for Wanda, SparseGPT and width; "
+                       f"{DEPTH_CALIB[1]}×{DEPTH_CALIB[3]} for the layer rankings (computed once per ranking, cached)",
+    }
+
+    def save() -> None:
+        ordered = {k: results[k] for k in VARIANTS if k in results}
+        path.write_text(json.dumps({**meta, "variants": ordered}, indent=2) + "\n")
+        write_markdown(ordered, meta)
+
     for name, spec in VARIANTS.items():
         if args.only and not any(o in name for o in args.only):
             continue
@@ -157,17 +172,8 @@ def main() -> None:
         r = results[name]
         print(f"    ppl {r['ppl']:.3f}  KLD {r['kld_mean']:.4f}  top-1 {100 * r['top1']:.1f}%  params {r['parameters']:,}  "
               f"prune {r['prune_seconds']:.0f}s  ({time.perf_counter() - start:.0f}s)", flush=True)
-        ordered = {k: results[k] for k in VARIANTS if k in results}
-        meta = {
-            "windows": args.windows, "calib_args": calib, "baseline": baseline, "date": time.strftime("%Y-%m-%d"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
-            "parameters": info["parameters"], "weights_bytes": info["bytes_in_memory"],
-            "calibration": f"austen, seed 0: {args.calib_samples}×{args.calib_seq_len} tokens for Wanda, SparseGPT and width; "
-                           f"{DEPTH_CALIB[1]}×{DEPTH_CALIB[3]} for the layer rankings (computed once per ranking, cached)",
-        }
-        path.write_text(json.dumps({**meta, "variants": ordered}, indent=2) + "\n")
-        write_markdown(ordered, meta)
-
+        save()
+    save()
 
 if __name__ == "__main__":
     main()

@@ -62,7 +62,7 @@ def _table(outcome) -> object:
 @click.option("--temperature", default=1.0, show_default=True, type=float, help="Softmax temperature of the logit loss (scaled by T²).")
 @click.option("--beta", default=0.5, show_default=True, type=float, help="JSD interpolation weight.")
 @click.option("--kd-weight", default=1.0, show_default=True, type=float, help="Weight of the logit loss.")
-@click.option("--hidden-weight", default=0.0, show_default=True, type=float, help="Weight of the hidden-state MSE (layer map automatic for --drop-layers students).")
+@click.option("--hidden-weight", type=float, help="Weight of the normalized hidden-state MSE [default: 1 for students made by --drop-layers/--width (exact layer map), else 0].")
 @click.option("--ce-weight", default=0.0, show_default=True, type=float, help="Weight of cross-entropy on the data.")
 @click.option("--teacher-top-k", default=0, show_default=True, type=int, help="Cache the teacher's top-k log-probs on disk and reuse them (0: compute on the fly).")
 @click.option("--precision", default="auto", show_default=True, type=click.Choice(["auto", "bf16", "fp16", "no"]), help="Mixed precision (auto: bf16 where the hardware has it).")

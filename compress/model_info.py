@@ -244,7 +244,7 @@ def _nf4(module: str, name: str, file: Path, headers: dict) -> ModuleInfo:
 
 def grouped_rows(modules: list[ModuleInfo]) -> list[tuple[str, str, str, str]]:
     """Collapse consecutive layers with the same format: ``layers.0-29.mlp.down_proj``."""
-    rows: "OrderedDict[tuple[str, str], list[tuple[int, ModuleInfo]]]" = OrderedDict()
+    rows: OrderedDict[tuple[str, str], list[tuple[int, ModuleInfo]]] = OrderedDict()
     for module in modules:
         match = LAYER.match(module.name)
         prefix, index, suffix = (match.group(1), int(match.group(2)), match.group(3)) if match else ("", -1, module.name)

@@ -89,6 +89,18 @@ def _student(request: DistillRequest, teacher, tokenizer, state, bf16: bool) -> 
     return Student(student.model, student.tokenizer, chosen["layer_map"], chosen["record"])
 
 
+AUTO_HIDDEN_WEIGHT = 1.0
+
+
+def resolve_hidden_weight(settings: TrainSettings, student: Student) -> None:
+    """``hidden_weight=None`` means: use the hidden-state loss (weight 1) when the student was made
+    from the teacher by pruning, so its layer map is exact, and the teacher is not cached; else 0."""
+    if settings.hidden_weight is None:
+        derived = student.record.get("kind") in ("drop-layers", "width") and bool(student.layer_map)
+        settings.hidden_weight = AUTO_HIDDEN_WEIGHT if derived and not settings.teacher_top_k else 0.0
+        settings.validate()
+
+
 def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
     """Distil and save; returns the record written to ``OUTPUT/llmopt.json``."""
     from accelerate import PartialState
@@ -108,6 +120,7 @@ def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
     check_seq_len(teacher, request.seq_len)
     bf16_ranking = cpu and resolve_precision(request.settings.precision, cpu) == "bf16"
     student = _student(request, teacher, tokenizer, state, bf16_ranking)
+    resolve_hidden_weight(request.settings, student)
     with state.main_process_first():
         train = pack_text(tokenizer, request.data, request.seq_len)
         val = pack_text(tokenizer, request.validation, request.seq_len) if request.validation else None

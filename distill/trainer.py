@@ -49,7 +49,7 @@ class TrainSettings:
     beta: float = 0.5
     kd_weight: float = 1.0
     ce_weight: float = 0.0
-    hidden_weight: float = 0.0
+    hidden_weight: float | None = 0.0  # None: chosen by the run (see run.resolve_hidden_weight)
     seed: int = 0
     precision: str = "auto"
     teacher_top_k: int = 0
@@ -63,6 +63,7 @@ class TrainSettings:
 
     def validate(self) -> None:
         """Refuse settings that cannot work, naming the option to change."""
+        hidden = self.hidden_weight or 0.0
         checks = [
             (self.steps >= 1, f"--steps {self.steps}", "train for at least 1 step"),
             (self.batch_size >= 1, f"--batch-size {self.batch_size}", "use at least 1"),
@@ -74,14 +75,14 @@ class TrainSettings:
             (self.loss in KINDS, f"--loss {self.loss}", f"use one of {', '.join(KINDS)}"),
             (self.temperature > 0, f"--temperature {self.temperature}", "use a temperature above 0"),
             (0 < self.beta < 1, f"--beta {self.beta}", "use a JSD beta strictly between 0 and 1"),
-            (min(self.kd_weight, self.ce_weight, self.hidden_weight) >= 0, "a negative loss weight", "use weights of 0 or more"),
-            (self.kd_weight + self.ce_weight + self.hidden_weight > 0, "all loss weights are 0", "give --kd-weight, --ce-weight or --hidden-weight a positive value"),
+            (min(self.kd_weight, self.ce_weight, hidden) >= 0, "a negative loss weight", "use weights of 0 or more"),
+            (self.kd_weight + self.ce_weight + hidden > 0 or self.hidden_weight is None, "all loss weights are 0", "give --kd-weight, --ce-weight or --hidden-weight a positive value"),
             (min(self.save_every, self.eval_every, self.teacher_top_k) >= 0, "a negative interval or top-k", "use 0 (off) or a positive number"),
         ]
         for ok, what, fix in checks:
             if not ok:
                 raise LlmoptError(f"invalid setting: {what}", fix)
-        if self.teacher_top_k and self.hidden_weight > 0:
+        if self.teacher_top_k and hidden > 0:
             raise LlmoptError(
                 "the teacher cache holds logits only, but the hidden-state loss needs the teacher's hidden states",
                 "drop --teacher-top-k or set --hidden-weight 0",
@@ -191,6 +192,8 @@ class Trainer:
         on_step: Callable[[int, dict], None] | None = None,
     ) -> None:
         settings.validate()
+        if settings.hidden_weight is None:
+            raise ValueError("resolve hidden_weight before training (run.resolve_hidden_weight)")
         if (settings.kd_weight > 0 or settings.hidden_weight > 0) and teacher is None:
             raise LlmoptError("the distillation losses need a teacher", "pass a teacher or train with --ce-weight only")
         if settings.hidden_weight > 0 and not layer_map:

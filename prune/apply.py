@@ -15,14 +15,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-
 from llmopt.errors import LlmoptError
+from torch import nn
 
 from .depth import METHODS as RANKINGS
 from .depth import LayerRanking, check_drop_count, drop_layers, kept_layers, rank_layers
 from .masks import Pattern, parse_pattern
-from .sparsify import MASK_METHODS, PROFILES, SparsifyOptions, sparsify_model, sparsity_report
+from .sparsify import (
+    MASK_METHODS,
+    PROFILES,
+    SparsifyOptions,
+    sparsify_model,
+    sparsity_report,
+)
 from .width import HEAD_MODES, check_ffn_ratio, plan_heads, prune_width
 
 METHODS = (*MASK_METHODS, "drop-layers", "width")
@@ -146,7 +151,7 @@ def prune_model(
     start = time.perf_counter()
     before = _count(model)
     record: dict = {"method": settings.method}
-    run = dict(progress=progress, show_progress=show_progress)
+    run = {"progress": progress, "show_progress": show_progress}
     if settings.method in MASK_METHODS:
         pattern = settings.parsed_pattern
         options = SparsifyOptions(settings.method, settings.sparsity, pattern, settings.profile or "uniform",

@@ -21,10 +21,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
-
 from llmopt.calibration import decoder_layers as engine_decoder_layers
 from llmopt.errors import LlmoptError
+from torch import nn
 
 METHODS = ("block-influence", "perplexity")
 

@@ -49,7 +49,7 @@ def parse_pattern(text: str) -> Pattern:
 
 def pruned_per_row(n_inputs: int, sparsity: float) -> int:
     """How many of a row's ``n_inputs`` weights a sparsity removes (rounded to nearest)."""
-    return min(n_inputs, max(0, int(round(sparsity * n_inputs))))
+    return min(n_inputs, max(0, round(sparsity * n_inputs)))
 
 
 def unstructured_mask(scores: torch.Tensor, sparsity: float) -> torch.Tensor:

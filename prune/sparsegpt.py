@@ -12,7 +12,6 @@ group of M columns for N:M, each time from the error-updated weights.
 from __future__ import annotations
 
 import torch
-
 from llmopt.quant.gptq import _inverse_hessian_factor
 
 from .masks import Pattern, pruned_per_row

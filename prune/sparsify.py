@@ -15,9 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from llmopt.calibration import (
+    LinearStats,
+    decoder_layers,
+    linear_modules,
+    run_sequential,
+)
 from torch import nn
-
-from llmopt.calibration import LinearStats, decoder_layers, linear_modules, run_sequential
 
 from .magnitude import magnitude_mask
 from .masks import Pattern, nm_valid, outlier_ratio, owl_sparsities
@@ -80,7 +84,7 @@ def sparsify_model(
     start = time.perf_counter()
     n_layers = len(decoder_layers(model))
     result = SparsifyResult([options.sparsity if options.pattern is None else options.pattern.sparsity] * n_layers)
-    run = dict(batch_size=options.batch_size, progress=progress, show_progress=show_progress)
+    run = {"batch_size": options.batch_size, "progress": progress, "show_progress": show_progress}
     if options.profile == "owl":
         if options.pattern is not None:
             raise ValueError("the OWL profile varies sparsity per layer and does not apply to N:M patterns")
@@ -116,7 +120,7 @@ def sparsify_model(
 def _sparsegpt_layer(mods: dict[str, nn.Linear], stats: LinearStats, sparsity: float | None, options: SparsifyOptions) -> None:
     for names in stats.shared_groups():
         weights = [mods[n].weight for n in names]
-        w, keep = sparsegpt_prune_weight(
+        w, _ = sparsegpt_prune_weight(
             torch.cat([x.detach() for x in weights]), stats.hessian(names[0]), sparsity, options.pattern,
             block_size=options.block_size, damp=options.damp,
         )

@@ -24,10 +24,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
-
 from llmopt.calibration import LinearStats, decoder_layers, run_sequential
 from llmopt.errors import LlmoptError
+from torch import nn
 
 HEAD_MODES = ("auto", "kv-groups", "query-heads")
 
@@ -62,7 +61,7 @@ def plan_heads(n_heads: int, n_kv: int, ratio: float, mode: str = "auto") -> Hea
         raise LlmoptError(f"{n_heads} attention heads do not split into {n_kv} KV groups", "width-prune heads only in standard MHA/GQA models")
     if ratio == 0:
         return HeadPlan("none", n_heads, n_kv)
-    removed = int(round(ratio * n_heads))
+    removed = round(ratio * n_heads)
     group = n_heads // n_kv
     layout = f"{n_kv} KV heads × {group} query heads"
     if removed == 0 or removed >= n_heads:
@@ -87,7 +86,7 @@ def check_ffn_ratio(ratio: float, intermediate: int) -> int:
     """Channels kept by an MLP removal ``ratio``; refuses a ratio outside [0, 1) or keeping none."""
     if not 0 <= ratio < 1:
         raise LlmoptError(f"--ffn-ratio {ratio} is outside [0, 1)", "pass the fraction of MLP channels to remove, e.g. 0.25")
-    kept = intermediate - int(round(ratio * intermediate))
+    kept = intermediate - round(ratio * intermediate)
     if kept < 1:
         raise LlmoptError(f"--ffn-ratio {ratio} leaves no MLP channel of {intermediate}", "use a smaller ratio")
     return kept

@@ -319,7 +319,7 @@ def test_vocabulary_mismatch_is_refused(teacher_dir, texts, tmp_path):
     (["--student-from", "T", "--drop-layers", "4"], "cannot drop 4 of the model's 4 layers"),
     (["--student-from", "T", "--drop-layers", "1", "--steps", "0"], "--steps 0"),
     (["--student-from", "T", "--drop-layers", "1", "--temperature", "0"], "--temperature 0"),
-    (["--student-from", "T", "--drop-layers", "1", "--kd-weight", "0"], "all loss weights are 0"),
+    (["--student-from", "T", "--drop-layers", "1", "--kd-weight", "0", "--hidden-weight", "0"], "all loss weights are 0"),
     (["--student-from", "T", "--drop-layers", "1", "--hidden-weight", "1", "--teacher-top-k", "8"], "hidden states"),
     (["--student-from", "T", "--drop-layers", "1", "--data", "/nonexistent.txt"], "dataset not found"),
 ])

@@ -9,8 +9,6 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import AutoModelForCausalLM
-
 from conftest import SHARED_DATA, save_model, tiny_llama
 from llmopt.calibration import LinearStats, linear_modules
 from llmopt.cli import main
@@ -18,11 +16,20 @@ from llmopt.errors import LlmoptError
 from llmopt.models import load_model
 from llmopt.prune.apply import PruneSettings, prune_model
 from llmopt.prune.magnitude import magnitude_mask
-from llmopt.prune.masks import Pattern, nm_mask, nm_valid, outlier_ratio, owl_sparsities, parse_pattern, unstructured_mask
+from llmopt.prune.masks import (
+    Pattern,
+    nm_mask,
+    nm_valid,
+    outlier_ratio,
+    owl_sparsities,
+    parse_pattern,
+    unstructured_mask,
+)
 from llmopt.prune.sparsegpt import sparsegpt_prune_weight
 from llmopt.prune.sparsify import SparsifyOptions, sparsify_model
 from llmopt.prune.wanda import wanda_mask
 from llmopt.prune.width import choose_heads, plan_heads, prune_width
+from transformers import AutoModelForCausalLM
 
 CALIB = SHARED_DATA / "gutenberg" / "persuasion.txt"
 CALIB_ARGS = ["--calib", str(CALIB), "--calib-samples", "4", "--calib-seq-len", "32"]
@@ -130,7 +137,7 @@ def test_sparsegpt_handles_dead_inputs_and_rejects_bad_requests() -> None:
     x = correlated_inputs(512, 64)
     x[:, 5] = 0.0
     w = torch.randn(16, 64)
-    pruned, keep = sparsegpt_prune_weight(w, 2 * x.T @ x / 512, 0.5)
+    pruned, _ = sparsegpt_prune_weight(w, 2 * x.T @ x / 512, 0.5)
     assert torch.isfinite(pruned).all() and (pruned[:, 5] == 0).all() and ((pruned == 0).sum(1) == 32).all()
     with pytest.raises(ValueError, match="exactly one"):
         sparsegpt_prune_weight(w, torch.eye(64), 0.5, Pattern(2, 4))
@@ -164,14 +171,12 @@ def test_wanda_scores_use_the_pruned_predecessors_inputs() -> None:
     sparsify_model(reference, SparsifyOptions("wanda", 0.5), ids, show_progress=False)
     # prune layer 0 of a fresh copy, then score layer 1 by hand on the pruned model's hidden states
     manual = tiny_llama(seed=2)
-    with LinearStats(linear_modules(manual.model.layers[0]), hessian=False, stop_early=False) as stats:
-        with torch.no_grad():
-            manual(ids)
+    with LinearStats(linear_modules(manual.model.layers[0]), hessian=False, stop_early=False) as stats, torch.no_grad():
+        manual(ids)
     for name, module in linear_modules(manual.model.layers[0]).items():
         module.weight.data.mul_(wanda_mask(module.weight, stats.l2_norm(name), 0.5))
-    with LinearStats(linear_modules(manual.model.layers[1]), hessian=False, stop_early=False) as stats:
-        with torch.no_grad():
-            manual(ids)
+    with LinearStats(linear_modules(manual.model.layers[1]), hessian=False, stop_early=False) as stats, torch.no_grad():
+        manual(ids)
     q = manual.model.layers[1].self_attn.q_proj
     expected = q.weight * wanda_mask(q.weight, stats.l2_norm("self_attn.q_proj"), 0.5)
     torch.testing.assert_close(reference.model.layers[1].self_attn.q_proj.weight, expected)
