@@ -260,8 +260,19 @@ def run_eval(
                 fill_baseline(base_model, data, cache, advance)
             del base_model
             model, tokenizer = load_model(path)
+    if same and not cache.missing(len(data.windows)):
+        return cached_self_result(data, cache)  # the baseline against itself: nothing to compute
     with progress_task(f"eval {model_spec}", len(data.windows)) as advance:
         return evaluate(model, data, cache, advance, store_baseline=same)
+
+
+def cached_self_result(data: EvalData, cache: BaselineCache) -> EvalResult:
+    """A baseline's own figures from its cache: its perplexity, KLD 0 and full agreement."""
+    nll = torch.cat([cache.load(i)["nll"] for i in range(len(data.windows))]).double()
+    ppl = float(nll.mean().exp())
+    return EvalResult(perplexity=ppl, tokens=nll.numel(), windows=len(data.windows), seq_len=data.seq_len,
+                      dataset=data.dataset, kld_mean=0.0, kld_median=0.0, kld_p99=0.0, top1_agreement=1.0,
+                      baseline_perplexity=ppl, kld_top_k=cache.top_k)
 
 
 def _vocab(path: Path) -> int:

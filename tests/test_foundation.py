@@ -270,3 +270,14 @@ def test_demo_self_baseline_and_inspect(demo_cache):
     assert 5 < payload["perplexity"] < 100  # a trained model, not a random one (random ≈ vocab size)
     info = json.loads(run_cli("inspect", "demo", "--json", "--no-sparsity").stdout)
     assert info["parameters"] == 134_515_008 and info["layers"] == 30
+
+
+def test_self_baseline_from_cache_matches_computed(tiny_model_dir):
+    from llmopt.evaluate import run_eval
+
+    first = run_eval(str(tiny_model_dir), str(tiny_model_dir), str(WIKI), seq_len=64, max_windows=3, top_k=8)
+    again = run_eval(str(tiny_model_dir), str(tiny_model_dir), str(WIKI), seq_len=64, max_windows=3, top_k=8)
+    assert again.perplexity == pytest.approx(first.perplexity, rel=1e-9)
+    assert (again.kld_mean, again.top1_agreement, again.tokens) == (0.0, 1.0, first.tokens)
+    reference = reference_perplexity(load_model(str(tiny_model_dir))[0], eval_data(byte_tokenizer(), str(WIKI), 64, 3).windows)
+    assert again.perplexity == pytest.approx(reference, rel=1e-5)
