@@ -198,13 +198,14 @@ def markdown(payload: dict) -> str:
         runs = [("transformers" if "bytes" in r else "our eval", r)] + ([("llama.cpp", r["llama_cpp"])] if "llama_cpp" in r else [])
         for runner, f in runs:
             delta = f"{f['ppl_vs_reference_pct']:+.2f}%" if "ppl_vs_reference_pct" in f else "—"
-            lines.append(f"| {name} | {runner} | {types} | {size} | {f['ppl']:.3f} | {delta} | {f['kld_mean']:.4f} | "
-                         f"{f['kld_p99']:.4f} | {100 * f['top1']:.2f}% | {r.get('reference', '—')} |")
+            lines.append(f"| {name} | {runner} | {types} | {size} | {f['ppl']:.3f} | {delta} | {f['kld_mean']:.2e} | "
+                         f"{f['kld_p99']:.2e} | {100 * f['top1']:.2f}% | {r.get('reference', '—')} |")
     lines += ["", "Per export:", ""]
     for name, r in payload["variants"].items():
         if "decisions" in r:
             codes = f"; codes identical: {r['codes_identical']}" if r["codes_identical"] else ""
-            lines.append(f"- **{name}**: {'; '.join(r['decisions'])}; max |error| per type {r['max_abs_err_by_type']}{codes}; "
+            errors = ", ".join(f"{k} {v:.3g}" for k, v in r["max_abs_err_by_type"].items())
+            lines.append(f"- **{name}**: {'; '.join(r['decisions'])}; max |error| per type: {errors}{codes}; "
                          f"tokenizer ids match: {r['token_ids_match']}; export {r['export_seconds']:.0f} s, eval {r['eval_seconds']:.0f} s")
     return "\n".join(lines) + "\n"
 

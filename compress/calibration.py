@@ -64,11 +64,14 @@ class InputStats:
     sq_sum: torch.Tensor | None = None  # float64 Σ x²
     names: list[str] = field(default_factory=list)
 
-    def add(self, x: torch.Tensor, hessian: bool, channel: bool) -> None:
+    def add(
+        self, x: torch.Tensor, hessian: bool, channel: bool, matmul_dtype: torch.dtype = torch.float32
+    ) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
         self.n_tokens += x.shape[0]
         if hessian:
-            xtx = (x.T @ x).double()
+            xm = x.to(matmul_dtype)
+            xtx = (xm.T @ xm).double()
             self.xtx = xtx if self.xtx is None else self.xtx.add_(xtx)
         if channel:
             a = x.abs()
@@ -102,6 +105,8 @@ class LinearStats:
     With ``stop_early`` the forward is cut short (:class:`StopForward`) after the last observed
     Linear once the execution order is known (from the first batch); use it only when the
     layer outputs of that run are not needed, as with the engine's ``run_layer``.
+    ``hessian_dtype``: dtype of the per-batch ``xᵀx`` products (bfloat16 halves their cost on
+    CPU; sums are accumulated in float64 either way).
     """
 
     def __init__(
@@ -111,8 +116,10 @@ class LinearStats:
         hessian: bool = True,
         channel: bool = True,
         stop_early: bool = True,
+        hessian_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.modules = dict(modules)
+        self.hessian_dtype = hessian_dtype
         self.hessian_enabled = hessian
         self.channel_enabled = channel
         self.stop_early = stop_early
@@ -154,7 +161,7 @@ class LinearStats:
             self._stats[name] = stats
             self._order.append(name)
         if not (self._last is not None and self._last[0] is x and self._last[1] is stats):
-            stats.add(x, self.hessian_enabled, self.channel_enabled)
+            stats.add(x, self.hessian_enabled, self.channel_enabled, self.hessian_dtype)
         self._last = (x, stats)
         if self.stop_early and self._order_known and name == self._order[-1]:
             self._last = None

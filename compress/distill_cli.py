@@ -87,7 +87,7 @@ def distill_command(teacher, student, student_from, drop_layers, width, layer_me
 
     \b
     Examples:
-      llmopt distill --teacher demo --student-from demo --drop-layers 8 --steps 300 --hidden-weight 1 -o out/student
+      llmopt distill --teacher demo --student-from demo --drop-layers 8 --steps 300 --eval-every 50 -o out/student
       llmopt distill --teacher demo --student out/pruned --loss jsd --steps 1000 --save-every 100 -o out/jsd
     """
     from llmopt.distill.run import DistillRequest, run_distill

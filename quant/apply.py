@@ -175,8 +175,9 @@ def quantize_model(
     zeros (pruned weights) zero in GPTQ; None decides per Linear (≥10% exact zeros).
     ``smooth_alpha``: SmoothQuant migration strength. ``batch_size``: calibration samples per
     forward. ``compute_dtype``: dtype of the calibration forward passes (autocast; default
-    bfloat16, about 2× faster on CPU; None: the model's dtype) — statistics, GPTQ and the
-    written weights stay in float32 / the model's dtype. ``progress``: an optional
+    bfloat16, about 2× faster on CPU; None: the model's dtype), also used for the ``xᵀx``
+    products of the Hessians (accumulated in float64); GPTQ and the written weights stay in
+    float32 / the model's dtype. ``progress``: an optional
     ``rich.progress.Progress`` to report layers to.
     """
     start = time.perf_counter()
@@ -233,6 +234,8 @@ def _quantize_calibrated(
     use_awq = opts.method.startswith("awq")
     use_smooth = opts.method.startswith("smoothquant")
     act_hooks: list[Any] = []
+    bf16 = engine_options.get("compute_dtype") == torch.bfloat16
+    hessian_dtype = torch.bfloat16 if bf16 else torch.float32  # (fp16 could overflow)
 
     def layer_fn(index: int, layer: nn.Module, run_layer: Any) -> None:
         prefix = prefixes[index][1]
@@ -242,7 +245,8 @@ def _quantize_calibrated(
         need_hessian = use_gptq or use_awq or opts.clip_search
         need_channel = use_awq or use_smooth
         observed = linear_modules(layer, prefix) if need_channel else mods
-        with LinearStats(observed, hessian=need_hessian, channel=need_channel) as stats:
+        with LinearStats(observed, hessian=need_hessian, channel=need_channel,
+                         hessian_dtype=hessian_dtype) as stats:
             run_layer()
         if use_smooth or use_awq:
             mappings, skipped = layer_mappings(layer, prefix)

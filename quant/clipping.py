@@ -83,3 +83,4 @@ def clamp_to_ratio(
         lo = (wg.amin(-1, keepdim=True) * r).clamp(max=0)
         hi = (wg.amax(-1, keepdim=True) * r).clamp(min=0)
     return torch.maximum(torch.minimum(wg, hi), lo).reshape(w.shape).to(w.dtype)
+

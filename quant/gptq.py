@@ -11,18 +11,22 @@ from .formats import FP8_MAX, QuantizedWeight, QuantScheme, compute_qparams, sea
 
 
 def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + λI)⁻¹`` with λ = ``damp`` × mean diagonal (raised if
-    ``H`` is not positive definite enough)."""
+    """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` (``UᵀU = (H + λI)⁻¹``), λ = ``damp`` × mean
+    diagonal, raised if ``H`` is not positive definite enough.
+
+    With ``J`` the order reversal and ``JHJ = KKᵀ`` (Cholesky), ``H = VVᵀ`` for the upper
+    triangular ``V = JKJ``, so ``U = V⁻¹ = JK⁻¹J``: one factorisation and one triangular inverse.
+    """
+    n = h.shape[0]
     mean_diag = h.diagonal().mean().item()
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    eye = torch.eye(n, dtype=h.dtype, device=h.device)
+    flipped = h.flip(0, 1)
     for attempt in range(6):
         lam = damp * (10**attempt) * mean_diag
-        chol, info = torch.linalg.cholesky_ex(h + lam * eye)
+        k, info = torch.linalg.cholesky_ex(flipped + lam * eye)
         if info.item() == 0:
-            hinv = torch.cholesky_inverse(chol)
-            u, info = torch.linalg.cholesky_ex(hinv, upper=True)
-            if info.item() == 0:
-                return u
+            k_inv = torch.linalg.solve_triangular(k, eye, upper=False)
+            return k_inv.flip(0, 1)
     raise ValueError("GPTQ: the Hessian is not positive definite even with strong dampening")
 
 

@@ -370,6 +370,17 @@ def test_pruned_fewer_and_narrower_layers(tmp_path):
     assert down.type == "Q5_0" and "not a multiple of 256" in down.note
 
 
+def test_pruned_heads_keep_head_dim(tmp_path):
+    """Head pruning leaves head_dim * heads below hidden_size: key/value lengths are written."""
+    model = new_model(num_attention_heads=2, num_key_value_heads=1, head_dim=64)  # 2 of 4 heads, 1 of 2 KV groups
+    src = save(model, tmp_path / "heads")
+    out = tmp_path / "heads.gguf"
+    report = export_gguf(src, out, "F32", verify=True)
+    assert field(out, "llama.attention.head_count") == 2 and field(out, "llama.attention.key_length") == 64
+    assert field(out, "llama.rope.dimension_count") == 64
+    assert report.verify["max_abs_logit_diff"] < 1e-4, report.verify
+
+
 def test_layers_of_different_widths_write_arrays(tmp_path):
     from safetensors.torch import load_file, save_file
 
