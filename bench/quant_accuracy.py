@@ -26,6 +26,7 @@ ANCHORS = ROOT.parent / "shared" / "anchors"
 # name: (scheme, method, group size, extra quantize flags)
 VARIANTS: dict[str, tuple[str, str, int | None, list[str]]] = {
     "W8A16 rtn": ("W8A16", "rtn", None, []),
+    "W8A16 gptq": ("W8A16", "gptq", None, []),
     "FP8 rtn": ("FP8", "rtn", None, []),
     "FP8_DYNAMIC rtn": ("FP8_DYNAMIC", "rtn", None, []),
     "W8A8 rtn": ("W8A8", "rtn", None, []),
