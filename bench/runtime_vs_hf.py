@@ -110,21 +110,36 @@ def hf_static_batches(model, workload, size: int = 8) -> dict:
 
 
 @torch.inference_mode()
-def hf_single_stream(model, vocab: int, pp: int = 512, tg: int = 128, reps: int = 5, seed: int = 0) -> dict:
+def single_streams(engine, model, vocab: int, pp: int = 512, tg: int = 128, reps: int = 5, seed: int = 0) -> dict:
+    """pp / tg tokens/s of the engine and of transformers ``generate``, median of ``reps``.
+
+    The two alternate within each repetition, so a shared machine's changing load falls on both."""
+    import random
+
+    from llmopt.runtime.bench import time_generation, time_prompt
+
+    rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    model.generate(torch.randint(100, vocab, (1, 16), generator=gen), max_new_tokens=4, do_sample=False, pad_token_id=0)
-    pp_s, tg_s = [], []
-    for _ in range(reps):
-        ids = torch.randint(100, vocab, (1, pp), generator=gen)
+
+    def hf(ids: torch.Tensor, new: int) -> float:
         t = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
-        pp_s.append(time.perf_counter() - t)
-        ids = torch.randint(100, vocab, (1, 1), generator=gen)
-        t = time.perf_counter()
-        model.generate(ids, max_new_tokens=tg, do_sample=False, pad_token_id=0)
-        tg_s.append(time.perf_counter() - t)
-    return {f"pp{pp}_tok_s": pp / statistics.median(pp_s), f"tg{tg}_tok_s": tg / statistics.median(tg_s),
-            "pp_seconds": pp_s, "tg_seconds": tg_s}
+        model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t
+
+    time_generation(engine, 4, rng)  # warm-up
+    hf(torch.randint(100, vocab, (1, 16), generator=gen), 4)
+    times: dict[str, list[float]] = {"engine_pp": [], "hf_pp": [], "engine_tg": [], "hf_tg": []}
+    for i in range(reps):
+        times["engine_pp"].append(time_prompt(engine, pp, rng))
+        times["hf_pp"].append(hf(torch.randint(100, vocab, (1, pp), generator=gen), 1))
+        times["engine_tg"].append(time_generation(engine, tg, rng))
+        times["hf_tg"].append(hf(torch.randint(100, vocab, (1, 1), generator=gen), tg))
+        log(f"  single stream repetition {i + 1}/{reps}")
+    return {
+        who: {f"pp{pp}_tok_s": pp / statistics.median(times[f"{who}_pp"]), f"tg{tg}_tok_s": tg / statistics.median(times[f"{who}_tg"]),
+              "pp_seconds": times[f"{who}_pp"], "tg_seconds": times[f"{who}_tg"], "repetitions": reps}
+        for who in ("engine", "hf")
+    }
 
 
 def engine_serving(engine, workload) -> dict:
@@ -170,8 +185,11 @@ def markdown(report: dict) -> str:
         f"({100 * e['kv_peak_usage']:.1f}% of the {e['kv_bytes_allocated'] / 2**20:.0f} MiB cache; KV memory is exactly "
         f"blocks × {report['kv_bytes_per_block']} bytes).",
         "",
-        f"## Single stream (median of {report['single']['engine']['repetitions']})",
+        f"## Single stream (median of {report['single']['engine']['repetitions']}, engine and transformers alternating)",
         "",
+        *([f"Re-measured on their own at {report['single_measured']['when']} (load average "
+           f"{report['single_measured']['load_average']:.1f}); earlier figures are kept in runtime.json.", ""]
+          if report.get("single_measured") else []),
         "| system | pp512 tok/s | tg128 tok/s |",
         "|---|---:|---:|",
         f"| llmopt engine | {report['single']['engine']['pp512_tok_s']:.1f} | {report['single']['engine']['tg128_tok_s']:.1f} |",
@@ -198,6 +216,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, nargs=2, default=[32, 256])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--single-only", action="store_true", help="re-measure only the single-stream figures of an earlier run")
     args = parser.parse_args()
     load_before = os.getloadavg()
 
@@ -205,7 +224,7 @@ def main() -> None:
     import transformers
     from llmopt.models import load_model
     from llmopt.runtime import LLMEngine
-    from llmopt.runtime.bench import make_workload, single_stream
+    from llmopt.runtime.bench import make_workload
 
     transformers.utils.logging.set_verbosity_error()
     log("loading the engine and the transformers model")
@@ -215,13 +234,14 @@ def main() -> None:
     vocab = engine.arch.vocab_size
     workload = make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len), vocab, args.seed)
 
-    log("engine: single stream")
-    ours_single = single_stream(engine, 512, 128, args.reps, args.seed)
+    log("single stream, engine and transformers alternating")
+    single = single_streams(engine, model, vocab, reps=args.reps, seed=args.seed)
+    if args.single_only:
+        update_single(args.out, single)
+        return
     log("engine: serving workload")
     engine_result = engine_serving(engine, workload)
     log(f"  {engine_result['output_tok_s']:.1f} output tok/s")
-    log("transformers: single stream")
-    hf_single = hf_single_stream(model, vocab, reps=args.reps, seed=args.seed)
     log("transformers: static batches of 8")
     static = hf_static_batches(model, workload)
     log("transformers: one request at a time")
@@ -241,18 +261,36 @@ def main() -> None:
         "engine_config": {k: getattr(engine.config, k) for k in engine.config.__dataclass_fields__},
         "kv_bytes_per_block": engine.bytes_per_block,
         "serving": {"engine": engine_result, "hf_static": static, "hf_one": one},
-        "single": {"engine": ours_single, "hf": hf_single},
+        "single": single,
     }
     report["ratios"] = {
         "vs_one_at_a_time": engine_result["output_tok_s"] / one["output_tok_s"],
         "vs_static_batches": engine_result["output_tok_s"] / static["output_tok_s"],
-        "single_stream_decode": ours_single["tg128_tok_s"] / hf_single["tg128_tok_s"],
-        "single_stream_prompt": ours_single["pp512_tok_s"] / hf_single["pp512_tok_s"],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "runtime.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (args.out / "runtime.md").write_text(markdown(report))
+    write(args.out, report)
+
+
+def single_ratios(report: dict) -> None:
+    single = report["single"]
+    report["ratios"]["single_stream_decode"] = single["engine"]["tg128_tok_s"] / single["hf"]["tg128_tok_s"]
+    report["ratios"]["single_stream_prompt"] = single["engine"]["pp512_tok_s"] / single["hf"]["pp512_tok_s"]
+
+
+def write(out: Path, report: dict) -> None:
+    single_ratios(report)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "runtime.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / "runtime.md").write_text(markdown(report))
     print(markdown(report))
+
+
+def update_single(out: Path, single: dict) -> None:
+    """Replace the single-stream figures of an earlier full run (``--single-only``)."""
+    report = json.loads((out / "runtime.json").read_text())
+    report.setdefault("single_earlier", []).append({"single": report["single"], "load_average": report.get("load_average_before_after")})
+    report["single"] = single
+    report["single_measured"] = {"when": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg()[0]}
+    write(out, report)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,16 @@ def _run_one(engine: LLMEngine, prompt: list[int], max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def time_prompt(engine: LLMEngine, pp: int, rng: random.Random) -> float:
+    """Seconds to process a fresh random ``pp``-token prompt (and emit one token)."""
+    return _run_one(engine, _random_prompt(engine, pp, rng), 1)
+
+
+def time_generation(engine: LLMEngine, tg: int, rng: random.Random) -> float:
+    """Seconds to generate ``tg`` tokens from a one-token prompt."""
+    return _run_one(engine, _random_prompt(engine, 1, rng), tg)
+
+
 def single_stream(engine: LLMEngine, pp: int = 512, tg: int = 128, repetitions: int = 5, seed: int = 0,
                   advance: Callable[[int], None] | None = None) -> dict:
     """Prompt processing of ``pp`` tokens (one token generated) and generation of ``tg`` tokens
@@ -59,8 +69,8 @@ def single_stream(engine: LLMEngine, pp: int = 512, tg: int = 128, repetitions: 
     _run_one(engine, _random_prompt(engine, min(pp, 32), rng), 4)  # warm-up
     pp_s, tg_s = [], []
     for _ in range(repetitions):
-        pp_s.append(_run_one(engine, _random_prompt(engine, pp, rng), 1))
-        tg_s.append(_run_one(engine, _random_prompt(engine, 1, rng), tg))
+        pp_s.append(time_prompt(engine, pp, rng))
+        tg_s.append(time_generation(engine, tg, rng))
         if advance:
             advance(1)
     return {

@@ -7,7 +7,10 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+    Qwen3Config, Qwen3ForCausalLM,
+)
 
 from llmopt.calibration import LinearStats, linear_modules, run_sequential
 from llmopt.quant.apply import quantize_model
@@ -21,12 +24,29 @@ from llmopt.quant.smoothquant import smoothquant_apply_layer
 VOCAB = 128
 
 
-def tiny_model(layers: int = 2) -> LlamaForCausalLM:
-    cfg = LlamaConfig(
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one thread is faster and immune to a busy shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_model(layers: int = 2, family: str = "llama") -> LlamaForCausalLM:
+    kwargs = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
     )
-    model = LlamaForCausalLM(cfg).eval()
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kwargs))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**kwargs))
+    elif family == "qwen2":  # q/k/v biases
+        model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    else:  # qwen3: per-head q/k norms, explicit head_dim
+        model = Qwen3ForCausalLM(Qwen3Config(**kwargs, head_dim=16))
+    model.eval()
     with torch.no_grad():  # non-trivial norms so that folding into them is exercised
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -118,15 +138,55 @@ def test_rtn_modules_written_in_place() -> None:
 # GPTQ
 
 
+def reference_gptq(w, h, scheme, mask=None, damp=0.01) -> torch.Tensor:
+    """Textbook OBQ-style GPTQ in float64: one column at a time, explicit inverse-Hessian
+    downdates, no blocking or Cholesky tricks; group qparams taken when a group starts."""
+    w = w.double().clone()
+    n = w.shape[1]
+    hd = h.double() + damp * h.diagonal().mean() * torch.eye(n, dtype=torch.float64)
+    hinv = torch.linalg.inv(hd)
+    gs = scheme.group_size or n
+    out = torch.zeros_like(w)
+    for i in range(n):
+        if i % gs == 0:
+            part = w[:, i : i + gs] if mask is None else w[:, i : i + gs] * mask[:, i : i + gs]
+            scale, zp = compute_qparams(part.float(), scheme, gs)
+        q = rtn_col = fake_q(w[:, i].float(), scale[:, 0], None if zp is None else zp[:, 0], scheme)
+        if mask is not None:
+            q = torch.where(mask[:, i], rtn_col, torch.zeros_like(rtn_col))
+        out[:, i] = q.double()
+        err = (w[:, i] - out[:, i]) / hinv[i, i]
+        w[:, i:] -= err.unsqueeze(1) * hinv[i, i:].unsqueeze(0)
+        hinv = hinv - hinv[:, i : i + 1] @ hinv[i : i + 1, :] / hinv[i, i]
+    return out
+
+
+def fake_q(col, scale, zp, scheme) -> torch.Tensor:
+    if scheme.is_float:
+        return (col / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+    q = torch.round(col / scale) + (0 if zp is None else zp)
+    q = q.clamp(scheme.qmin, scheme.qmax)
+    return (q - (0 if zp is None else zp)) * scale
+
+
+def assert_matches_reference(qw, w, h, scheme, mask=None) -> None:
+    ref = reference_gptq(w, h, scheme, mask).float()
+    got = qw.dequantize()
+    same = torch.isclose(got, ref, rtol=1e-4, atol=1e-7).float().mean()
+    assert same > 0.97, f"only {same:.3f} of the weights match the reference GPTQ"
+
+
+
 @pytest.mark.parametrize("name,gs", [("W4A16", 32), ("W4A16_ASYM", 32), ("W8A16", None), ("FP8", None)])
 def test_gptq_beats_rtn_on_correlated_inputs(name: str, gs: int | None) -> None:
     scheme = get_scheme(name, gs)
-    x = correlated_inputs(2048, 128)
-    w = torch.randn(96, 128) * 0.1
+    x = correlated_inputs(2048, 320)  # 320 columns: lazy updates across 128-column blocks
+    w = torch.randn(96, 320) * 0.1
     h = 2.0 / x.shape[0] * (x.T.double() @ x.double())
     rtn = rtn_quantize_weight(w, scheme, scheme.group_size).dequantize()
     qw = gptq_quantize_weight(w, h, scheme, scheme.group_size)
     assert out_err(x, w, qw.dequantize()) < 0.8 * out_err(x, w, rtn)
+    assert_matches_reference(qw, w, h, scheme)
     again = gptq_quantize_weight(w, h, scheme, scheme.group_size)
     assert torch.equal(qw.codes.float(), again.codes.float())
     assert torch.equal(qw.scale, again.scale)
@@ -161,7 +221,7 @@ def test_gptq_respects_sparsity_mask(name: str, gs: int | None) -> None:
     mask = torch.rand_like(w) > 0.5
     w = w * mask
     h = 2.0 / x.shape[0] * (x.T.double() @ x.double())
-    qw = gptq_quantize_weight(w, h, scheme, scheme.group_size, mask=mask)
+    qw = gptq_quantize_weight(w, h, scheme, scheme.group_size, mask=mask, block_size=16)
     w_hat = qw.dequantize()
     assert torch.all(w_hat[~mask] == 0)
     if qw.zero_point is not None:
@@ -169,6 +229,7 @@ def test_gptq_respects_sparsity_mask(name: str, gs: int | None) -> None:
         assert torch.equal(qw.codes[~mask], zp[~mask])
     rtn = rtn_quantize_weight(w, scheme, scheme.group_size).dequantize()
     assert out_err(x, w, w_hat) < out_err(x, w, rtn)
+    assert_matches_reference(qw, w, h, scheme, mask)
 
 
 def test_gptq_dead_columns() -> None:
@@ -184,8 +245,10 @@ def test_gptq_dead_columns() -> None:
 # Calibration engine
 
 
-def test_engine_identity_matches_forward() -> None:
-    model = tiny_model(3)
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
+def test_engine_identity_matches_forward(family: str, attn: str) -> None:
+    model = tiny_model(3, family)
+    model.set_attn_implementation(attn)  # eager: an explicit 4-D mask per batch
     ids = calib_ids(5, 12)
     captured = []
     handle = model.model.layers[-1].register_forward_hook(lambda m, a, o: captured.append(o))
@@ -253,8 +316,13 @@ def test_stop_early_gives_same_stats() -> None:
 # AWQ / SmoothQuant folding
 
 
-def test_fold_random_scales_preserves_function_with_gqa() -> None:
-    model = tiny_model(2)
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_fold_random_scales_preserves_function_with_gqa(family: str) -> None:
+    model = tiny_model(2, family)
+    with torch.no_grad():  # non-zero biases where the family has them
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     ids = calib_ids(3, 12)
     ref = logits(model, ids)
     names = set()
@@ -343,6 +411,12 @@ def test_smoothquant_folding_preserves_function_and_balances() -> None:
     ids = calib_ids(6, 16)
     ref = logits(model, ids)
     results = []
+    alpha = 0.75
+
+    def qkv_col_max(layer) -> torch.Tensor:
+        attn = layer.self_attn
+        w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        return w.detach().abs().amax(0)
 
     def layer_fn(index, layer, run):
         mods = linear_modules(layer, "")
@@ -350,15 +424,15 @@ def test_smoothquant_folding_preserves_function_and_balances() -> None:
             run()
         mappings, _ = layer_mappings(layer)
         assert mappings[0].name == "input_layernorm→q/k/v"
-        results.extend(smoothquant_apply_layer(mappings[:1], stats, alpha=0.5))
-        # After smoothing, max |x_j| == max |W_j| over q/k/v for alpha = 0.5.
+        x_max, w_max = stats.abs_max("self_attn.q_proj"), qkv_col_max(layer)
+        results.extend(smoothquant_apply_layer(mappings[:1], stats, alpha=alpha))
+        # s = x_max^α / w_max^(1-α): afterwards max|x| = (x_max·w_max)^(1-α), max|W| = (…)^α.
         with LinearStats(mods, hessian=False) as after:
             run()
-        x_max = after.abs_max("self_attn.q_proj")
-        w_max = torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                           layer.self_attn.v_proj.weight]).abs().amax(0)
-        torch.testing.assert_close(x_max, w_max.detach(), rtol=1e-4, atol=1e-6)
-        results.extend(smoothquant_apply_layer(mappings[1:], stats, alpha=0.5))
+        prod = x_max * w_max
+        torch.testing.assert_close(after.abs_max("self_attn.q_proj"), prod.pow(1 - alpha), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(qkv_col_max(layer), prod.pow(alpha), rtol=1e-4, atol=1e-6)
+        results.extend(smoothquant_apply_layer(mappings[1:], stats, alpha=alpha))
 
     run_sequential(model, ids, layer_fn, show_progress=False)
     assert results[0].max_scale > 1.5 * results[0].min_scale
