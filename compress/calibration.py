@@ -291,8 +291,10 @@ def run_sequential(
     description: str = "Calibrating",
     show_progress: bool = True,
     compute_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Calibrate ``model`` layer by layer; returns the last layer's outputs [n, seq, hidden].
+    return_hidden: bool = True,
+) -> torch.Tensor | None:
+    """Calibrate ``model`` layer by layer; returns the last layer's outputs [n, seq, hidden]
+    (before the final norm), or None with ``return_hidden=False``.
 
     ``layer_fn(index, layer, run_layer)`` observes and compresses one decoder layer;
     ``run_layer()`` runs it over all stored calibration inputs (outputs discarded; any hooks
@@ -344,5 +346,5 @@ def run_sequential(
                 if advance is not None:
                     advance()
     model.train(was_training)
-    return torch.cat(inputs.hidden, dim=0)
+    return torch.cat(inputs.hidden, dim=0) if return_hidden else None
 

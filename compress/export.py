@@ -101,9 +101,12 @@ def export_hf(model: str | Path, output: str | Path, dtype: str = "auto", overwr
 
 def export_compressed_tensors(model: str | Path, output: str | Path, overwrite: bool = False) -> DirExportReport:
     """Re-write a compressed-tensors checkpoint (codes and scales bit for bit) to ``output``."""
+    from llmopt.quant.compressed import (
+        load_dequantized,
+        read_compressed,
+        save_compressed,
+    )
     from transformers import AutoTokenizer
-
-    from llmopt.quant.compressed import load_dequantized, read_compressed, save_compressed
 
     start = time.perf_counter()
     output = Path(output)

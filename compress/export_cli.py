@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .cli import MODEL_HELP, emit_json, user_errors
+from .cli import emit_json, user_errors
 from .export import FORMATS, USER_TYPES
 
 TYPE_CHOICE = click.Choice(USER_TYPES, case_sensitive=False)

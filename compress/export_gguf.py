@@ -33,7 +33,7 @@ import json
 import re
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +147,7 @@ def _safetensors(path: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name in files:
         with safe_open(str(path / name), framework="pt") as handle:
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 out[key] = handle.get_tensor(key)
     return out
 
@@ -378,7 +378,7 @@ def _plan_quantized(name: str, source: str, qw: Any, opts: Options) -> Planned:
 
 def _carry(name: str, source: str, qw: Any, qtype: T, fmt: str, note: str) -> Planned:
     """Plan a tensor whose codes go into ``qtype`` blocks unchanged."""
-    rows, cols = qw.codes.shape
+    cols = qw.codes.shape[1]
     group = qw.group_size or cols
     per_block = group // blocks.QK
     scale = qw.scale.float().repeat_interleave(per_block, dim=1)  # [rows, cols/32]

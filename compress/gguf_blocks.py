@@ -62,7 +62,7 @@ def _unnibble(qs: np.ndarray) -> np.ndarray:
 
 def encode_q4_0(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
     """Q4_0 bytes ``[rows, cols/32*18]`` from int4 codes ``[rows, cols]`` and block scales ``[rows, cols/32]``."""
-    rows, cols = codes.shape
+    rows = codes.shape[0]
     u = (codes.astype(np.int16) + 8).reshape(-1, QK)
     out = np.concatenate([_f16_bytes(d.reshape(-1)), _nibbles(u)], axis=1)
     return out.reshape(rows, -1)
@@ -70,7 +70,7 @@ def encode_q4_0(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 def encode_q4_1(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     """Q4_1 bytes from int4 codes (``u = q + 8``), block scales ``d`` and offsets ``m``."""
-    rows, cols = codes.shape
+    rows = codes.shape[0]
     u = (codes.astype(np.int16) + 8).reshape(-1, QK)
     out = np.concatenate([_f16_bytes(d.reshape(-1)), _f16_bytes(m.reshape(-1)), _nibbles(u)], axis=1)
     return out.reshape(rows, -1)
@@ -78,7 +78,7 @@ def encode_q4_1(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 def encode_q8_0(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
     """Q8_0 bytes from int8-range codes ``[rows, cols]`` and block scales ``[rows, cols/32]``."""
-    rows, cols = codes.shape
+    rows = codes.shape[0]
     q = codes.astype(np.int8).reshape(-1, QK).view(np.uint8)
     out = np.concatenate([_f16_bytes(d.reshape(-1)), q], axis=1)
     return out.reshape(rows, -1)
@@ -114,7 +114,7 @@ _SHRINK = np.linspace(1.0, 0.7, 13, dtype=np.float32)  # range shrinks tried per
 
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     """Q4_K bytes ``[rows, cols/256*144]`` of float weights ``[rows, cols]`` (cols % 256 == 0)."""
-    rows, cols = x.shape
+    rows = x.shape[0]
     sub = x.astype(np.float32).reshape(-1, 8, 32)  # [n_super, 8 sub-blocks, 32]
     scale, mn = _search_affine(sub, levels=15)
     # Sub-block scale and min as 6-bit multiples of the super-block's d and dmin.
@@ -138,7 +138,7 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     """Q6_K bytes ``[rows, cols/256*210]`` of float weights ``[rows, cols]`` (cols % 256 == 0)."""
-    rows, cols = x.shape
+    rows = x.shape[0]
     sub = x.astype(np.float32).reshape(-1, 16, 16)  # [n_super, 16 sub-blocks, 16]
     scale = _search_symmetric(sub)
     # ggml maps the largest sub-block scale to -128: d = -max/128, scales in [-128, 127].

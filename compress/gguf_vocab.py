@@ -94,7 +94,9 @@ def detect_pre(pre_tokenizer: dict | None) -> str | None:
 def _known_splits() -> dict[str, str]:
     """Split regex → llama.cpp pre-tokenizer name (first name listed for each regex)."""
     try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_PRE_TOKENIZER_SPLITS,
+        )
     except ImportError:  # older transformers: recognize nothing by regex
         return {}
     names: dict[str, str] = {}

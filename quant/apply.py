@@ -157,7 +157,7 @@ def quantize_model(
     damp: float = 0.01,
     block_size: int = 128,
     awq_grid: int = 20,
-    awq_clip: bool = True,
+    awq_clip: bool = False,
     smooth_alpha: float = 0.5,
     preserve_zeros: bool | None = None,
     batch_size: int = 8,
@@ -171,14 +171,18 @@ def quantize_model(
     ``ignore``: regexes of Linear names to keep in float (``lm_head`` and embeddings are never
     quantized). ``clip_search``: range search per (row, group) — RTN weighs the weight error,
     calibrated methods the output error (default: on for calibrated methods, off for RTN).
-    ``act_order``: GPTQ activation ordering (static groups). ``preserve_zeros``: keep exact
-    zeros (pruned weights) zero in GPTQ; None decides per Linear (≥10% exact zeros).
-    ``smooth_alpha``: SmoothQuant migration strength. ``batch_size``: calibration samples per
-    forward. ``compute_dtype``: dtype of the calibration forward passes (autocast; default
-    bfloat16, about 2× faster on CPU; None: the model's dtype), also used for the ``xᵀx``
-    products of the Hessians (accumulated in float64); GPTQ and the written weights stay in
-    float32 / the model's dtype. ``progress``: an optional
-    ``rich.progress.Progress`` to report layers to.
+    ``act_order``: GPTQ activation ordering (static groups). ``damp``/``block_size``: GPTQ
+    dampening (fraction of the mean Hessian diagonal) and lazy-update block. ``awq_grid``:
+    number of α points in [0, 1]; ``awq_clip``: AWQ's auto-clip (weights clamped to the
+    output-optimal range, shrink up to 50%) — off by default, the output-weighted
+    ``clip_search`` done at quantization did better on the demo model. ``preserve_zeros``:
+    keep exact zeros (pruned weights) zero in GPTQ; None decides per Linear (≥10% exact
+    zeros). ``smooth_alpha``: SmoothQuant migration strength. ``batch_size``: calibration
+    samples per forward. ``compute_dtype``: dtype of the calibration forward passes (autocast;
+    default bfloat16, about 2× faster on CPU; None: the model's dtype), also used for the
+    ``xᵀx`` products of the Hessians (accumulated in float64); GPTQ and the written weights
+    stay in float32 / the model's dtype. ``progress``: an optional ``rich.progress.Progress``
+    to report layers to (``show_progress=False``: no bar at all).
     """
     start = time.perf_counter()
     scheme = validate_request(scheme_name, method, group_size, calib_ids is not None, act_order)
@@ -277,7 +281,7 @@ def _quantize_calibrated(
     try:
         run_sequential(
             model, calib_ids, layer_fn, description=f"{opts.method} {opts.scheme.name}",
-            **engine_options,
+            return_hidden=False, **engine_options,
         )
     finally:
         for h in act_hooks:

@@ -14,17 +14,25 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import tiny_llama
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
-
-from conftest import tiny_llama
 from llmopt.cli import main
 from llmopt.errors import LlmoptError
 from llmopt.export import export_compressed_tensors, export_hf
-from llmopt.export_gguf import UnmappableTypeError, UnsupportedArchitectureError, export_gguf
+from llmopt.export_gguf import (
+    UnmappableTypeError,
+    UnsupportedArchitectureError,
+    export_gguf,
+)
 from llmopt.quant.compressed import read_compressed, save_compressed
-from llmopt.quant.formats import QuantizedWeight, QuantScheme, compute_qparams, get_scheme
+from llmopt.quant.formats import (
+    QuantizedWeight,
+    QuantScheme,
+    compute_qparams,
+    get_scheme,
+)
 
 SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 TEXT = "the cat sat on the mat. <|im_start|>user\nhello there<|im_end|>"
@@ -366,7 +374,7 @@ def test_pruned_fewer_and_narrower_layers(tmp_path):
     assert report.verify["max_abs_logit_diff"] < 1e-4
     # Q4_K cannot hold rows of 384: ffn_down falls back to Q5_0, as llama.cpp does.
     report = export_gguf(src, tmp_path / "k.gguf", "Q4_K")
-    down = [r for r in report.tensors if r.name == "blk.0.ffn_down.weight"][0]
+    down = next(r for r in report.tensors if r.name == "blk.0.ffn_down.weight")
     assert down.type == "Q5_0" and "not a multiple of 256" in down.note
 
 

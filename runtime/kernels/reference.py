@@ -95,6 +95,12 @@ def paged_decode_attention(
     v = gather_rows(v_cache, rows, block_size, v_space.take(*shape)).view(batch, kv_heads, -1, dim)
     if mask is None:
         k, v = k[:, :, :width], v[:, :, :width]
+    else:
+        # Slots past a sequence's end were never written: whatever the memory held (NaN
+        # included) must not reach the output, where 0 * NaN would still be NaN.
+        unwritten = torch.isinf(mask).reshape(batch, 1, -1, 1)
+        k.masked_fill_(unwritten, 0)
+        v.masked_fill_(unwritten, 0)
     # Grouped-query attention without repeating K/V: the query heads sharing a KV head are its rows.
     qg = q.reshape(batch, kv_heads, heads // kv_heads, dim)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
