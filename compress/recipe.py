@@ -35,7 +35,9 @@ CALIBRATION_KEYS = {"dataset": "calib", "samples": "calib_samples", "seq_len": "
 EVALUATE_KEYS = {"dataset": str, "seq_len": int, "max_windows": int, "top_k": int}
 BENCHMARK_KEYS = {"single_stream": bool, "serving_requests": int, "prompt_len": list, "output_len": list, "rate": float}
 # Options the runner supplies itself (input, output, printing) and the recipe may not set.
-RUNNER_OWNED = {"model", "output", "overwrite", "as_json", "teacher_default"}
+RUNNER_OWNED = {"model", "output", "overwrite", "as_json"}
+# Required options the runner fills when a stage leaves them out (distill's teacher: the recipe's model).
+RUNNER_DEFAULTS = {"distill": ("teacher",)}
 
 
 class RecipeError(LlmoptError):
@@ -314,6 +316,8 @@ def _check_required(stage: Stage, recipe: Recipe, source: str) -> None:
     settings = stage_settings(stage, recipe)
     command = stage_commands()[stage.kind]
     for name, param in _params(command).items():
+        if name in RUNNER_DEFAULTS.get(stage.kind, ()):
+            continue
         if param.required and settings.get(name) is None:
             raise RecipeError(f"{source}:{stage.line}: stage {stage.kind} needs '{name}'", f"add {name}: … to the stage")
 

@@ -171,3 +171,12 @@ def test_cli_run_and_recipes_commands(tmp_path, tiny_model_dir):
     assert shown.exit_code == 0 and "gptq" in shown.stdout
     bad = runner.invoke(main, ["run", str(tmp_path / "missing.yaml")])
     assert bad.exit_code == 2 and "recipe not found" in bad.stderr
+
+
+def test_demo_variants_validate(tmp_path):
+    from llmopt.demo import VARIANTS, variant_recipes
+
+    recipes = variant_recipes("demo", tmp_path)
+    assert list(recipes) == list(VARIANTS)
+    distill = recipes["drop 6 layers + distill"].stages[0]
+    assert distill.kind == "distill" and distill.options["drop_layers"] == 6
