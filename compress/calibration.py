@@ -15,9 +15,10 @@ in memory at a time. Used by GPTQ, AWQ, SmoothQuant and the pruning algorithms::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -130,7 +131,7 @@ class LinearStats:
         self._handles: list[Any] = []
 
     # -- hooks -----------------------------------------------------------------------------------
-    def __enter__(self) -> "LinearStats":
+    def __enter__(self) -> LinearStats:
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_pre_hook(self._hook(name)))
         return self

@@ -11,11 +11,10 @@ calibration statistics are rescaled accordingly, and optionally the weight range
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
-
 from llmopt.calibration import LinearStats
 
 from .clipping import clamp_to_ratio, search_clip_ratio

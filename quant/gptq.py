@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from .formats import FP8_MAX, QuantizedWeight, QuantScheme, compute_qparams, search_qparams
+from .formats import (
+    FP8_MAX,
+    QuantizedWeight,
+    QuantScheme,
+    compute_qparams,
+    search_qparams,
+)
 
 
 def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:

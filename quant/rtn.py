@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal, Mapping
+from collections.abc import Mapping
+from typing import Literal
 
 import torch
 from torch import nn

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from llmopt.calibration import LinearStats
 
 from .mappings import ScaleMapping

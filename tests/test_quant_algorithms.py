@@ -7,11 +7,6 @@ import copy
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-    Qwen3Config, Qwen3ForCausalLM,
-)
-
 from llmopt.calibration import LinearStats, linear_modules, run_sequential
 from llmopt.quant.apply import quantize_model
 from llmopt.quant.awq import awq_apply_layer, awq_search_scale
@@ -20,6 +15,16 @@ from llmopt.quant.gptq import gptq_quantize_weight
 from llmopt.quant.mappings import layer_mappings
 from llmopt.quant.rtn import rtn_quantize_modules, rtn_quantize_weight
 from llmopt.quant.smoothquant import smoothquant_apply_layer
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 VOCAB = 128
 
@@ -118,7 +123,7 @@ def test_rtn_mse_clipping_never_worse_than_minmax(name: str) -> None:
     w = torch.randn(64, 128) + torch.randn(64, 128).pow(5) * 0.05  # heavy tails
     e_mm = (w - rtn_quantize_weight(w, scheme, 32, "minmax").dequantize()).pow(2)
     e_mse = (w - rtn_quantize_weight(w, scheme, 32, "mse").dequantize()).pow(2)
-    per_group = lambda e: e.reshape(64, 4, 32).sum(-1)  # noqa: E731
+    per_group = lambda e: e.reshape(64, 4, 32).sum(-1)
     assert torch.all(per_group(e_mse) <= per_group(e_mm) + 1e-6)
     assert e_mse.sum() < e_mm.sum()
 
@@ -366,7 +371,6 @@ def test_awq_loss_matches_activations_and_never_increases() -> None:
                     x = torch.cat(xs[n]).reshape(-1, lin.in_features)
                     w = lin.weight.detach()
                     ws = w if scale is None else w * scale
-                    sc, zp = compute_qparams(ws, scheme, 16)
                     wq = rtn_quantize_weight(ws, scheme, 16).dequantize()
                     if scale is not None:
                         wq = wq / scale
