@@ -74,6 +74,7 @@ def measure(name: str, args: list[str], calib: list[str], windows: int, workdir:
         "pattern_valid": sparsity.get("pattern_valid"), "layers": (record.get("depth") or {}).get("layers"),
         "dropped": (record.get("depth") or {}).get("dropped"), "width": record.get("width"),
         "prune_seconds": record["prune_seconds"], "total_seconds": record["total_seconds"],
+        "ranking_seconds": record.get("ranking_seconds"), "ranking_cached": record.get("ranking_cached"),
         "peak_rss_mib": record["peak_rss_mib"], "calibration": record.get("calibration"),
     }
 
@@ -98,6 +99,13 @@ def _shape_checks(results: dict) -> list[str]:
     return lines
 
 
+def _time(r: dict) -> str:
+    """Prune time; for drop-layers the block ranking's (computed once per ranking, then cached)."""
+    if r.get("ranking_seconds") is not None:
+        return f"{r['ranking_seconds']:.0f} s ranking" + (" (cached)" if r.get("ranking_cached") else "")
+    return f"{r['prune_seconds']:.0f} s"
+
+
 def write_markdown(results: dict, meta: dict) -> None:
     base = meta["baseline"]
     lines = [
@@ -116,7 +124,7 @@ def write_markdown(results: dict, meta: dict) -> None:
         zeros = "" if r["sparsity"] is None else f"{100 * r['sparsity']:.1f}%" + (" (2:4 valid)" if r.get("pattern_valid") else "")
         lines.append(
             f"| {name} | {r['parameters']:,} | {r['weights_bytes'] / 2**20:.1f} | {zeros or '—'} | {r['ppl']:.3f} | "
-            f"{r['kld_mean']:.4f} | {r['kld_p99']:.3f} | {100 * r['top1']:.1f}% | {r['prune_seconds']:.0f} s | {r['peak_rss_mib']:.0f} |"
+            f"{r['kld_mean']:.4f} | {r['kld_p99']:.3f} | {100 * r['top1']:.1f}% | {_time(r)} | {r['peak_rss_mib']:.0f} |"
         )
     dropped = {n: r["dropped"] for n, r in results.items() if r.get("dropped")}
     if dropped:

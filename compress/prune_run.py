@@ -89,7 +89,7 @@ def prune_checkpoint(request: PruneRequest, progress=None) -> dict:
     if settings.needs_calibration:
         calib, record["calibration"] = calibration_ids(tokenizer, request.calib, request.samples, request.calib_seq_len, request.seed)
     if request.method == "drop-layers":
-        ranking = _cached_ranking(source, record["calibration"], settings, model, calib)
+        ranking, record["ranking_seconds"], record["ranking_cached"] = _cached_ranking(source, record["calibration"], settings, model, calib)
     record.update(prune_model(model, settings, calib, ranking=ranking, progress=progress, show_progress=progress is None))
     _save(model, tokenizer, source, config, request, _finish(record, start))
     return record
@@ -106,9 +106,13 @@ def _settings_record(request: PruneRequest) -> dict:
 
 
 def _cached_ranking(source: Path, calibration: dict, settings, model, calib):
-    """The block ranking for this model and calibration set, computed once and cached on disk."""
+    """The block ranking for this model and calibration set, computed once and cached on disk.
+
+    Returns ``(ranking, seconds it took to compute, whether it came from the cache)``.
+    """
     from llmopt.prune.depth import LayerRanking, rank_layers
 
+    from .atomic import atomic_file
     from .evaluate import model_fingerprint
     from .paths import cache_dir
 
@@ -117,10 +121,13 @@ def _cached_ranking(source: Path, calibration: dict, settings, model, calib):
     path = cache_dir("rankings") / f"{key}.json"
     if path.is_file():
         data = json.loads(path.read_text())
-        return LayerRanking(data["method"], data["scores"], data["tokens"])
+        return LayerRanking(data["method"], data["scores"], data["tokens"]), data.get("seconds"), True
+    start = time.perf_counter()
     ranking = rank_layers(model, calib, method, settings.batch_size)
-    path.write_text(json.dumps({"method": ranking.method, "scores": ranking.scores, "tokens": ranking.tokens}))
-    return ranking
+    seconds = round(time.perf_counter() - start, 2)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps({"method": ranking.method, "scores": ranking.scores, "tokens": ranking.tokens, "seconds": seconds}))
+    return ranking, seconds, False
 
 
 def _save(model, tokenizer, source: Path, config: dict, request: PruneRequest, record: dict) -> None:

@@ -272,6 +272,8 @@ def test_drop_layers_cli_output_loads_in_transformers(tmp_path, ranking) -> None
     # the ranking is cached: a second run with another count reuses it
     again = json.loads(prune(source, tmp_path / "d1", "--method", "drop-layers", "--num", "1", "--ranking", ranking).stdout)
     assert again["depth"]["ranking"] == depth["ranking"] and again["depth"]["dropped"][0] in depth["dropped"]
+    assert record["ranking_cached"] is False and again["ranking_cached"] is True
+    assert again["ranking_seconds"] == record["ranking_seconds"] > 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -197,6 +197,17 @@ def test_gptq_beats_rtn_on_correlated_inputs(name: str, gs: int | None) -> None:
     assert torch.equal(qw.scale, again.scale)
 
 
+@pytest.mark.parametrize("gs,n_in", [(48, 192), (256, 512)])
+def test_gptq_group_sizes_not_dividing_the_block(gs: int, n_in: int) -> None:
+    scheme = get_scheme("W4A16_ASYM", gs)
+    x = correlated_inputs(1024, n_in)
+    w = torch.randn(32, n_in) * 0.1
+    h = 2.0 / x.shape[0] * (x.T.double() @ x.double())
+    qw = gptq_quantize_weight(w, h, scheme, gs)
+    assert qw.scale.shape == (32, n_in // gs)
+    assert_matches_reference(qw, w, h, scheme)
+
+
 @pytest.mark.parametrize("name", ["W4A16", "W4A16_ASYM"])
 def test_gptq_act_order_static_groups(name: str) -> None:
     scheme = get_scheme(name, 32)
