@@ -130,7 +130,7 @@ def inspect_command(model, no_sparsity, as_json):
 @click.option("--calib-seq-len", default=512, show_default=True, type=click.IntRange(8))
 @click.option("--seed", default=0, show_default=True, help="Seed for the calibration sample offsets.")
 @click.option("--ignore", multiple=True, metavar="REGEX", help="Keep matching Linears in float (repeatable; lm_head is always kept).")
-@click.option("--act-order", is_flag=True, help="GPTQ: activation ordering (static groups keep the saved format plain).")
+@click.option("--act-order/--no-act-order", default=None, help="GPTQ: activation ordering with static groups, so the saved format stays plain [default: on for GPTQ methods].")
 @click.option("--damp", default=0.01, show_default=True, help="GPTQ: dampening, fraction of the mean Hessian diagonal.")
 @click.option("--alpha", "smooth_alpha", default=0.5, show_default=True, help="SmoothQuant migration strength.")
 @click.option("--clip-search/--no-clip-search", default=None, help="Search each group's clipping range (default: on for calibrated methods).")

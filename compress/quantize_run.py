@@ -31,7 +31,7 @@ class QuantizeRequest:
     seed: int = 0
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     strict_groups: bool = False
-    act_order: bool = False
+    act_order: bool | None = None  # None: on for GPTQ methods
     damp: float = 0.01
     smooth_alpha: float = 0.5
     clip_search: bool | None = None
