@@ -1,0 +1,78 @@
+"""Compile C++ kernel sources once, at first use, into the user cache.
+
+Every extension is built with torch's ``cpp_extension`` into ``<cache>/kernels/<name>-<hash>``,
+where the hash covers the sources, the compiler flags and the torch version, so an edited source
+or a new torch rebuilds and an unchanged one loads in milliseconds. Instruction-set choice is
+made at run time inside the sources (``__attribute__((target(...)))`` variants selected with
+``__builtin_cpu_supports``), so one build serves every x86-64 CPU. When no compiler is found or
+the build fails, ``load_extension`` warns once and returns None: callers fall back to the plain
+torch reference kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCES = Path(__file__).resolve().parent / "csrc"
+CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast"]
+LDFLAGS = ["-fopenmp"]
+
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def compiler_available() -> bool:
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+def _digest(sources: list[Path], flags: list[str]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(sources):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    for path in sorted(SOURCES.glob("*.h")):  # shared headers
+        h.update(path.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()[:16]
+
+
+def load_extension(name: str, sources: list[str]) -> ModuleType | None:
+    """The compiled extension ``name`` from ``csrc/<sources>``, or None (with one warning) when it
+    cannot be built here. Loaded modules are memoised per process."""
+    if name in _loaded:
+        return _loaded[name]
+    module = None
+    if os.environ.get("LLMOPT_KERNELS") == "reference":
+        _loaded[name] = None
+        return None
+    if not compiler_available():
+        warnings.warn(f"no C++ compiler found: llmopt's {name} kernels fall back to plain torch (slower); "
+                      "install g++ or clang++ to enable them", RuntimeWarning, stacklevel=2)
+    else:
+        from llmopt.console import notice
+        from llmopt.paths import cache_dir
+        from torch.utils import cpp_extension
+
+        paths = [SOURCES / s for s in sources]
+        build_dir = cache_dir("kernels", f"{name}-{_digest(paths, CFLAGS)}")
+        fresh = not any(build_dir.glob("*.so"))
+        if fresh:
+            notice(f"compiling llmopt's {name} kernels (once, about a minute)")
+        try:
+            module = cpp_extension.load(
+                name=name, sources=[str(p) for p in paths], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                extra_include_paths=[str(SOURCES)], build_directory=str(build_dir), verbose=False,
+            )
+        except Exception as exc:  # compiler errors, missing headers: fall back, say why
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            warnings.warn(f"building llmopt's {name} kernels failed ({first}); falling back to plain torch",
+                          RuntimeWarning, stacklevel=2)
+    _loaded[name] = module
+    return module
