@@ -95,18 +95,31 @@ def _params(command: click.Command) -> dict[str, click.Parameter]:
     return {p.name: p for p in command.params if p.name not in RUNNER_OWNED and p.name != "help"}
 
 
+def _option_names(params: dict[str, click.Parameter]) -> dict[str, str]:
+    """Recipe key → parameter name: the CLI's long option names (``--format`` → ``format``,
+    ``--act-order`` → ``act_order``) and the parameter names themselves."""
+    names = {name: name for name in params}
+    for name, param in params.items():
+        for opt in getattr(param, "opts", []):
+            if opt.startswith("--"):
+                names[opt[2:].replace("-", "_")] = name
+    return names
+
+
 def convert_options(kind: str, options: dict[str, Any], where: str) -> dict[str, Any]:
     """Check a stage's options against its command's parameters and convert their types."""
     commands = stage_commands()
     if kind not in commands:
         raise RecipeError(f"{where}: unknown stage '{kind}'", f"use one of {', '.join(commands)}")
     params = _params(commands[kind])
+    names = _option_names(params)
     ctx = click.Context(commands[kind])
     out = {}
     for key, value in options.items():
-        name = key.replace("-", "_")
-        if name not in params:
-            raise RecipeError(f"{where}: unknown option '{key}' for stage {kind}", f"known options: {', '.join(sorted(params))}")
+        name = names.get(key.replace("-", "_"))
+        if name is None:
+            shown = sorted({opt[2:].replace("-", "_") for p in params.values() for opt in p.opts if opt.startswith("--")})
+            raise RecipeError(f"{where}: unknown option '{key}' for stage {kind}", f"known options: {', '.join(shown)}")
         param = params[name]
         if param.multiple and not isinstance(value, list):
             value = [value]

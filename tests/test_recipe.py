@@ -62,10 +62,27 @@ def test_awq_after_quantization_is_named(tmp_path):
 
 def test_bundled_recipes_all_validate():
     names = set(bundled_recipes())
-    assert {"realtime-chat", "throughput", "w4a16-gptq", "w4a16-awq", "w8a8-smoothquant", "fp8-dynamic"} <= names
+    assert {"realtime-chat", "throughput", "edge", "w4a16-gptq", "w4a16-awq", "w8a8-smoothquant", "fp8-dynamic",
+            "sparse-2of4"} <= names
     for name in names:
         recipe = load_recipe(name)
         assert recipe.stages and recipe.model == "demo"
+
+
+def test_stage_keys_accept_cli_option_names(tmp_path):
+    """Stage keys are the CLI's long option names (``--format`` → ``format``, ``--eval``)."""
+    path = write(tmp_path, """
+        model: demo
+        stages:
+          - prune: {method: wanda, sparsity: 0.5, eval: true}
+          - export: {format: gguf, type: q8_0, dense-type: f16}
+    """)
+    recipe = load_recipe(str(path))
+    assert recipe.stages[0].options["run_evaluation"] is True
+    assert {k: str(v).lower() for k, v in recipe.stages[1].options.items()} == {"fmt": "gguf", "gguf_type": "q8_0", "dense_type": "f16"}
+    bad = write(tmp_path, "model: demo\nstages:\n  - export: {fromat: gguf}\n", "bad.yaml")
+    with pytest.raises(RecipeError, match="unknown option 'fromat'.*format"):
+        load_recipe(str(bad))
 
 
 def test_overrides_apply_and_are_validated(tmp_path):
