@@ -5,7 +5,9 @@ block ``b`` are ``b * block_size ... (b + 1) * block_size - 1``. Viewed as rows 
 and one head, ``[kv_heads * num_blocks, block_size * head_dim]``, row ``h * num_blocks + b``
 holds head ``h`` of block ``b``: a gather of such rows (``gather_rows``) lays each head's keys
 out contiguously. Gathers write into reusable workspace buffers: a fresh multi-megabyte tensor
-per layer costs page faults that dwarf the copy itself.
+per layer costs page faults that dwarf the copy itself. A quantized cache (int8 / float8 codes,
+see ``kv_quant``) has scales ``[kv_heads, num_blocks * block_size]`` beside it: ``write_kv``
+quantizes, and the attention functions dequantize the gathered rows.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from llmopt.quant.formats import dequantize, fake_quantize_activations
+
+from . import kv_quant
 
 
 def dense_linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -52,16 +56,45 @@ class Workspace:
         return self.buffer[:n].view(shape)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store ``k``/``v`` (``[tokens, kv_heads, head_dim]``) at ``slots``."""
-    k_cache.index_copy_(1, slots, k.transpose(0, 1))
-    v_cache.index_copy_(1, slots, v.transpose(0, 1))
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Store ``k``/``v`` (``[tokens, kv_heads, head_dim]``) at ``slots``, quantized (codes and
+    per-token, per-head scales) when the cache has scales."""
+    if k_scale is None:
+        k_cache.index_copy_(1, slots, k.transpose(0, 1))
+        v_cache.index_copy_(1, slots, v.transpose(0, 1))
+        return
+    kind = kv_quant.kind_of(k_cache)
+    for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+        codes, s = kv_quant.quantize(x, kind)
+        cache.index_copy_(1, slots, codes.transpose(0, 1))
+        scales.index_copy_(1, slots, s.t())
 
 
 def gather_rows(cache: torch.Tensor, rows: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Tensor:
     """Copy block-head rows (see the module doc) of ``cache`` into ``out`` ``[len(rows), block_size * head_dim]``."""
     heads, slots, dim = cache.shape
     return torch.index_select(cache.view(heads * slots // block_size, block_size * dim), 0, rows, out=out)
+
+
+def gather_context(
+    cache: torch.Tensor, scales: torch.Tensor | None, rows: torch.Tensor, block_size: int, space: Workspace, dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows of ``cache`` as ``[len(rows), block_size * head_dim]`` values of ``dtype`` (dequantized
+    when ``scales`` is given; a view of ``space`` otherwise)."""
+    heads, slots, dim = cache.shape
+    gathered = gather_rows(cache, rows, block_size, space.take(len(rows), block_size * dim))
+    if scales is None:
+        return gathered
+    s = torch.index_select(scales.view(heads * slots // block_size, block_size), 0, rows)
+    return kv_quant.dequantize(gathered.view(len(rows), block_size, dim), s, dtype).view(len(rows), -1)
 
 
 def block_rows(block_ids: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
@@ -81,18 +114,20 @@ def paged_decode_attention(
     scale: float,
     k_space: Workspace,
     v_space: Workspace,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its cached context.
 
     ``q`` ``[B, heads, head_dim]``; ``rows`` from :func:`block_rows` of the padded block
     tables ``[B, width / block_size]``; ``mask`` ``[B, 1, 1, width]`` additive (0 / -inf), or
-    None when every sequence has exactly ``width`` tokens. Returns ``[B, heads * head_dim]``.
+    None when every sequence has exactly ``width`` tokens; ``k_scale``/``v_scale`` for a
+    quantized cache. Returns ``[B, heads * head_dim]``.
     """
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
-    shape = (len(rows), block_size * dim)
-    k = gather_rows(k_cache, rows, block_size, k_space.take(*shape)).view(batch, kv_heads, -1, dim)
-    v = gather_rows(v_cache, rows, block_size, v_space.take(*shape)).view(batch, kv_heads, -1, dim)
+    k = gather_context(k_cache, k_scale, rows, block_size, k_space, q.dtype).view(batch, kv_heads, -1, dim)
+    v = gather_context(v_cache, v_scale, rows, block_size, v_space, q.dtype).view(batch, kv_heads, -1, dim)
     if mask is None:
         k, v = k[:, :, :width], v[:, :, :width]
     else:
@@ -128,19 +163,20 @@ def chunked_prefill_attention(
     scale: float,
     k_space: Workspace,
     v_space: Workspace,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A prompt chunk attending to its cached context and itself (already written to the cache).
 
     ``q`` ``[n, heads, dim]`` at positions ``ctx - n ... ctx - 1``; ``rows`` from
     :func:`block_rows` of the blocks covering ``ctx``; ``mask`` ``[n, ctx]`` bool (True: may
-    attend). Returns ``[n, heads * dim]``.
+    attend); ``k_scale``/``v_scale`` for a quantized cache. Returns ``[n, heads * dim]``.
     """
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     ctx = mask.shape[1]
-    shape = (len(rows), block_size * dim)
-    k = gather_rows(k_cache, rows, block_size, k_space.take(*shape)).view(1, kv_heads, -1, dim)[:, :, :ctx]
-    v = gather_rows(v_cache, rows, block_size, v_space.take(*shape)).view(1, kv_heads, -1, dim)[:, :, :ctx]
+    k = gather_context(k_cache, k_scale, rows, block_size, k_space, q.dtype).view(1, kv_heads, -1, dim)[:, :, :ctx]
+    v = gather_context(v_cache, v_scale, rows, block_size, v_space, q.dtype).view(1, kv_heads, -1, dim)[:, :, :ctx]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads,
     )

@@ -1,0 +1,454 @@
+// Paged decode attention for CPUs: one query token per sequence against its cached context,
+// read through the block table in place (no gather copies).
+//
+// Cache layout per layer (see kernels/reference.py): [kv_heads, num_blocks * block_size, head_dim];
+// the block_size rows of block b for head h are contiguous. Caches hold float32 / bfloat16 /
+// float16 values, or quantized codes (int8, or float8 e4m3 bytes as uint8) with one float32 scale
+// per token and KV head ([kv_heads, num_blocks * block_size]).
+//
+// Work items are (sequence, KV head, context split). An item reads each block of its KV head
+// once for all the query heads sharing it (grouped-query attention), converts it to float32,
+// scores it, updates an online softmax (running max, running sum, rescaled accumulator) and
+// accumulates V. Long contexts are split across items when there are fewer (sequence, head)
+// pairs than threads; their partial results are merged at the end. AVX2+FMA+F16C code is chosen
+// at run time; a portable scalar path serves every other CPU (and the tests).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#define LLMOPT_X86 1
+#include <immintrin.h>
+#define LLMOPT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Shapes and strides of one call.
+struct Shape {
+  int64_t heads, kv_heads, group, dim, block_size, num_slots;
+};
+
+// Per-item scratch: the item's queries (pre-scaled), softmax state and accumulators.
+struct State {
+  float* q;    // [group, dim]
+  float* acc;  // [group, dim]
+  float* m;    // [group] running max
+  float* l;    // [group] running sum
+  float* s;    // [group, block_size] scores / probabilities
+  float* kf;   // [block_size, dim] a block converted to float32
+  float* vf;   // [block_size, dim]
+};
+
+// ------------------------------------------------------------------------------------------
+// Scalar conversions (portable path, queries and outputs)
+
+float fp8_value(uint8_t code) {
+  // float8 e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal.
+  const int exponent = (code >> 3) & 0xF, mantissa = code & 0x7;
+  const float magnitude = exponent == 0 ? std::ldexp(mantissa / 8.0f, -6)
+                                        : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+  return (code & 0x80) ? -magnitude : magnitude;
+}
+
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = fp8_value(static_cast<uint8_t>(i));
+    return t;
+  }();
+  return table.data();
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(uint8_t x) { return fp8_table()[x]; }
+
+template <typename T>
+constexpr bool is_float32() { return std::is_same<T, float>::value; }
+
+// ------------------------------------------------------------------------------------------
+// One block of one item: scores, online softmax update, V accumulation.
+// k, v: the block's n rows of dim values; ks, vs: their scales (nullptr for float caches).
+
+namespace portable {
+
+template <typename T>
+const float* rows(const T* src, int64_t count, float* scratch) {
+  if (is_float32<T>()) return reinterpret_cast<const float*>(src);
+  for (int64_t i = 0; i < count; ++i) scratch[i] = to_float(src[i]);
+  return scratch;
+}
+
+template <typename T>
+void attend_block(const T* k, const T* v, const float* ks, const float* vs, int64_t n, const Shape& sh, State& st) {
+  const int64_t G = sh.group, D = sh.dim;
+  const float* kf = rows(k, n * D, st.kf);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q = st.q + g * D;
+    float* s = st.s + g * n;
+    float top = st.m[g];
+    for (int64_t t = 0; t < n; ++t) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += q[d] * kf[t * D + d];
+      s[t] = ks ? dot * ks[t] : dot;
+      top = std::max(top, s[t]);
+    }
+    const float correction = std::exp(st.m[g] - top);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - top);
+      sum += s[t];
+      if (vs) s[t] *= vs[t];
+    }
+    st.l[g] = st.l[g] * correction + sum;
+    st.m[g] = top;
+    float* acc = st.acc + g * D;
+    if (correction != 1.f)
+      for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+  }
+  const float* vf = rows(v, n * D, st.vf);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* p = st.s + g * n;
+    float* acc = st.acc + g * D;
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < D; ++d) acc[d] += p[t] * vf[t * D + d];
+  }
+}
+
+}  // namespace portable
+
+#ifdef LLMOPT_X86
+namespace avx2 {
+
+// Eight values as float32. float8 e4m3 bytes are widened to float16 with the same exponent and
+// mantissa bits, which is the value / 256 (exact, subnormals included); callers scale by 256.
+LLMOPT_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+LLMOPT_AVX2 inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+LLMOPT_AVX2 inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+LLMOPT_AVX2 inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+LLMOPT_AVX2 inline __m256 load8(const uint8_t* p) {
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+  const __m128i magnitude = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7);
+  return _mm256_cvtph_ps(_mm_or_si128(sign, magnitude));
+}
+
+template <typename T>
+constexpr float load_factor() { return std::is_same<T, uint8_t>::value ? 256.f : 1.f; }
+
+LLMOPT_AVX2 inline float hsum(__m256 x) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// exp(x) for x <= 0 (softmax arguments), relative error about 2e-7.
+LLMOPT_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+template <typename T>
+LLMOPT_AVX2 const float* rows(const T* src, int64_t count, float* scratch) {
+  if (is_float32<T>()) return reinterpret_cast<const float*>(src);
+  const __m256 factor = _mm256_set1_ps(load_factor<T>());
+  for (int64_t i = 0; i < count; i += 8) _mm256_storeu_ps(scratch + i, _mm256_mul_ps(load8(src + i), factor));
+  return scratch;
+}
+
+// Requires dim % 8 == 0 (checked by the caller).
+template <typename T>
+LLMOPT_AVX2 void attend_block(const T* k, const T* v, const float* ks, const float* vs, int64_t n, const Shape& sh, State& st) {
+  const int64_t G = sh.group, D = sh.dim;
+  const float* kf = rows(k, n * D, st.kf);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q = st.q + g * D;
+    float* s = st.s + g * n;
+    float top = st.m[g];
+    for (int64_t t = 0; t < n; ++t) {
+      const float* row = kf + t * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(row + d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(row + d + 8), a1);
+      }
+      if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(row + d), a0);
+      const float dot = hsum(_mm256_add_ps(a0, a1));
+      s[t] = ks ? dot * ks[t] : dot;
+      top = std::max(top, s[t]);
+    }
+    const float correction = std::exp(st.m[g] - top);
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 total = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+      total = _mm256_add_ps(total, p);
+      if (vs) p = _mm256_mul_ps(p, _mm256_loadu_ps(vs + t));
+      _mm256_storeu_ps(s + t, p);
+    }
+    float sum = hsum(total);
+    for (; t < n; ++t) {
+      s[t] = std::exp(s[t] - top);
+      sum += s[t];
+      if (vs) s[t] *= vs[t];
+    }
+    st.l[g] = st.l[g] * correction + sum;
+    st.m[g] = top;
+    if (correction != 1.f) {
+      float* acc = st.acc + g * D;
+      const __m256 c = _mm256_set1_ps(correction);
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), c));
+    }
+  }
+  const float* vf = rows(v, n * D, st.vf);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* p = st.s + g * n;
+    float* acc = st.acc + g * D;
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {  // four accumulators stay in registers across the block's tokens
+      __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
+      __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 w = _mm256_set1_ps(p[t]);
+        const float* row = vf + t * D + d;
+        a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row), a0);
+        a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8), a1);
+        a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 16), a2);
+        a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 24), a3);
+      }
+      _mm256_storeu_ps(acc + d, a0);
+      _mm256_storeu_ps(acc + d + 8, a1);
+      _mm256_storeu_ps(acc + d + 16, a2);
+      _mm256_storeu_ps(acc + d + 24, a3);
+    }
+    for (; d < D; d += 8) {
+      __m256 a = _mm256_loadu_ps(acc + d);
+      for (int64_t t = 0; t < n; ++t) a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(vf + t * D + d), a);
+      _mm256_storeu_ps(acc + d, a);
+    }
+  }
+}
+
+}  // namespace avx2
+
+bool cpu_has_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return ok;
+}
+#else
+bool cpu_has_avx2() { return false; }
+#endif
+
+// ------------------------------------------------------------------------------------------
+// The driver: items over (sequence, KV head, split), then a merge of the splits.
+
+template <typename Q>
+void read_queries(const Q* q, int64_t stride, int64_t group, int64_t dim, float scale, float* out) {
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = to_float(q[g * stride + d]) * scale;
+}
+
+template <typename O>
+void write_outputs(const float* acc, const float* l, int64_t group, int64_t dim, O* out) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.f / l[g];
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<O>(acc[g * dim + d] * inv);
+  }
+}
+
+template <typename T, typename Q>
+void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
+         const torch::Tensor& tables, const torch::Tensor& lens, const Shape& sh, double scale,
+         bool vector_path, int64_t splits, torch::Tensor& out) {
+  using BlockFn = void (*)(const T*, const T*, const float*, const float*, int64_t, const Shape&, State&);
+  BlockFn block_fn = portable::attend_block<T>;
+#ifdef LLMOPT_X86
+  if (vector_path) block_fn = avx2::attend_block<T>;
+#endif
+  const int64_t B = q.size(0), H = sh.kv_heads, G = sh.group, D = sh.dim, bs = sh.block_size;
+  const int64_t num_blocks = sh.num_slots / bs;
+  const T* k = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const T* v = reinterpret_cast<const T*>(v_cache.data_ptr());
+  const float* ks = k_scale ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = v_scale ? v_scale->data_ptr<float>() : nullptr;
+  const Q* qp = reinterpret_cast<const Q*>(q.data_ptr());
+  Q* op = reinterpret_cast<Q*>(out.data_ptr());
+  const int64_t q_stride0 = q.stride(0), q_stride1 = q.stride(1), out_stride = out.stride(0);
+
+  const int64_t* ctx = lens.data_ptr<int64_t>();
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t width = tables.size(1);
+  // Partial results of split items: [B, H, splits, G] max and sum, [B, H, splits, G, D] accumulators.
+  std::vector<float> part_ml, part_acc;
+  if (splits > 1) {
+    part_ml.resize(B * H * splits * G * 2);
+    part_acc.resize(B * H * splits * G * D);
+  }
+  const int64_t items = B * H * splits;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(4 * G * D + 2 * G + G * bs + 2 * bs * D);
+    State st{buffer.data(), buffer.data() + G * D, buffer.data() + 2 * G * D, buffer.data() + 2 * G * D + G,
+             buffer.data() + 2 * G * D + 2 * G, nullptr, nullptr};
+    st.kf = st.s + G * bs;
+    st.vf = st.kf + bs * D;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (H * splits), h = (item / splits) % H, split = item % splits;
+      const int64_t blocks = (ctx[b] + bs - 1) / bs, per = (blocks + splits - 1) / splits;
+      const int64_t first = split * per, last = std::min(blocks, first + per);
+      read_queries(qp + b * q_stride0 + h * G * q_stride1, q_stride1, G, D, static_cast<float>(scale), st.q);
+      std::fill(st.acc, st.acc + G * D, 0.f);
+      std::fill(st.m, st.m + G, kNegInf);
+      std::fill(st.l, st.l + G, 0.f);
+      for (int64_t j = first; j < last; ++j) {
+        const int64_t block = table[b * width + j];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block table entry ", block, " is outside the cache (", num_blocks, " blocks)");
+        const int64_t n = std::min(bs, ctx[b] - j * bs);
+        const int64_t slot = h * sh.num_slots + block * bs;
+        block_fn(k + slot * D, v + slot * D, ks ? ks + slot : nullptr, vs ? vs + slot : nullptr, n, sh, st);
+      }
+      if (splits == 1) {
+        write_outputs(st.acc, st.l, G, D, op + b * out_stride + h * G * D);
+      } else {
+        float* ml = part_ml.data() + item * G * 2;
+        std::copy(st.m, st.m + G, ml);
+        std::copy(st.l, st.l + G, ml + G);
+        std::copy(st.acc, st.acc + G * D, part_acc.data() + item * G * D);
+      }
+    }
+  });
+  if (splits == 1) return;
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(G * D + G);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t b = pair / H, h = pair % H;
+      std::fill(merged.begin(), merged.end(), 0.f);
+      float* acc = merged.data();
+      float* l = acc + G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        float top = kNegInf;
+        for (int64_t s = 0; s < splits; ++s) top = std::max(top, part_ml[((pair * splits + s) * G * 2) + g]);
+        for (int64_t s = 0; s < splits; ++s) {
+          const float* ml = part_ml.data() + (pair * splits + s) * G * 2;
+          if (ml[G + g] == 0.f) continue;  // an empty split (context shorter than the others)
+          const float w = std::exp(ml[g] - top);
+          l[g] += ml[G + g] * w;
+          const float* part = part_acc.data() + (pair * splits + s) * G * D + g * D;
+          for (int64_t d = 0; d < D; ++d) acc[g * D + d] += part[d] * w;
+        }
+      }
+      write_outputs(acc, l, G, D, op + b * out_stride + h * G * D);
+    }
+  });
+}
+
+template <typename T>
+void run_for_query(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
+                   const torch::Tensor& tables, const torch::Tensor& lens, const Shape& sh, double scale,
+                   bool vector_path, int64_t splits, torch::Tensor& out) {
+  switch (q.scalar_type()) {
+    case torch::kFloat: return run<T, float>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, out);
+    case torch::kBFloat16: return run<T, c10::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, out);
+    case torch::kHalf: return run<T, c10::Half>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, out);
+    default: TORCH_CHECK(false, "queries must be float32, bfloat16 or float16, not ", q.scalar_type());
+  }
+}
+
+int64_t auto_splits(int64_t pairs, int64_t longest, int64_t block_size) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || pairs >= 2 * threads) return 1;
+  const int64_t wanted = (2 * threads + pairs - 1) / pairs;
+  const int64_t blocks = (longest + block_size - 1) / block_size;
+  const int64_t min_blocks = std::max<int64_t>(1, 256 / block_size);  // at least ~256 tokens per split
+  return std::max<int64_t>(1, std::min(wanted, blocks / min_blocks));
+}
+
+}  // namespace
+
+// q [B, heads, dim] (last dim contiguous); caches [kv_heads, slots, dim] contiguous; scales
+// [kv_heads, slots] float32 for int8 / uint8 (float8 e4m3) caches; tables [B, width] and lens [B]
+// int32 or int64; out [B, heads * dim] of q's dtype (written, not read). splits 0: automatic.
+torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
+                           const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale,
+                           torch::Tensor out, bool portable, int64_t splits) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [batch, heads, dim] with a contiguous last dimension");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "caches must be contiguous [kv_heads, slots, dim] tensors of one shape");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
+  const int64_t B = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0), slots = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == dim, "head_dim of q (", dim, ") and cache (", k_cache.size(2), ") differ");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (", kv_heads, ")");
+  TORCH_CHECK(block_size > 0 && slots % block_size == 0, "cache slots must be whole blocks");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.dim() == 1 && lens.size(0) == B, "tables [B, width] and lens [B] expected");
+  for (const auto* t : {&tables, &lens})
+    TORCH_CHECK(t->scalar_type() == torch::kInt || t->scalar_type() == torch::kLong, "block tables and lengths must be int32 or int64");
+  const bool quantized = k_cache.scalar_type() == torch::kChar || k_cache.scalar_type() == torch::kByte;
+  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()), "quantized caches need K and V scales; float caches take none");
+  if (quantized)
+    for (const auto* t : {&*k_scale, &*v_scale})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == kv_heads && t->size(1) == slots,
+                  "scales must be contiguous float32 [kv_heads, slots]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == B && out.size(1) == heads * dim && out.stride(1) == 1 && out.scalar_type() == q.scalar_type(),
+              "out must be [batch, heads * dim] of q's dtype");
+  const torch::Tensor tables64 = tables.to(torch::kLong).contiguous(), lens64 = lens.to(torch::kLong).contiguous();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = lens64.data_ptr<int64_t>()[b];
+    TORCH_CHECK(n >= 1 && n <= tables.size(1) * block_size, "context length ", n, " of sequence ", b, " does not fit its block table");
+    longest = std::max(longest, n);
+  }
+  if (B == 0) return out;
+  const Shape sh{heads, kv_heads, heads / kv_heads, dim, block_size, slots};
+  if (splits <= 0) splits = auto_splits(B * kv_heads, longest, block_size);
+  const bool vector_path = !portable && cpu_has_avx2() && dim % 8 == 0;
+  switch (k_cache.scalar_type()) {
+    case torch::kFloat: run_for_query<float>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
+    case torch::kBFloat16: run_for_query<c10::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
+    case torch::kHalf: run_for_query<c10::Half>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
+    case torch::kChar: run_for_query<int8_t>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
+    case torch::kByte: run_for_query<uint8_t>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
+    default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
+  }
+  return out;
+}
+
+bool has_avx2() { return cpu_has_avx2(); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention through block tables");
+  m.def("has_avx2", &has_avx2, "whether the AVX2+FMA+F16C path runs on this CPU");
+}
