@@ -12,7 +12,7 @@ import click
 # Libraries' own tqdm bars (ours are rich); tqdm reads this when it is first imported.
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-from . import __version__  # noqa: E402
+from . import __version__
 from .errors import LlmoptError
 
 MODEL_HELP = "MODEL is 'demo' (bundled SmolLM2-135M-Instruct), a Hugging Face directory, a .gguf file or a Hub id."
@@ -49,6 +49,25 @@ def emit_json(payload) -> None:
     click.echo(json.dumps(payload, indent=2))
 
 
+def finish_stage(record: dict, output: str, baseline: str, run_evaluation: bool, as_json: bool, table) -> None:
+    """End of ``quantize`` / ``prune``: optionally evaluate OUTPUT against BASELINE (recorded in
+    its ``llmopt.json``), then print the record as JSON or as the table ``table()`` builds."""
+    from pathlib import Path
+
+    from .console import out
+
+    if run_evaluation:
+        from .evaluate import run_eval
+        from .quantize_run import add_evaluation
+
+        record["evaluation"] = run_eval(output, baseline).to_dict()
+        add_evaluation(Path(output), record["evaluation"])
+    if as_json:
+        emit_json(record)
+    else:
+        out.print(table())
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="llmopt")
 @click.option("--debug", is_flag=True, help="Show full tracebacks for errors.")
@@ -83,9 +102,9 @@ def eval_command(model, baseline, dataset, seq_len, max_windows, top_k, as_json,
     are cached, so evaluating several variants against it computes them once.
 
     """
+    from .console import out
     from .evaluate import run_eval, save_json
     from .reports import eval_table
-    from .console import out
 
     result = run_eval(model, baseline, dataset, seq_len, max_windows or None, top_k)
     payload = {"model": model, "baseline": baseline, **result.to_dict()}
@@ -106,10 +125,10 @@ def eval_command(model, baseline, dataset, seq_len, max_windows, top_k, as_json,
 def inspect_command(model, no_sparsity, as_json):
     """Architecture, parameters, per-module format (dense / int4 / int8 / fp8 / nf4, group size,
     sparsity) and bytes on disk and in memory of MODEL."""
+    from .console import out
     from .model_info import inspect_checkpoint
     from .models import resolve_model
     from .reports import info_tables
-    from .console import out
 
     info = inspect_checkpoint(resolve_model(model), sparsity=not no_sparsity)
     if as_json:
@@ -150,8 +169,7 @@ def quantize_command(model, scheme, method, group_size, strict_groups, calib, ca
     """
     from pathlib import Path
 
-    from .console import out
-    from .quantize_run import QuantizeRequest, add_evaluation, quantize_checkpoint
+    from .quantize_run import QuantizeRequest, quantize_checkpoint
     from .reports import quantize_table
 
     request = QuantizeRequest(
@@ -161,33 +179,27 @@ def quantize_command(model, scheme, method, group_size, strict_groups, calib, ca
         smooth_alpha=smooth_alpha, clip_search=clip_search, overwrite=overwrite,
     )
     record = quantize_checkpoint(request)
-    if run_evaluation:
-        from .evaluate import run_eval
-
-        record["evaluation"] = run_eval(output, model).to_dict()
-        add_evaluation(Path(output), record["evaluation"])
-    if as_json:
-        emit_json(record)
-    else:
-        out.print(quantize_table(str(output), record))
+    finish_stage(record, output, model, run_evaluation, as_json, lambda: quantize_table(str(output), record))
 
 
 main.__doc__ = (main.__doc__ or "") + "\n\n" + MODEL_HELP
 
 
-from .export_cli import export_command  # noqa: E402
+from .export_cli import export_command
+
 main.add_command(export_command)
 
-from .distill_cli import distill_command  # noqa: E402
+from .distill_cli import distill_command
+
 main.add_command(distill_command)
 
 
-from .runtime_cli import bench_command, generate_command  # noqa: E402
+from .runtime_cli import bench_command, generate_command
 
 main.add_command(generate_command)
 main.add_command(bench_command)
-from .recipe_cli import recipes_group, run_command  # noqa: E402
-from .compare_cli import compare_command, demo_command  # noqa: E402
+from .compare_cli import compare_command, demo_command
+from .recipe_cli import recipes_group, run_command
 
 main.add_command(compare_command)
 main.add_command(demo_command)
@@ -196,5 +208,6 @@ main.add_command(run_command)
 main.add_command(recipes_group)
 
 
-from .prune_cli import prune_command  # noqa: E402
+from .prune_cli import prune_command
+
 main.add_command(prune_command)

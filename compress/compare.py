@@ -18,7 +18,15 @@ from pathlib import Path
 
 import torch
 
-from .evaluate import DEFAULT_TOP_K, BaselineCache, EvalData, eval_data, evaluate, fill_baseline, model_fingerprint
+from .evaluate import (
+    DEFAULT_TOP_K,
+    BaselineCache,
+    EvalData,
+    eval_data,
+    evaluate,
+    fill_baseline,
+    model_fingerprint,
+)
 from .models import load_model, resolve_model
 from .paths import cache_dir
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -105,7 +105,7 @@ class BaselineCache:
         self.root.mkdir(parents=True, exist_ok=True)
 
     @classmethod
-    def for_model(cls, fingerprint: str, data: EvalData, top_k: int = DEFAULT_TOP_K) -> "BaselineCache":
+    def for_model(cls, fingerprint: str, data: EvalData, top_k: int = DEFAULT_TOP_K) -> BaselineCache:
         key = hashlib.sha256(f"{fingerprint}|{data.key()}|{top_k}".encode()).hexdigest()[:20]
         return cls(cache_dir("eval", key), top_k)
 

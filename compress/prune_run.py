@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .atomic import atomic_dir, check_output
-from .errors import LlmoptError
-from .models import load_model, read_config, resolve_model
+from .models import float_source, load_model
 from .quantize_run import _finish, versions
 
 DEFAULT_SAMPLES = 128
@@ -74,11 +73,7 @@ def prune_checkpoint(request: PruneRequest, progress=None) -> dict:
     from .data import calibration_ids
 
     validate(request)
-    source = resolve_model(request.model)
-    config = read_config(source)
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "quantized")
-        raise LlmoptError(f"{request.model} is quantized ({method}) and cannot be pruned", "prune the float checkpoint, then quantize the result")
+    source, config = float_source(request.model, "pruned", "prune the float checkpoint, then quantize the result")
     settings = request.settings()
     settings.validate(config)
     start = time.perf_counter()

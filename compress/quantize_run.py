@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .atomic import check_output
 from .errors import LlmoptError
-from .models import load_model, read_config, resolve_model
+from .models import float_source, load_model
 
 NF4 = "NF4"
 
@@ -81,11 +81,7 @@ def quantize_checkpoint(request: QuantizeRequest, progress=None) -> dict:
     from .data import calibration_ids
 
     validate(request)
-    source = resolve_model(request.model)
-    config = read_config(source)
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "quantized")
-        raise LlmoptError(f"{request.model} is already quantized ({method})", "quantize the original float checkpoint instead")
+    source, _ = float_source(request.model, "quantized again", "quantize the original float checkpoint instead")
     start = time.perf_counter()
     model, tokenizer = load_model(source)
     record: dict = {

@@ -5,7 +5,6 @@ from __future__ import annotations
 from rich.table import Table
 
 
-
 def _fmt(value, digits: int = 4) -> str:
     if value is None:
         return "—"
@@ -97,24 +96,13 @@ def info_tables(info) -> list[Table]:
     return [summary, modules]
 
 
-def quantize_table(title: str, record: dict) -> Table:
-    table = Table(title=f"quantized → {title}", title_justify="left", show_header=False)
+def record_table(title: str, rows: list[tuple[str, str | None]], evaluation: dict | None) -> Table:
+    """A two-column summary of a compression record, with its evaluation figures when present."""
+    table = Table(title=title, title_justify="left", show_header=False)
     table.add_column("field")
     table.add_column("value")
-    groups = ", ".join(f"{k}: {v}" for k, v in (record.get("group_sizes") or {}).items())
-    calib = record.get("calibration")
-    rows = [
-        ("source", record["source_spec"]),
-        ("scheme / method", f"{record['scheme']} / {record['method']}"),
-        ("quantized Linears", _fmt(record.get("quantized_modules"))),
-        ("group sizes (layers)", groups or None),
-        ("calibration", None if not calib else f"{calib['name']}: {calib['samples']} × {calib['seq_len']} tokens, seed {calib['seed']}"),
-        ("time", f"{record['total_seconds']:.1f} s"),
-        ("peak RSS", f"{record['peak_rss_mib']:.0f} MiB"),
-    ]
-    evaluation = record.get("evaluation")
     if evaluation:
-        rows += [
+        rows = rows + [
             ("perplexity (baseline)", f"{evaluation['perplexity']:.4f} ({evaluation['baseline_perplexity']:.4f})"),
             ("KLD mean / p99", f"{evaluation['kld_mean']:.4f} / {evaluation['kld_p99']:.4f}"),
             ("top-1 agreement", f"{100 * evaluation['top1_agreement']:.2f}%"),
@@ -124,3 +112,21 @@ def quantize_table(title: str, record: dict) -> Table:
         if value is not None:
             table.add_row(name, value)
     return table
+
+
+def calibration_text(calib: dict | None) -> str | None:
+    return None if not calib else f"{calib['name']}: {calib['samples']} × {calib['seq_len']} tokens, seed {calib['seed']}"
+
+
+def quantize_table(title: str, record: dict) -> Table:
+    groups = ", ".join(f"{k}: {v}" for k, v in (record.get("group_sizes") or {}).items())
+    rows = [
+        ("source", record["source_spec"]),
+        ("scheme / method", f"{record['scheme']} / {record['method']}"),
+        ("quantized Linears", _fmt(record.get("quantized_modules"))),
+        ("group sizes (layers)", groups or None),
+        ("calibration", calibration_text(record.get("calibration"))),
+        ("time", f"{record['total_seconds']:.1f} s"),
+        ("peak RSS", f"{record['peak_rss_mib']:.0f} MiB"),
+    ]
+    return record_table(f"quantized → {title}", rows, record.get("evaluation"))
