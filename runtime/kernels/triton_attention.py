@@ -1,0 +1,219 @@
+"""Triton paged decode attention for CUDA: one query token per sequence against its cache.
+
+K/V are read in place through each sequence's block table (no gather into a workspace), in
+the cache layout of :mod:`.reference` (``[kv_heads, num_blocks * block_size, head_dim]`` per
+layer). One program handles one (sequence, KV head, context partition): the query heads
+sharing that KV head (grouped-query attention) form the rows of its ``tl.dot``, and an online
+softmax runs over chunks of ``BLOCK_T`` tokens, which may span several small blocks. Long
+contexts with few programs are split into partitions whose partial results (running max,
+normaliser, unnormalised output) a second kernel combines (flash-decoding).
+
+Plugging in (the CPU runtime does not yet): the reference signature is kept by
+:func:`paged_decode_attention`, which derives block tables and context lengths from the
+reference's ``rows`` and ``mask``; a CUDA runner would rather build ``block_tables``
+``[B, max_blocks]`` int32 and ``context_lens`` ``[B]`` int32 once per step and call
+:func:`triton_paged_decode_attention` directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .triton_common import dot_dtype_is_f32, multiprocessors, next_power_of_2, tl, triton, use_triton
+
+BLOCK_T = 64  # context tokens per softmax step
+MIN_PART_TOKENS = 256  # shortest context partition worth a program of its own
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+        qk_scale, tokens_per_part, block_size, num_parts,
+        stride_qb, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_tb, stride_ob,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    ):
+        """``qk_scale`` is the softmax scale times log2(e): scores are kept in base 2."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        p = tl.program_id(2)
+        ctx = tl.load(lens_ptr + b)
+        start = p * tokens_per_part
+        end = tl.minimum(start + tokens_per_part, ctx)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_t = tl.arange(0, BLOCK_T)
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+        heads = kvh * GROUP + offs_g
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+        k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+        v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+        table = tables_ptr + b.to(tl.int64) * stride_tb
+        for t0 in range(start, end, BLOCK_T):
+            ts = t0 + offs_t
+            t_mask = ts < end
+            block = tl.load(table + ts // block_size, mask=t_mask, other=0)
+            slot = block.to(tl.int64) * block_size + ts % block_size
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            # Slots past the context were never written (NaN included): masked loads read zeros.
+            k = tl.load(k_head + slot[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_head + slot[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+            if DOT_F32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            prob = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(prob, 1)
+            if DOT_F32:
+                pv = tl.dot(prob, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(prob.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out_mask = g_mask[:, None] & d_mask[None, :]
+        if SPLIT:
+            row = (b.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * num_parts + p
+            tl.store(part_m_ptr + row, m_i, mask=g_mask)
+            tl.store(part_l_ptr + row, l_i, mask=g_mask)
+            tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+        else:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            dst = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _combine_parts_kernel(
+        part_m_ptr, part_l_ptr, part_o_ptr, out_ptr, num_parts, stride_ob,
+        HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """Merge the context partitions of one (sequence, query head)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_p = tl.arange(0, BLOCK_P)
+        offs_d = tl.arange(0, BLOCK_D)
+        p_mask = offs_p < num_parts
+        d_mask = offs_d < HEAD_DIM
+        row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_parts + offs_p
+        m = tl.load(part_m_ptr + row, mask=p_mask, other=float("-inf"))
+        l_part = tl.load(part_l_ptr + row, mask=p_mask, other=0.0)
+        o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+        m_max = tl.max(m, 0)
+        weight = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
+        total = tl.sum(weight * l_part, 0)
+        out = tl.sum(weight[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def choose_parts(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Context partitions per sequence: enough programs for two per multiprocessor, none
+    shorter than ``MIN_PART_TOKENS``."""
+    programs = batch * kv_heads
+    return max(1, min(-(-2 * multiprocessors(device) // programs), -(-max_context // MIN_PART_TOKENS)))
+
+
+def triton_paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context: int,
+    block_size: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_parts: int | None = None,
+) -> torch.Tensor:
+    """Decode attention on the Triton kernel.
+
+    ``q`` ``[B, heads, head_dim]``; caches ``[kv_heads, slots, head_dim]``; ``block_tables``
+    ``[B, >= ceil(max_context / block_size)]`` and ``context_lens`` ``[B]`` (int32, on ``q``'s
+    device; ``max_context`` >= every length, without reading them back). Returns (or writes
+    ``out``) ``[B, heads * head_dim]`` in ``q``'s dtype; a sequence of length 0 gives zeros.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[0]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not share {kv_heads} KV heads evenly")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the caches' head dimension must be contiguous")
+    group = heads // kv_heads
+    if out is None:
+        out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    block_tables = block_tables.to(torch.int32)
+    context_lens = context_lens.to(torch.int32)
+    if num_parts is None:
+        num_parts = choose_parts(batch, kv_heads, max_context, q.device)
+    tokens_per_part = -(-max(1, -(-max_context // num_parts)) // BLOCK_T) * BLOCK_T
+    num_parts = max(1, -(-max_context // tokens_per_part))
+    split = num_parts > 1
+    block_d = max(16, next_power_of_2(dim))
+    if split:
+        part_m = torch.empty(batch * heads * num_parts, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_o = torch.empty(batch * heads * num_parts, dim, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_o = out
+    _paged_decode_kernel[(batch, kv_heads, num_parts)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_o,
+        scale * 1.4426950408889634, tokens_per_part, block_size, num_parts,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0), out.stride(0),
+        GROUP=group, HEAD_DIM=dim, SPLIT=split, DOT_F32=dot_dtype_is_f32(q.dtype),
+        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_T=BLOCK_T,
+        num_warps=4, num_stages=2,
+    )
+    if split:
+        _combine_parts_kernel[(batch, heads)](
+            part_m, part_l, part_o, out, num_parts, out.stride(0),
+            HEAD_DIM=dim, BLOCK_P=next_power_of_2(num_parts), BLOCK_D=block_d,
+        )
+    return out
+
+
+def decode_tables(rows: torch.Tensor, mask: torch.Tensor | None, batch: int, kv_heads: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables ``[B, blocks]`` and context lengths ``[B]`` (int32) from the reference's
+    ``rows`` (:func:`reference.block_rows`: head 0's rows are the block ids) and ``mask``."""
+    tables = rows.view(batch, kv_heads, -1)[:, 0].to(torch.int32)
+    if mask is None:
+        lens = torch.full((batch,), width, dtype=torch.int32, device=rows.device)
+    else:
+        lens = (mask.reshape(batch, -1) == 0).sum(-1).to(torch.int32)
+    return tables, lens
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    width: int,
+    mask: torch.Tensor | None,
+    block_size: int,
+    scale: float,
+    k_space: reference.Workspace,
+    v_space: reference.Workspace,
+) -> torch.Tensor:
+    """:func:`reference.paged_decode_attention`'s signature: Triton when the tensors are on
+    CUDA and triton is importable (the workspaces are then unused), the reference otherwise."""
+    if not use_triton(q, k_cache, v_cache):
+        return reference.paged_decode_attention(q, k_cache, v_cache, rows, width, mask, block_size, scale, k_space, v_space)
+    tables, lens = decode_tables(rows.to(q.device), None if mask is None else mask.to(q.device), q.shape[0], k_cache.shape[0], width)
+    return triton_paged_decode_attention(q, k_cache, v_cache, tables, lens, width, block_size, scale)
