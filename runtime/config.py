@@ -19,6 +19,8 @@ class EngineConfig:
 
     ``num_kv_blocks`` (when given) fixes the KV cache size; otherwise ``kv_cache_gib`` is the
     budget, trimmed to what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use.
+    ``kv_cache_dtype``: ``auto`` stores K/V in the model's dtype; ``fp8`` (e4m3) and ``int8``
+    store one byte per value plus a float32 scale per token and KV head.
     """
 
     max_num_seqs: int = 64
@@ -30,6 +32,7 @@ class EngineConfig:
     threads: int | None = None
     enable_prefix_caching: bool = True
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
     seed: int = 0
 
     def validate(self) -> None:
@@ -42,6 +45,7 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
             (self.threads is None or self.threads >= 1, "threads must be at least 1"),
             (self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}"),
+            (self.kv_cache_dtype in ("auto", "fp8", "int8"), f"kv_cache_dtype must be auto, fp8 or int8, not {self.kv_cache_dtype!r}"),
         ]
         for ok, problem in checks:
             if not ok:

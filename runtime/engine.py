@@ -50,7 +50,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(self.arch, config.max_model_len)
         self.weights = load_weights(self.path, self.arch, dtype)
         bs = config.block_size
-        self.bytes_per_block = KVCache.bytes_per_block(self.arch, bs, dtype)
+        self.bytes_per_block = KVCache.bytes_per_block(self.arch, bs, dtype, config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             num_blocks = min(int(config.kv_cache_gib * GIB) // self.bytes_per_block, config.max_num_seqs * -(-self.max_model_len // bs))
@@ -59,10 +59,11 @@ class LLMEngine:
                     f"a KV cache budget of {config.kv_cache_gib} GiB holds no block ({self.bytes_per_block} bytes each)",
                     "raise kv_cache_gib or lower block_size",
                 )
-        self.cache = KVCache(self.arch, num_blocks, bs, dtype)
+        self.cache = KVCache(self.arch, num_blocks, bs, dtype, config.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.arch, LlamaModel(self.arch, self.weights), self.cache, self.max_model_len, dtype)
+        self.runner = ModelRunner(self.arch, LlamaModel(self.arch, self.weights), self.cache, self.max_model_len, dtype,
+                                  getattr(config, "kernels", "auto"))
         self.sampler = Sampler(config.seed)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(self.path)
         self.eos_token_ids = _eos_ids(self.path, self.tokenizer)

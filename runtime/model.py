@@ -2,8 +2,9 @@
 
 All scheduled tokens of a step form one ``[tokens, hidden]`` matrix, so every Linear runs once
 per layer for the whole batch. Only attention looks at sequences: the decode tokens (one per
-sequence) attend in one batched call over their gathered blocks; each prompt chunk attends
-causally to its cached context and itself.
+sequence) attend in one call, either the C++ kernel reading each sequence's blocks through its
+block table (``PagedDecode``) or the reference over gathered, padded groups (``DecodeGroup``);
+each prompt chunk attends causally to its cached context and itself.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelArch
+from .kernels import cpu_attention, kv_quant
 from .kernels import reference as kernels
 from .loader import LayerWeights, ModelWeights
 from .rope import apply_rotary
@@ -42,6 +44,17 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedDecode:
+    """``count`` decode tokens at rows ``start ...`` for the C++ kernel: each sequence's block
+    table (``[count, width]`` int32, padded with block 0) and context length (``[count]`` int32)."""
+
+    start: int
+    count: int
+    tables: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass
 class ForwardBatch:
     """Inputs of one forward: decode tokens first (in groups of similar context length), then chunks."""
 
@@ -50,6 +63,7 @@ class ForwardBatch:
     cos: torch.Tensor  # [T, 1, head_dim]
     sin: torch.Tensor  # [T, 1, head_dim]
     decodes: list[DecodeGroup] = field(default_factory=list)
+    paged_decode: PagedDecode | None = None  # instead of ``decodes`` when the C++ kernel runs
     prefills: list[PrefillChunk] = field(default_factory=list)
     sample_rows: torch.Tensor | None = None  # rows whose next-token logits are needed
 
@@ -57,28 +71,46 @@ class ForwardBatch:
 class KVCache:
     """Per layer K and V tensors ``[kv_heads, num_blocks * block_size, head_dim]``.
 
-    Allocated once with ``torch.empty``: the operating system backs pages only as blocks are
-    first written, so resident memory follows the blocks actually used.
+    ``kv_cache_dtype`` ``auto`` stores values in the model's dtype; ``int8`` / ``fp8`` store
+    codes (one byte each) with float32 scales ``[kv_heads, num_blocks * block_size]`` per layer
+    (one per token and KV head, see ``kernels.kv_quant``). Allocated once with ``torch.empty``:
+    the operating system backs pages only as blocks are first written, so resident memory
+    follows the blocks actually used.
     """
 
-    def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
+        storage = kv_quant.storage_dtype(kv_cache_dtype, dtype)
         shape = (arch.num_layers, 2, arch.num_kv_heads, num_blocks * block_size, arch.head_dim)
-        self.data = torch.empty(shape, dtype=dtype)
+        self.data = torch.empty(shape, dtype=storage)
         self.k = [self.data[i, 0] for i in range(arch.num_layers)]
         self.v = [self.data[i, 1] for i in range(arch.num_layers)]
-        self.k_space = kernels.Workspace(dtype)  # scratch for gathered context, reused by every layer
-        self.v_space = kernels.Workspace(dtype)
+        self.scales = None
+        self.k_scale: list[torch.Tensor | None] = [None] * arch.num_layers
+        self.v_scale: list[torch.Tensor | None] = [None] * arch.num_layers
+        if kv_quant.is_quantized(kv_cache_dtype):
+            self.scales = torch.empty(shape[:-1], dtype=kv_quant.SCALE_DTYPE)
+            self.k_scale = [self.scales[i, 0] for i in range(arch.num_layers)]
+            self.v_scale = [self.scales[i, 1] for i in range(arch.num_layers)]
+        self.k_space = kernels.Workspace(storage)  # scratch for gathered context, reused by every layer
+        self.v_space = kernels.Workspace(storage)
 
     @staticmethod
-    def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return arch.num_layers * 2 * arch.num_kv_heads * block_size * arch.head_dim * element
+    def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        element = torch.empty((), dtype=kv_quant.storage_dtype(kv_cache_dtype, dtype)).element_size()
+        per_token_head = arch.head_dim * element
+        if kv_quant.is_quantized(kv_cache_dtype):
+            per_token_head += torch.empty((), dtype=kv_quant.SCALE_DTYPE).element_size()
+        return arch.num_layers * 2 * arch.num_kv_heads * block_size * per_token_head
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        total = self.data.numel() * self.data.element_size()
+        if self.scales is not None:
+            total += self.scales.numel() * self.scales.element_size()
+        return total
 
 
 class LlamaModel:
@@ -118,12 +150,18 @@ class LlamaModel:
         qk = apply_rotary(qk, b.cos, b.sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
         k_cache, v_cache = cache.k[index], cache.v[index]
-        kernels.write_kv(k_cache, v_cache, k, v, b.slots)
+        k_scale, v_scale = cache.k_scale[index], cache.v_scale[index]
+        kernels.write_kv(k_cache, v_cache, k, v, b.slots, k_scale, v_scale)
         outs = []
+        if b.paged_decode is not None:
+            d = b.paged_decode
+            outs.append(cpu_attention.paged_decode_attention(
+                q[d.start:d.start + d.count], k_cache, v_cache, d.tables, d.lens, cache.block_size, self.scale,
+                k_scale, v_scale))
         for g in b.decodes:
             outs.append(kernels.paged_decode_attention(
                 q[g.start:g.start + g.count], k_cache, v_cache, g.rows, g.width, g.mask, cache.block_size, self.scale,
-                cache.k_space, cache.v_space))
+                cache.k_space, cache.v_space, k_scale, v_scale))
         for chunk in b.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
             if chunk.rows is None:
@@ -131,5 +169,5 @@ class LlamaModel:
             else:
                 outs.append(kernels.chunked_prefill_attention(
                     q[rows], k_cache, v_cache, chunk.rows, chunk.mask, cache.block_size, self.scale,
-                    cache.k_space, cache.v_space))
+                    cache.k_space, cache.v_space, k_scale, v_scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from .config import ModelArch
+from .kernels.cpu_attention import use_cpu_attention
 from .kernels.reference import block_rows
-from .model import DecodeGroup, ForwardBatch, KVCache, LlamaModel, PrefillChunk
+from .model import DecodeGroup, ForwardBatch, KVCache, LlamaModel, PagedDecode, PrefillChunk
 from .rope import RotaryEmbedding
 from .sequence import Sequence
 
@@ -33,15 +34,20 @@ def group_by_length(blocks: list[int], cost: int = GROUP_COST_BLOCKS) -> list[tu
 
 
 class ModelRunner:
-    """Owns the model and its KV cache; ``run`` computes the logits a step needs."""
+    """Owns the model and its KV cache; ``run`` computes the logits a step needs.
 
-    def __init__(self, arch: ModelArch, model: LlamaModel, cache: KVCache, max_model_len: int, dtype: torch.dtype) -> None:
+    ``kernels`` (auto / cpu / reference) picks decode attention: the C++ kernel through block
+    tables when it is available (auto) or required (cpu), else the reference's padded groups."""
+
+    def __init__(self, arch: ModelArch, model: LlamaModel, cache: KVCache, max_model_len: int, dtype: torch.dtype,
+                 kernels: str = "auto") -> None:
         self.arch = arch
         self.model = model
         self.cache = cache
         self.block_size = cache.block_size
         self.rope = RotaryEmbedding(arch, max_model_len, dtype)
         self.dtype = dtype
+        self.cpu_attention = cache.data.device.type == "cpu" and use_cpu_attention(kernels)
 
     def prepare(self, items: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
         """The forward inputs for ``items`` and the sequences that get a new token (in row order)."""
@@ -86,7 +92,8 @@ class ModelRunner:
             slots=torch.tensor(slots, dtype=torch.long),
             cos=cos.unsqueeze(1),
             sin=sin.unsqueeze(1),
-            decodes=self._decode_groups(decodes),
+            decodes=[] if self.cpu_attention else self._decode_groups(decodes),
+            paged_decode=self._paged_decode(decodes) if self.cpu_attention and decodes else None,
             prefills=prefills,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long),
         )
@@ -94,6 +101,14 @@ class ModelRunner:
 
     def _rows(self, block_ids: torch.Tensor) -> torch.Tensor:
         return block_rows(block_ids, self.arch.num_kv_heads, self.cache.num_blocks)
+
+    def _paged_decode(self, seqs: list[Sequence]) -> PagedDecode:
+        """Block tables and context lengths of the decode sequences, for the C++ kernel."""
+        bs = self.block_size
+        lens = [s.num_computed + 1 for s in seqs]
+        width = -(-max(lens) // bs)
+        tables = [s.block_table[:width] + [0] * (width - min(width, len(s.block_table))) for s in seqs]
+        return PagedDecode(0, len(seqs), torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
 
     def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
         """Decode sequences (sorted by length) in runs of similar length, each padded to its longest."""
