@@ -73,3 +73,25 @@ def demo_cache(monkeypatch):
     from platformdirs import user_cache_dir
 
     monkeypatch.setenv("LLMOPT_CACHE", os.environ.get("LLMOPT_TEST_CACHE", user_cache_dir("llmopt")))
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: tiny tensors run much faster than with threads fighting over a busy
+    shared CPU (modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def correlated_inputs(n: int, d: int) -> torch.Tensor:
+    """Inputs with strongly correlated, unevenly scaled channels: X = Z @ A, columns scaled."""
+    z = torch.randn(n, d)
+    a = torch.randn(d, d) / d**0.5 + torch.eye(d) * 0.3
+    return (z @ a) * torch.exp(torch.randn(d))
+
+
+def out_err(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    """Squared error of a layer's outputs when ``w`` is replaced by ``w_hat``."""
+    return float((x @ w.T - x @ w_hat.T).pow(2).sum())

@@ -41,13 +41,7 @@ from llmopt.prune.depth import (
 GUTENBERG = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gutenberg" / "persuasion.txt"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: tiny models run ~20x faster than with threads fighting over a busy CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import SHARED_DATA, save_model, tiny_llama
+from conftest import SHARED_DATA, correlated_inputs, out_err, save_model, tiny_llama
 from llmopt.calibration import LinearStats, linear_modules
 from llmopt.cli import main
 from llmopt.errors import LlmoptError
@@ -42,16 +42,6 @@ def run_cli(*args: str):
 def prune(model_dir, out, *args: str):
     return run_cli("prune", str(model_dir), "-o", str(out), *CALIB_ARGS, "--json", *args)
 
-
-def correlated_inputs(n: int, d: int) -> torch.Tensor:
-    """Correlated, unevenly scaled input channels: X = Z @ A, columns scaled."""
-    z = torch.randn(n, d)
-    a = torch.randn(d, d) / d**0.5 + torch.eye(d) * 0.3
-    return (z @ a) * torch.exp(torch.randn(d))
-
-
-def out_err(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    return float((x @ w.T - x @ w_hat.T).pow(2).sum())
 
 
 def calib_ids(n: int = 8, seq: int = 24) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from conftest import correlated_inputs, out_err
 import torch
 from llmopt.calibration import LinearStats, linear_modules, run_sequential
 from llmopt.quant.apply import quantize_model
@@ -29,13 +30,7 @@ from transformers import (
 VOCAB = 128
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is faster and immune to a busy shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(layers: int = 2, family: str = "llama") -> LlamaForCausalLM:
@@ -72,16 +67,6 @@ def expand_groups(t: torch.Tensor, in_features: int) -> torch.Tensor:
     """[out, n_groups] → [out, in] (each group's value repeated over its columns)."""
     return t.repeat_interleave(in_features // t.shape[1], dim=1)
 
-
-def correlated_inputs(n: int, d: int) -> torch.Tensor:
-    """Inputs with strongly correlated, unevenly scaled channels: X = Z @ A, columns scaled."""
-    z = torch.randn(n, d)
-    a = torch.randn(d, d) / d**0.5 + torch.eye(d) * 0.3
-    return (z @ a) * torch.exp(torch.randn(d))
-
-
-def out_err(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    return float((x @ w.T - x @ w_hat.T).pow(2).sum())
 
 
 # ---------------------------------------------------------------------------------------------

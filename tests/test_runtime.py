@@ -31,13 +31,7 @@ GAP = 1e-4  # a greedy mismatch is acceptable only where the reference's top two
 VOCAB = 259
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tests compare tokens, not speed: one thread keeps them quick on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------------
