@@ -25,10 +25,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from common import llmopt, log
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -43,18 +43,6 @@ VARIANTS: dict[str, tuple[str | None, int | None]] = {
     "FP8": ("FP8", None),
 }
 TARGETS = {"w4a16_vs_float32_decode": 2.5, "w4a16_vs_llamacpp_q4_0_decode": 0.8, "ttft_p50_ms": 150, "tpot_p50_ms": 50}
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def llmopt(*args: str) -> dict:
-    """Run the CLI with --json in a child process and return its JSON output."""
-    done = subprocess.run([sys.executable, "-m", "llmopt", *args, "--json"], check=False, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"llmopt {' '.join(args)} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout)
 
 
 def checkpoint(label: str, workdir: Path) -> str:

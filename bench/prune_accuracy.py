@@ -17,10 +17,10 @@ import json
 import os
 import platform
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from common import llmopt, run_variants
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -42,15 +42,6 @@ VARIANTS: dict[str, list[str]] = {
     "width: 25% of FFN channels": ["--method", "width", "--ffn-ratio", "0.25", "{calib}"],
     "magnitude 2:4": ["--method", "magnitude", "--pattern", "2:4"],
 }
-
-
-def llmopt(*args: str) -> dict:
-    """Run the CLI with --json in a child process and return its JSON output."""
-    command = [sys.executable, "-m", "llmopt", *args, "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout)
 
 
 def _slug(name: str) -> str:
@@ -169,18 +160,12 @@ def main() -> None:
         path.write_text(json.dumps({**meta, "variants": ordered}, indent=2) + "\n")
         write_markdown(ordered, meta)
 
-    for name, spec in VARIANTS.items():
-        if args.only and not any(o in name for o in args.only):
-            continue
-        if name in results and not args.force:
-            continue
-        start = time.perf_counter()
-        print(f"[{time.strftime('%H:%M:%S')}] {name} …", flush=True)
-        results[name] = measure(name, spec, calib, args.windows, Path(args.workdir), args.keep)
-        r = results[name]
-        print(f"    ppl {r['ppl']:.3f}  KLD {r['kld_mean']:.4f}  top-1 {100 * r['top1']:.1f}%  params {r['parameters']:,}  "
-              f"prune {r['prune_seconds']:.0f}s  ({time.perf_counter() - start:.0f}s)", flush=True)
-        save()
+    run_variants(
+        list(VARIANTS), results, lambda name: measure(name, VARIANTS[name], calib, args.windows, Path(args.workdir), args.keep),
+        lambda r: (f"ppl {r['ppl']:.3f}  KLD {r['kld_mean']:.4f}  top-1 {100 * r['top1']:.1f}%  params {r['parameters']:,}  "
+                   f"prune {r['prune_seconds']:.0f}s"),
+        save, args.only, args.force,
+    )
     save()
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from common import llmopt, run_variants
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -44,15 +45,6 @@ VARIANTS: dict[str, tuple[str, str, int | None, list[str]]] = {
     "W4A16_ASYM g32 rtn (demo weights' own grid)": ("W4A16_ASYM", "rtn", 32, []),
     "NF4 (bitsandbytes)": ("NF4", "rtn", None, []),
 }
-
-
-def llmopt(*args: str) -> dict:
-    """Run the CLI with --json in a child process and return its JSON output."""
-    command = [sys.executable, "-m", "llmopt", *args, "--json"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout)
 
 
 def measure(name: str, spec, windows: int, workdir: Path) -> dict:
@@ -164,26 +156,25 @@ def main() -> None:
     saved = json.loads(path.read_text()) if path.is_file() else {}
     results = saved.get("variants", {}) if saved.get("windows") == args.windows else {}
     baseline = llmopt("eval", "demo", "--baseline", "demo", "--max-windows", str(args.windows))
-    for name, spec in VARIANTS.items():
-        if args.only and not any(o in name for o in args.only):
-            continue
-        if name in results and not args.force:
-            continue
-        start = time.perf_counter()
-        print(f"[{time.strftime('%H:%M:%S')}] {name} …", flush=True)
-        results[name] = measure(name, spec, args.windows, Path(args.workdir))
-        r = results[name]
-        print(f"    ppl {r['ppl']:.3f}  KLD {r['kld_mean']:.4f}  top-1 {100 * r['top1']:.1f}%  "
-              f"quantize {r['quantize_seconds']:.0f}s  RSS {r['peak_rss_mib']:.0f} MiB  ({time.perf_counter() - start:.0f}s)", flush=True)
+    def save() -> None:
         ordered = {k: results[k] for k in VARIANTS if k in results}
         calib = next((r["calibration"] for r in ordered.values() if r.get("calibration")), None)
         meta = {
             "windows": args.windows, "baseline": baseline, "date": time.strftime("%Y-%m-%d"),
-            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "calibration": "none" if not calib else f"{calib['name']} {calib['samples']}×{calib['seq_len']} tokens, seed {calib['seed']}",
         }
         path.write_text(json.dumps({**meta, "variants": ordered}, indent=2) + "\n")
         write_markdown(ordered, meta)
+
+    run_variants(
+        list(VARIANTS), results, lambda name: measure(name, VARIANTS[name], args.windows, Path(args.workdir)),
+        lambda r: (f"ppl {r['ppl']:.3f}  KLD {r['kld_mean']:.4f}  top-1 {100 * r['top1']:.1f}%  "
+                   f"quantize {r['quantize_seconds']:.0f}s  RSS {r['peak_rss_mib']:.0f} MiB"),
+        save, args.only, args.force,
+    )
+    if results:
+        save()
 
 
 if __name__ == "__main__":
