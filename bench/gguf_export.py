@@ -30,9 +30,10 @@ SEQ_LEN = 2048
 
 
 def versions() -> dict:
+    from importlib.metadata import version
+
     import gguf  # noqa: F401
     import transformers
-    from importlib.metadata import version
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "gguf": version("gguf"),
             "python": platform.python_version()}
@@ -61,8 +62,9 @@ class LlamaCppModel:
                          n_threads=os.cpu_count())
 
     def __call__(self, input_ids: torch.Tensor):
-        import numpy as np
         from types import SimpleNamespace
+
+        import numpy as np
 
         ids = input_ids[0].tolist()
         self.llm.reset()
@@ -104,7 +106,13 @@ def main() -> None:
     args = parser.parse_args()
 
     from llmopt.data import load_text
-    from llmopt.evaluate import BaselineCache, eval_data, evaluate, fill_baseline, model_fingerprint
+    from llmopt.evaluate import (
+        BaselineCache,
+        eval_data,
+        evaluate,
+        fill_baseline,
+        model_fingerprint,
+    )
     from llmopt.export_gguf import export_gguf
     from llmopt.models import load_model, resolve_model
     from llmopt.paths import cache_dir
