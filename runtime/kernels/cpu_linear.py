@@ -1,0 +1,169 @@
+"""C++ CPU kernels for quantized linears (int4, int8, fp8 weight-only; W8A8 integer).
+
+``pack`` turns a quantized weight (codes, scales, zero points as stored in checkpoints) into the
+layout the kernels read (see ``csrc/cpu_linear.h``): output features in tiles of 16, each
+uint32 lane holding 8 int4 or 4 byte values of one feature along the input. ``linear`` runs
+``x @ W.T + b`` on it, choosing the instruction set at run time (AVX-512 VNNI, AVX2 + FMA, or
+portable C++; ``isa`` or ``LLMOPT_CPU_ISA`` force one) and the path (``gemv`` for a few rows,
+``panel`` for many; W8A8 always uses integer dot products). Results match
+``reference.quant_linear`` up to float32 summation order.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from llmopt.errors import LlmoptError
+from llmopt.quant.formats import fake_quantize_activations
+
+from .build import load_extension
+
+SOURCES = ["linear.cpp", "cpu_linear_avx2.cpp", "cpu_linear_avx512.cpp", "cpu_linear_scalar.cpp"]
+FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "w8a8": 3}
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+PATHS = {"gemv": 0, "panel": 1}
+TILE = 16
+PACK_ROWS = 2048  # output features packed per step (bounds the int64 intermediates)
+
+
+@dataclass
+class PackedLinear:
+    """A quantized weight in the kernels' layout."""
+
+    format: str  # int4 | int8 | fp8 | w8a8
+    out_features: int
+    in_features: int
+    group_size: int | None  # None: one scale per output feature
+    data: torch.Tensor  # int32 [tiles, Kp / values_per_lane, 16]
+    scale: torch.Tensor  # float32 [tiles, groups, 16]
+    offset: torch.Tensor | None  # float32 like scale (asymmetric codes), else offset = -2^(bits-1) * scale
+    wsum: torch.Tensor | None  # int32 [tiles * 16]: sum of each feature's codes (w8a8)
+    act_quant: str | None  # activations quantize-dequantized in torch first (FP8_DYNAMIC, grouped W8A8)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.offset, self.wsum) if t is not None)
+
+
+def _module() -> ModuleType | None:
+    return load_extension("cpu_linear", SOURCES)
+
+
+def available() -> bool:
+    """True when the C++ kernels are built (or can be) and not disabled by ``LLMOPT_KERNELS=reference``."""
+    return _module() is not None
+
+
+def supported_isas() -> list[str]:
+    """Instruction sets this CPU runs, slowest first (``scalar`` always)."""
+    module = _module()
+    return list(module.supported_isas()) if module is not None else []
+
+
+def _tiles(t: torch.Tensor, tiles: int) -> torch.Tensor:
+    """``[N, G]`` per-feature values → ``[tiles, G, 16]`` (zero rows past N)."""
+    padded = t.new_zeros(tiles * TILE, t.shape[1])
+    padded[: t.shape[0]] = t
+    return padded.view(tiles, TILE, -1).transpose(1, 2).contiguous()
+
+
+def _lanes(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned ``values`` ``[N, K]`` (each < 2^bits) → int32 lanes ``[tiles, Kp / vpl, 16]``."""
+    vpl = 32 // bits
+    n, k = values.shape
+    tiles, chunks = -(-n // TILE), -(-k // vpl)
+    shifts = torch.arange(vpl, dtype=torch.int64) * bits
+    words = torch.empty(tiles * TILE, chunks, dtype=torch.int32)
+    words[n:] = 0
+    for start in range(0, n, PACK_ROWS):
+        rows = values[start : start + PACK_ROWS].to(torch.int64)
+        padded = rows.new_zeros(rows.shape[0], chunks * vpl)
+        padded[:, :k] = rows
+        word = (padded.view(rows.shape[0], chunks, vpl) << shifts).sum(-1)
+        words[start : start + rows.shape[0]] = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    return words.view(tiles, TILE, chunks).transpose(1, 2).contiguous()
+
+
+def pack(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    group_size: int | None,
+    activations: str | None,
+) -> PackedLinear | None:
+    """The kernels' layout of a quantized weight (see ``quant.formats``), or None when the
+    kernels do not cover it (the caller keeps the reference path)."""
+    if codes.dim() != 2 or scale.dim() != 2 or codes.device.type != "cpu":
+        return None
+    n, k = codes.shape
+    groups = scale.shape[1]
+    if scale.shape[0] != n or k % groups or (groups > 1 and group_size is not None and group_size * groups != k):
+        return None
+    if zero_point is not None and zero_point.shape != scale.shape:
+        return None
+    tiles = -(-n // TILE)
+    scale = scale.float()
+    gs = None if groups == 1 else k // groups
+    act_quant = activations
+    offset = wsum = None
+    if codes.dtype == torch.float8_e4m3fn:
+        if zero_point is not None:
+            return None
+        fmt, data = "fp8", _lanes(codes.view(torch.uint8), 8)
+    elif codes.dtype == torch.int8:
+        if activations == "int8" and zero_point is None and groups == 1:
+            fmt, data, act_quant = "w8a8", _lanes(codes.view(torch.uint8), 8), None
+            sums = torch.zeros(tiles * TILE, dtype=torch.int32)
+            sums[:n] = codes.sum(1, dtype=torch.int32)
+            wsum = sums
+        else:
+            fmt = "int4" if n * k and int(codes.min()) >= -8 and int(codes.max()) <= 7 else "int8"
+            half = 8 if fmt == "int4" else 128
+            data = _lanes(codes.to(torch.int16) + half, 4 if fmt == "int4" else 8)
+            if zero_point is not None:
+                offset = _tiles(-(zero_point.float() + half) * scale, tiles)
+    else:
+        return None
+    return PackedLinear(fmt, n, k, gs, data, _tiles(scale, tiles), offset, wsum, act_quant)
+
+
+def _isa_code(isa: str | None) -> int:
+    isa = isa or os.environ.get("LLMOPT_CPU_ISA") or "auto"
+    if isa == "auto":
+        return -1
+    if isa not in ISAS:
+        raise LlmoptError(f"unknown instruction set {isa!r} for the CPU kernels", f"use one of auto, {', '.join(ISAS)}")
+    if isa not in supported_isas():
+        raise LlmoptError(f"this CPU cannot run the {isa} kernels", f"use one of: auto, {', '.join(supported_isas())}")
+    return ISAS[isa]
+
+
+def linear(
+    x: torch.Tensor,
+    packed: PackedLinear,
+    bias: torch.Tensor | None = None,
+    *,
+    isa: str | None = None,
+    path: str | None = None,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a packed ``W``; ``x`` is ``[..., in]`` of any float dtype (computed
+    in float32, returned in ``x``'s dtype). ``isa`` / ``path`` force a variant (tests, benchmarks)."""
+    module = _module()
+    if module is None:
+        raise LlmoptError("llmopt's C++ CPU kernels are not available", "install a C++ compiler (g++) or use the reference kernels")
+    if x.shape[-1] != packed.in_features:
+        raise LlmoptError(f"input has {x.shape[-1]} features, the layer expects {packed.in_features}", "check the model's shapes")
+    if path is not None and path not in PATHS:
+        raise LlmoptError(f"unknown kernel path {path!r}", f"use one of {', '.join(PATHS)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, packed.in_features)
+    if packed.act_quant is not None:
+        x2 = fake_quantize_activations(x2, packed.act_quant)
+    xf = x2.to(torch.float32).contiguous()
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    out = module.linear(xf, packed.data, packed.scale, packed.offset, packed.wsum, bias, FORMATS[packed.format],
+                        packed.out_features, packed.group_size or 0, _isa_code(isa), PATHS.get(path, -1))
+    return out.view(*lead, packed.out_features).to(x.dtype)

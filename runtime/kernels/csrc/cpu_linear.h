@@ -1,0 +1,61 @@
+// Quantized linear kernels for CPUs: the job description shared by the instruction-set variants.
+//
+// Packed weight layout (made once at load by llmopt/runtime/kernels/cpu_linear.py):
+//   output features in tiles of 16; within a tile, for each chunk of VPL = 32 / bits input
+//   features, 16 uint32 lanes (lane j = feature 16 * tile + j). Value i of a lane (bits
+//   i * bits ... i * bits + bits - 1) is input feature chunk * VPL + i.
+//     int4 / int8 weight-only: unsigned codes u = q + 2^(bits-1), weight = u * scale + offset
+//     fp8 e4m3: the raw bytes, weight = e4m3(byte) * scale
+//     w8a8: the signed int8 codes, weight = q * scale (per output feature)
+//   scale / offset: [tiles][groups][16] float32. Without an offset tensor, offset = half * scale.
+// This header holds plain data only: it is included by translation units built for different
+// instruction sets, which must not share any inline code.
+#pragma once
+
+#include <cstdint>
+
+namespace llmopt_linear {
+
+enum Format : int { kInt4 = 0, kInt8 = 1, kFp8 = 2, kW8A8 = 3 };
+
+struct Job {
+  int format;
+  int64_t M, N, K;
+  int64_t Kp;      // K rounded up to a whole chunk
+  int64_t groups;  // scale groups along K
+  int64_t gs;      // group size (Kp for one group)
+  const uint32_t* data;
+  const float* scale;
+  const float* offset;  // nullptr: offset = half * scale
+  float half;           // -2^(bits-1) for weight-only integers, 0 otherwise
+  const float* x;       // [M][K] activations
+  const float* xs;      // [M][Kp] activations scaled for the SIMD GEMV (see simd kernels)
+  const float* xsum;    // [M][groups] sums of the activations per group
+  const int8_t* xq;     // [M][Kp] int8 activations (w8a8)
+  const float* xscale;  // [M] their per-token scale (w8a8)
+  const int32_t* wsum;  // [tiles * 16] sum of each feature's int8 codes (w8a8)
+  const float* bias;    // [N] or nullptr
+  float* out;           // [M][N]
+};
+
+inline int values_per_lane(int format) { return format == kInt4 ? 8 : 4; }
+
+// Each variant computes output features [16 * t0, 16 * t1) for every row.
+namespace scalar {
+void run(const Job& job, int64_t t0, int64_t t1, float* work);
+}
+namespace avx2 {
+void gemv(const Job& job, int64_t t0, int64_t t1);
+void panel(const Job& job, int64_t t0, int64_t t1, float* work);
+void w8a8(const Job& job, int64_t t0, int64_t t1);
+}
+namespace avx512 {
+void gemv(const Job& job, int64_t t0, int64_t t1);
+void panel(const Job& job, int64_t t0, int64_t t1, float* work);
+void w8a8(const Job& job, int64_t t0, int64_t t1);
+}
+
+constexpr int64_t kPanelK = 256;  // K chunk of the panel path: a dequantized tile pair is 32 KiB
+constexpr int64_t kWorkFloats = kPanelK * 32;
+
+}  // namespace llmopt_linear

@@ -1,0 +1,380 @@
+// SIMD quantized-linear kernels, written once over the `Vec` operations of cpu_linear_vec.h and
+// compiled per instruction set (cpu_linear_avx2.cpp, cpu_linear_avx512.cpp). Include inside an
+// anonymous namespace after the target pragma.
+//
+// Three paths, each computing output features [16 * t0, 16 * t1) for every row:
+//   gemv   few rows (decode): the packed weights are read once and unpacked in registers.
+//          Integer value i of a lane is isolated with one AND (no shift) and converted, which
+//          gives u * 2^(bits * i); the caller pre-scales activation k by 2^-(bits * (k % VPL)),
+//          so each weight costs an AND, a convert and one FMA per row. Scales apply per group:
+//          sum_k x_k w_k = scale * sum_k x_k u_k + offset * sum_k x_k.
+//   panel  many rows (prefill): a tile pair's weights for kPanelK inputs are dequantized into a
+//          float buffer, then a 6-row register-blocked FMA micro-kernel runs over every row.
+//   w8a8   int8 activations times int8 weights with integer dot products, scaled at the end.
+#pragma once
+
+#include "cpu_linear.h"
+
+using llmopt_linear::Job;
+using llmopt_linear::kPanelK;
+
+constexpr int VT = 16 / Vec::W;  // vectors per 16-feature tile
+
+template <int I>
+struct Int {
+  static constexpr int value = I;
+};
+
+template <int N, int I = 0, class Fn>
+inline void unroll(const Fn& fn) {
+  if constexpr (I < N) {
+    fn(Int<I>{});
+    unroll<N, I + 1>(fn);
+  }
+}
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// ---- output helpers (the last tile may be partial: columns past N are neither read nor written)
+
+inline Vec::F load_bias(const Job& j, int64_t col) {
+  if (!j.bias) return Vec::zero();
+  if (col + Vec::W <= j.N) return Vec::load(j.bias + col);
+  alignas(64) float tmp[Vec::W] = {};
+  for (int64_t i = 0; col + i < j.N; ++i) tmp[i] = j.bias[col + i];
+  return Vec::load(tmp);
+}
+
+inline Vec::F load_out(const Job& j, int64_t row, int64_t col) {
+  const float* o = j.out + row * j.N + col;
+  if (col + Vec::W <= j.N) return Vec::load(o);
+  alignas(64) float tmp[Vec::W] = {};
+  for (int64_t i = 0; col + i < j.N; ++i) tmp[i] = o[i];
+  return Vec::load(tmp);
+}
+
+inline void put_out(const Job& j, int64_t row, int64_t col, Vec::F v) {
+  float* o = j.out + row * j.N + col;
+  if (col + Vec::W <= j.N) {
+    Vec::store(o, v);
+    return;
+  }
+  alignas(64) float tmp[Vec::W];
+  Vec::store(tmp, v);
+  for (int64_t i = 0; col + i < j.N; ++i) o[i] = tmp[i];
+}
+
+// ---- decoding lanes
+
+// e4m3 byte I of each lane: sign to bit 31, the 7 magnitude bits to bits 20..26; read as a
+// float that is the e4m3 value times 2^-120 (subnormals included), hence the multiply.
+template <int I>
+inline Vec::F fp8_value(Vec::I lanes) {
+  Vec::I top;
+  if constexpr (I == 3) {
+    top = lanes;
+  } else {
+    top = Vec::template slli<24 - 8 * I>(lanes);
+  }
+  Vec::I bits = Vec::andi(Vec::template srai<4>(top), Vec::set1i(static_cast<int32_t>(0x87F00000u)));
+  return Vec::mul(Vec::as_float(bits), Vec::bcast(0x1p120f));
+}
+
+// Value I of each lane times 2^(BITS * I) (the GEMV form; see the file comment).
+template <int BITS, bool FP8, int I>
+inline Vec::F decode_scaled(Vec::I lanes) {
+  if constexpr (FP8) {
+    return fp8_value<I>(lanes);
+  } else if constexpr (I == 32 / BITS - 1) {
+    return Vec::cvt(Vec::template srli<32 - BITS>(lanes));
+  } else {
+    return Vec::cvt(Vec::andi(lanes, Vec::set1i(((1 << BITS) - 1) << (BITS * I))));
+  }
+}
+
+// Value I of each lane (the panel form).
+template <int BITS, bool FP8, int I>
+inline Vec::F decode_exact(Vec::I lanes) {
+  if constexpr (FP8) {
+    return fp8_value<I>(lanes);
+  } else if constexpr (I == 32 / BITS - 1) {
+    return Vec::cvt(Vec::template srli<32 - BITS>(lanes));
+  } else if constexpr (I == 0) {
+    return Vec::cvt(Vec::andi(lanes, Vec::set1i((1 << BITS) - 1)));
+  } else {
+    return Vec::cvt(Vec::andi(Vec::template srli<BITS * I>(lanes), Vec::set1i((1 << BITS) - 1)));
+  }
+}
+
+inline Vec::F group_offset(const Job& j, int64_t at, Vec::F scale) {
+  return j.offset ? Vec::load(j.offset + at) : Vec::mul(scale, Vec::bcast(j.half));
+}
+
+// ---- gemv: MR rows from m0, TPS tiles from t
+
+template <int BITS, bool FP8, int MR, int TPS>
+void gemv_step(const Job& j, int64_t t, int64_t m0) {
+  constexpr int VPL = 32 / BITS, NV = TPS * VT;
+  const int64_t chunks = j.Kp / VPL, per_group = j.gs / VPL;
+  const uint32_t* base = j.data + t * chunks * 16;
+  const float* xs = j.xs + m0 * j.Kp;
+  Vec::F acc[MR][NV];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[m][v] = Vec::zero();
+  for (int64_t g = 0; g < j.groups; ++g) {
+    Vec::F part[MR][NV];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) part[m][v] = Vec::zero();
+    for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+      Vec::I lanes[NV];
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) lanes[v] = Vec::loadi(base + ((v / VT) * chunks + c) * 16 + (v % VT) * Vec::W);
+      const float* xc = xs + c * VPL;
+      unroll<VPL>([&](auto i) {
+        constexpr int I = decltype(i)::value;
+        Vec::F w[NV];
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; ++v) w[v] = decode_scaled<BITS, FP8, I>(lanes[v]);
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) {
+          Vec::F xb = Vec::bcast(xc[m * j.Kp + I]);
+#pragma GCC unroll 16
+          for (int v = 0; v < NV; ++v) part[m][v] = Vec::fma(xb, w[v], part[m][v]);
+        }
+      });
+    }
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      const int64_t at = ((t + v / VT) * j.groups + g) * 16 + (v % VT) * Vec::W;
+      Vec::F s = Vec::load(j.scale + at);
+      if constexpr (FP8) {
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) acc[m][v] = Vec::fma(part[m][v], s, acc[m][v]);
+      } else {
+        Vec::F b = group_offset(j, at, s);
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) {
+          acc[m][v] = Vec::fma(part[m][v], s, acc[m][v]);
+          acc[m][v] = Vec::fma(b, Vec::bcast(j.xsum[(m0 + m) * j.groups + g]), acc[m][v]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) {
+    const int64_t col = (t + v / VT) * 16 + (v % VT) * Vec::W;
+    Vec::F b = load_bias(j, col);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) put_out(j, m0 + m, col, Vec::add(acc[m][v], b));
+  }
+}
+
+// Tiles per step: enough independent FMA chains (MR * TPS * VT) within the register file.
+template <int MR>
+constexpr int gemv_tiles() {
+  if constexpr (VT == 2) return MR == 1 ? 2 : 1;
+  else return MR <= 2 ? 4 : 2;
+}
+
+template <int BITS, bool FP8, int MR>
+void gemv_rows(const Job& j, int64_t t0, int64_t t1, int64_t m0) {
+  constexpr int TPS = gemv_tiles<MR>();
+  int64_t t = t0;
+  for (; t + TPS <= t1; t += TPS) gemv_step<BITS, FP8, MR, TPS>(j, t, m0);
+  if constexpr (TPS > 2) {
+    for (; t + 2 <= t1; t += 2) gemv_step<BITS, FP8, MR, 2>(j, t, m0);
+  }
+  for (; t < t1; ++t) gemv_step<BITS, FP8, MR, 1>(j, t, m0);
+}
+
+template <int BITS, bool FP8>
+void gemv_format(const Job& j, int64_t t0, int64_t t1) {
+  for (int64_t m = 0; m < j.M; m += 4) {
+    switch (min64(4, j.M - m)) {
+      case 1: gemv_rows<BITS, FP8, 1>(j, t0, t1, m); break;
+      case 2: gemv_rows<BITS, FP8, 2>(j, t0, t1, m); break;
+      case 3: gemv_rows<BITS, FP8, 3>(j, t0, t1, m); break;
+      default: gemv_rows<BITS, FP8, 4>(j, t0, t1, m); break;
+    }
+  }
+}
+
+// ---- panel: dequantize TPS tiles x [k0, k1) into buf[k - k0][16 * TPS], then FMA micro-kernel
+
+template <int BITS, bool FP8, int TPS>
+void dequantize(const Job& j, int64_t t, int64_t k0, int64_t k1, float* buf) {
+  constexpr int VPL = 32 / BITS, NV = TPS * VT;
+  const int64_t chunks = j.Kp / VPL;
+  const uint32_t* base = j.data + t * chunks * 16;
+  for (int64_t c = k0 / VPL; c * VPL < k1; ++c) {
+    Vec::I lanes[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) lanes[v] = Vec::loadi(base + ((v / VT) * chunks + c) * 16 + (v % VT) * Vec::W);
+    // At most one group boundary inside a chunk when gs >= VPL; divide per value otherwise.
+    const int64_t first = c * VPL, g0 = first / j.gs, boundary = (g0 + 1) * j.gs;
+    unroll<VPL>([&](auto i) {
+      constexpr int I = decltype(i)::value;
+      const int64_t k = first + I;
+      if (k >= k1) return;
+      const int64_t g = j.gs >= VPL ? g0 + (k >= boundary) : k / j.gs;
+      float* row = buf + (k - k0) * 16 * TPS;
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) {
+        const int64_t at = ((t + v / VT) * j.groups + g) * 16 + (v % VT) * Vec::W;
+        Vec::F s = Vec::load(j.scale + at), u = decode_exact<BITS, FP8, I>(lanes[v]);
+        if constexpr (FP8) {
+          Vec::store(row + v * Vec::W, Vec::mul(u, s));
+        } else {
+          Vec::store(row + v * Vec::W, Vec::fma(u, s, group_offset(j, at, s)));
+        }
+      }
+    });
+  }
+}
+
+template <int MR, int NV>
+void micro(const Job& j, int64_t m0, int64_t col0, int64_t k0, int64_t k1, const float* buf) {
+  Vec::F c[MR][NV];
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) {
+    Vec::F b = k0 == 0 ? load_bias(j, col0 + v * Vec::W) : Vec::zero();
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) c[m][v] = k0 == 0 ? b : load_out(j, m0 + m, col0 + v * Vec::W);
+  }
+  const float* x = j.x + m0 * j.K;
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* row = buf + (k - k0) * NV * Vec::W;
+    Vec::F w[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) w[v] = Vec::load(row + v * Vec::W);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      Vec::F a = Vec::bcast(x[m * j.K + k]);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) c[m][v] = Vec::fma(a, w[v], c[m][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) put_out(j, m0 + m, col0 + v * Vec::W, c[m][v]);
+}
+
+template <int NV>
+void micro_rows(const Job& j, int64_t col0, int64_t k0, int64_t k1, const float* buf) {
+  constexpr int MR = 6;
+  for (int64_t m = 0; m < j.M; m += MR) {
+    switch (min64(MR, j.M - m)) {
+      case 1: micro<1, NV>(j, m, col0, k0, k1, buf); break;
+      case 2: micro<2, NV>(j, m, col0, k0, k1, buf); break;
+      case 3: micro<3, NV>(j, m, col0, k0, k1, buf); break;
+      case 4: micro<4, NV>(j, m, col0, k0, k1, buf); break;
+      case 5: micro<5, NV>(j, m, col0, k0, k1, buf); break;
+      default: micro<6, NV>(j, m, col0, k0, k1, buf); break;
+    }
+  }
+}
+
+template <int BITS, bool FP8>
+void panel_format(const Job& j, int64_t t0, int64_t t1, float* buf) {
+  constexpr int TPS = VT == 2 ? 1 : 2;  // two vectors of columns per micro-kernel row
+  for (int64_t t = t0; t < t1; t += TPS) {
+    const bool whole = t + TPS <= t1;
+    for (int64_t k0 = 0; k0 < j.K; k0 += kPanelK) {
+      const int64_t k1 = min64(j.K, k0 + kPanelK);
+      if (whole) {
+        dequantize<BITS, FP8, TPS>(j, t, k0, k1, buf);
+        micro_rows<TPS * VT>(j, t * 16, k0, k1, buf);
+      } else {
+        dequantize<BITS, FP8, 1>(j, t, k0, k1, buf);
+        micro_rows<VT>(j, t * 16, k0, k1, buf);
+      }
+    }
+  }
+}
+
+// ---- w8a8: integer dot products of int8 activations and int8 weights
+
+template <int MR, int TPS>
+void w8a8_step(const Job& j, int64_t t, int64_t m0) {
+  constexpr int NV = TPS * VT;
+  const int64_t chunks = j.Kp / 4;
+  const uint32_t* base = j.data + t * chunks * 16;
+  const int8_t* xq = j.xq + m0 * j.Kp;
+  Vec::I acc[MR][NV];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[m][v] = Vec::zeroi();
+  for (int64_t c = 0; c < chunks; ++c) {
+    typename Vec::WPrep w[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) w[v] = Vec::wprep(Vec::loadi(base + ((v / VT) * chunks + c) * 16 + (v % VT) * Vec::W));
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      int32_t x4;
+      __builtin_memcpy(&x4, xq + m * j.Kp + c * 4, 4);
+      Vec::I xb = Vec::xprep(x4);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[m][v] = Vec::dot(acc[m][v], xb, w[v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) {
+    const int64_t col = (t + v / VT) * 16 + (v % VT) * Vec::W;
+    Vec::F s = Vec::load(j.scale + col), b = load_bias(j, col);  // one group: scale index = col
+    Vec::I bias_sum = Vec::zeroi();
+    if constexpr (Vec::kDotBias != 0) bias_sum = Vec::template slli<7>(Vec::loadi32(j.wsum + col));
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      Vec::F dot = Vec::cvt(Vec::subi(acc[m][v], bias_sum));
+      put_out(j, m0 + m, col, Vec::fma(dot, Vec::mul(s, Vec::bcast(j.xscale[m0 + m])), b));
+    }
+  }
+}
+
+template <int MR>
+void w8a8_rows(const Job& j, int64_t t, int64_t t1, int64_t m0) {
+  constexpr int TPS = VT == 2 ? (MR == 1 ? 2 : 1) : 4;
+  if constexpr (TPS > 1) {
+    if (t + TPS <= t1) return w8a8_step<MR, TPS>(j, t, m0);
+  }
+  for (; t < t1; ++t) w8a8_step<MR, 1>(j, t, m0);
+}
+
+inline void w8a8_all(const Job& j, int64_t t0, int64_t t1) {
+  constexpr int step = VT == 2 ? 2 : 4;  // the widest step of w8a8_rows
+  for (int64_t t = t0; t < t1; t += step) {
+    const int64_t te = min64(t1, t + step);
+    for (int64_t m = 0; m < j.M; m += 4) {  // the step's weights stay in cache across row blocks
+      switch (min64(4, j.M - m)) {
+        case 1: w8a8_rows<1>(j, t, te, m); break;
+        case 2: w8a8_rows<2>(j, t, te, m); break;
+        case 3: w8a8_rows<3>(j, t, te, m); break;
+        default: w8a8_rows<4>(j, t, te, m); break;
+      }
+    }
+  }
+}
+
+// ---- entry points
+
+inline void gemv_entry(const Job& j, int64_t t0, int64_t t1) {
+  switch (j.format) {
+    case llmopt_linear::kInt4: return gemv_format<4, false>(j, t0, t1);
+    case llmopt_linear::kInt8: return gemv_format<8, false>(j, t0, t1);
+    default: return gemv_format<8, true>(j, t0, t1);
+  }
+}
+
+inline void panel_entry(const Job& j, int64_t t0, int64_t t1, float* work) {
+  switch (j.format) {
+    case llmopt_linear::kInt4: return panel_format<4, false>(j, t0, t1, work);
+    case llmopt_linear::kInt8: return panel_format<8, false>(j, t0, t1, work);
+    default: return panel_format<8, true>(j, t0, t1, work);
+  }
+}

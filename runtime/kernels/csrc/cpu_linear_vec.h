@@ -1,0 +1,79 @@
+// Vector operations for the SIMD linear kernels, one struct per instruction set. Included only
+// after a `#pragma GCC target(...)` and inside an anonymous namespace, so each translation unit
+// gets its own copies compiled for its instruction set.
+#pragma once
+
+#include <immintrin.h>
+
+#ifdef LLMOPT_VEC_AVX2
+struct Vec {
+  static constexpr int W = 8;  // float lanes per vector
+  using F = __m256;
+  using I = __m256i;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F bcast(float v) { return _mm256_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static I loadi(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static I set1i(int32_t v) { return _mm256_set1_epi32(v); }
+  static I andi(I a, I b) { return _mm256_and_si256(a, b); }
+  static I subi(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F as_float(I v) { return _mm256_castsi256_ps(v); }
+  template <int S> static I srli(I v) { return _mm256_srli_epi32(v, S); }
+  template <int S> static I slli(I v) { return _mm256_slli_epi32(v, S); }
+  template <int S> static I srai(I v) { return _mm256_srai_epi32(v, S); }
+  static I zeroi() { return _mm256_setzero_si256(); }
+  static I loadi32(const int32_t* p) { return loadi(p); }
+
+  // int8 dot products of 4-byte groups: acc += sum_i x[i] * w[i] per 32-bit lane, with x the
+  // same 4 signed bytes in every lane. AVX2 has no u8 x s8 -> s32 instruction: |w| (u8) times
+  // x with w's sign (s8) keeps maddubs' pair sums within int16 (2 * 128 * 127 < 32768).
+  struct WPrep { I absw, w; };
+  static WPrep wprep(I w) { return {_mm256_abs_epi8(w), w}; }
+  static I xprep(int32_t x4) { return _mm256_set1_epi32(x4); }
+  static I dot(I acc, I x, const WPrep& w) {
+    I signed_x = _mm256_sign_epi8(x, w.w);
+    I pairs = _mm256_maddubs_epi16(w.absw, signed_x);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  static constexpr int kDotBias = 0;  // dot() is exact: nothing to subtract
+};
+#endif
+
+#ifdef LLMOPT_VEC_AVX512
+struct Vec {
+  static constexpr int W = 16;
+  using F = __m512;
+  using I = __m512i;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F bcast(float v) { return _mm512_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static I loadi(const void* p) { return _mm512_loadu_si512(p); }
+  static I set1i(int32_t v) { return _mm512_set1_epi32(v); }
+  static I andi(I a, I b) { return _mm512_and_si512(a, b); }
+  static I subi(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F as_float(I v) { return _mm512_castsi512_ps(v); }
+  template <int S> static I srli(I v) { return _mm512_srli_epi32(v, S); }
+  template <int S> static I slli(I v) { return _mm512_slli_epi32(v, S); }
+  template <int S> static I srai(I v) { return _mm512_srai_epi32(v, S); }
+  static I zeroi() { return _mm512_setzero_si512(); }
+  static I loadi32(const int32_t* p) { return loadi(p); }
+
+  // VNNI: vpdpbusd multiplies u8 by s8 into int32 without saturation. x is made unsigned by
+  // adding 128 (xor of the sign bit); the caller subtracts 128 * sum(w) afterwards.
+  struct WPrep { I w; };
+  static WPrep wprep(I w) { return {w}; }
+  static I xprep(int32_t x4) { return _mm512_set1_epi32(x4 ^ static_cast<int32_t>(0x80808080u)); }
+  static I dot(I acc, I x, const WPrep& w) { return _mm512_dpbusd_epi32(acc, x, w.w); }
+  static constexpr int kDotBias = 128;
+};
+#endif
