@@ -161,6 +161,20 @@ LLMOPT_AVX2 inline float hsum(__m256 x) {
   return _mm_cvtss_f32(r);
 }
 
+LLMOPT_AVX2 inline float hmax(__m256 x) {
+  __m128 r = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_max_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// Lane i of the result is the sum of the lanes of a[i].
+LLMOPT_AVX2 inline __m256 sum8(const __m256* a) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
 // exp(x) for x <= 0 (softmax arguments), relative error about 2e-7.
 LLMOPT_AVX2 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
@@ -194,25 +208,33 @@ LLMOPT_AVX2 void attend_block(const T* k, const T* v, const float* ks, const flo
   for (int64_t g = 0; g < G; ++g) {
     const float* q = st.q + g * D;
     float* s = st.s + g * n;
-    float top = st.m[g];
-    for (int64_t t = 0; t < n; ++t) {
-      const float* row = kf + t * D;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      int64_t d = 0;
-      for (; d + 16 <= D; d += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(row + d), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(row + d + 8), a1);
+    __m256 tops = _mm256_set1_ps(st.m[g]);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {  // eight tokens at once: one accumulator each, then one reduction
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + (t + i) * D + d), a[i]);
       }
-      if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(row + d), a0);
-      const float dot = hsum(_mm256_add_ps(a0, a1));
+      __m256 dots = sum8(a);
+      if (ks) dots = _mm256_mul_ps(dots, _mm256_loadu_ps(ks + t));
+      _mm256_storeu_ps(s + t, dots);
+      tops = _mm256_max_ps(tops, dots);
+    }
+    float top = hmax(tops);
+    for (; t < n; ++t) {
+      const float* row = kf + t * D;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(row + d), acc);
+      const float dot = hsum(acc);
       s[t] = ks ? dot * ks[t] : dot;
       top = std::max(top, s[t]);
     }
     const float correction = std::exp(st.m[g] - top);
     const __m256 shift = _mm256_set1_ps(top);
     __m256 total = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
+    for (t = 0; t + 8 <= n; t += 8) {
       __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
       total = _mm256_add_ps(total, p);
       if (vs) p = _mm256_mul_ps(p, _mm256_loadu_ps(vs + t));
