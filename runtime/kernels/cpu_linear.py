@@ -12,7 +12,7 @@ portable C++; ``isa`` or ``LLMOPT_CPU_ISA`` force one) and the path (``gemv`` fo
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -24,7 +24,7 @@ from .build import load_extension
 SOURCES = ["linear.cpp", "cpu_linear_avx2.cpp", "cpu_linear_avx512.cpp", "cpu_linear_scalar.cpp"]
 FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "w8a8": 3}
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
-PATHS = {"gemv": 0, "panel": 1}
+PATHS = {"gemv": 0, "panel": 1, "float-gemv": 2}  # gemv: the integer GEMV where it applies
 TILE = 16
 PACK_ROWS = 2048  # output features packed per step (bounds the int64 intermediates)
 
@@ -42,6 +42,12 @@ class PackedLinear:
     offset: torch.Tensor | None  # float32 like scale (asymmetric codes), else offset = -2^(bits-1) * scale
     wsum: torch.Tensor | None  # int32 [tiles * 16]: sum of each feature's codes (w8a8)
     act_quant: str | None  # activations quantize-dequantized in torch first (FP8_DYNAMIC, grouped W8A8)
+    handle: object = field(default=None, repr=False)  # the C++ view of the tensors above
+
+    def __post_init__(self) -> None:
+        if self.handle is None:
+            self.handle = _module().Packed(self.data, self.scale, self.offset, self.wsum, FORMATS[self.format],
+                                           self.out_features, self.in_features, self.group_size or 0)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.offset, self.wsum) if t is not None)
@@ -94,7 +100,9 @@ def pack(
     activations: str | None,
 ) -> PackedLinear | None:
     """The kernels' layout of a quantized weight (see ``quant.formats``), or None when the
-    kernels do not cover it (the caller keeps the reference path)."""
+    kernels are unavailable or do not cover it (the caller keeps the reference path)."""
+    if not available():
+        return None
     if codes.dim() != 2 or scale.dim() != 2 or codes.device.type != "cpu":
         return None
     n, k = codes.shape
@@ -130,8 +138,8 @@ def pack(
 
 
 def _isa_code(isa: str | None) -> int:
-    isa = isa or os.environ.get("LLMOPT_CPU_ISA") or "auto"
-    if isa == "auto":
+    isa = isa or os.environ.get("LLMOPT_CPU_ISA")
+    if isa is None or isa == "auto":
         return -1
     if isa not in ISAS:
         raise LlmoptError(f"unknown instruction set {isa!r} for the CPU kernels", f"use one of auto, {', '.join(ISAS)}")
@@ -150,20 +158,10 @@ def linear(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a packed ``W``; ``x`` is ``[..., in]`` of any float dtype (computed
     in float32, returned in ``x``'s dtype). ``isa`` / ``path`` force a variant (tests, benchmarks)."""
-    module = _module()
-    if module is None:
-        raise LlmoptError("llmopt's C++ CPU kernels are not available", "install a C++ compiler (g++) or use the reference kernels")
     if x.shape[-1] != packed.in_features:
         raise LlmoptError(f"input has {x.shape[-1]} features, the layer expects {packed.in_features}", "check the model's shapes")
     if path is not None and path not in PATHS:
         raise LlmoptError(f"unknown kernel path {path!r}", f"use one of {', '.join(PATHS)}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, packed.in_features)
     if packed.act_quant is not None:
-        x2 = fake_quantize_activations(x2, packed.act_quant)
-    xf = x2.to(torch.float32).contiguous()
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-    out = module.linear(xf, packed.data, packed.scale, packed.offset, packed.wsum, bias, FORMATS[packed.format],
-                        packed.out_features, packed.group_size or 0, _isa_code(isa), PATHS.get(path, -1))
-    return out.view(*lead, packed.out_features).to(x.dtype)
+        x = fake_quantize_activations(x, packed.act_quant)
+    return _module().linear(x, packed.handle, bias, _isa_code(isa), PATHS.get(path, -1))

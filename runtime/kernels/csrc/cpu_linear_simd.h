@@ -361,6 +361,174 @@ inline void w8a8_all(const Job& j, int64_t t0, int64_t t1) {
   }
 }
 
+// ---- integer GEMV: int4 / int8 weight-only codes times activations split into int8 levels
+//
+// Per row and block of xblock inputs, x = s (q0 + q1 / 254 + q2 / 254^2) + r with int8 q and
+// |r| <= s / (2 * 254^2), s = max|x| / 127: the residual is max|x| * 6.1e-8, the size of
+// float32's own rounding. Each level is then an exact integer dot product with the unsigned
+// codes (VNNI: 64 multiply-adds per instruction), scaled per block; the code offset uses the
+// float sums of x. Int4 lanes split into even and odd nibbles, so activations are stored
+// permuted within each 8-input chunk: bytes 0-3 hold inputs 0, 2, 4, 6 and bytes 4-7 inputs 1, 3, 5, 7.
+
+constexpr float kLevel = 254.0f;
+
+inline void split_levels_all(const Job& j, int8_t* xq, float* xls, float* xbsum) {
+  const bool int4 = j.format == llmopt_linear::kInt4;
+  const int64_t nblk = j.Kp / j.xblock, xb = j.xblock;
+  alignas(64) float r[256];
+  alignas(64) int8_t q[256];
+  for (int64_t m = 0; m < j.M; ++m) {
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+      const int64_t k0 = blk * xb, n = min64(xb, j.K - k0);
+      const float* x = j.x + m * j.K + k0;
+      float absmax = 0.0f, sum = 0.0f;
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = x[i] < 0.0f ? -x[i] : x[i];
+        absmax = a > absmax ? a : absmax;
+        sum += x[i];
+        r[i] = x[i];
+      }
+      for (int64_t i = n; i < xb; ++i) r[i] = 0.0f;
+      float scale = absmax / 127.0f, inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+      for (int l = 0; l < 3; ++l) {
+        for (int64_t i = 0; i < xb; ++i) {
+          float v = __builtin_nearbyintf(r[i] * inv);
+          v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+          r[i] = __builtin_fmaf(-v, scale, r[i]);
+          q[i] = static_cast<int8_t>(static_cast<int32_t>(v));
+        }
+        int8_t* dst = xq + (l * j.M + m) * j.Kp + k0;
+        if (int4) {  // inputs 0, 2, 4, 6 then 1, 3, 5, 7 of each chunk (see above)
+          for (int64_t c = 0; c < xb; c += 8)
+            for (int i = 0; i < 8; ++i) dst[c + (i & 1) * 4 + (i >> 1)] = q[c + i];
+        } else {
+          __builtin_memcpy(dst, q, xb);
+        }
+        xls[(m * nblk + blk) * 3 + l] = scale;
+        scale /= kLevel;
+        inv *= kLevel;
+      }
+      xbsum[m * nblk + blk] = sum;
+    }
+  }
+}
+
+inline int32_t load32(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return v;
+}
+
+template <bool INT4, int MR, int TPS>
+void igemv_step(const Job& j, int64_t t, int64_t m0) {
+  constexpr int VPL = INT4 ? 8 : 4, NV = TPS * VT;
+  const int64_t chunks = j.Kp / VPL, per_block = j.xblock / VPL, nblk = j.Kp / j.xblock;
+  const uint32_t* base = j.data + t * chunks * 16;
+  Vec::F acc[MR][NV];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[m][v] = Vec::zero();
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    Vec::I part[MR][3][NV];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 3
+      for (int l = 0; l < 3; ++l)
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; ++v) part[m][l][v] = Vec::zeroi();
+    for (int64_t c = blk * per_block; c < (blk + 1) * per_block; ++c) {
+      Vec::I w0[NV], w1[NV];
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) {
+        Vec::I lanes = Vec::loadi(base + ((v / VT) * chunks + c) * 16 + (v % VT) * Vec::W);
+        if constexpr (INT4) {
+          w0[v] = Vec::andi(lanes, Vec::set1i(0x0F0F0F0F));
+          w1[v] = Vec::andi(Vec::template srli<4>(lanes), Vec::set1i(0x0F0F0F0F));
+        } else {
+          w0[v] = lanes;
+        }
+      }
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 3
+        for (int l = 0; l < 3; ++l) {
+          const int8_t* q = j.xq + (l * j.M + m0 + m) * j.Kp + c * VPL;
+          Vec::I x0 = Vec::set1i(load32(q));
+          if constexpr (INT4) {
+            Vec::I x1 = Vec::set1i(load32(q + 4));
+#pragma GCC unroll 16
+            for (int v = 0; v < NV; ++v) part[m][l][v] = Vec::dot_u4(part[m][l][v], w0[v], x0, w1[v], x1);
+          } else {
+#pragma GCC unroll 16
+            for (int v = 0; v < NV; ++v) part[m][l][v] = Vec::dot_u8(part[m][l][v], w0[v], x0);
+          }
+        }
+      }
+    }
+    const int64_t g = blk * j.xblock / j.gs;
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      const int64_t at = ((t + v / VT) * j.groups + g) * 16 + (v % VT) * Vec::W;
+      Vec::F s = Vec::load(j.scale + at), b = group_offset(j, at, s);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const float* ls = j.xls + ((m0 + m) * nblk + blk) * 3;
+        Vec::F sum = Vec::mul(Vec::cvt(part[m][0][v]), Vec::bcast(ls[0]));
+        sum = Vec::fma(Vec::cvt(part[m][1][v]), Vec::bcast(ls[1]), sum);
+        sum = Vec::fma(Vec::cvt(part[m][2][v]), Vec::bcast(ls[2]), sum);
+        acc[m][v] = Vec::fma(sum, s, acc[m][v]);
+        acc[m][v] = Vec::fma(b, Vec::bcast(j.xbsum[(m0 + m) * nblk + blk]), acc[m][v]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) {
+    const int64_t col = (t + v / VT) * 16 + (v % VT) * Vec::W;
+    Vec::F b = load_bias(j, col);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) put_out(j, m0 + m, col, Vec::add(acc[m][v], b));
+  }
+}
+
+// Tiles per step: at most 12 integer accumulators (MR * 3 levels * vectors).
+template <int MR>
+constexpr int igemv_tiles() {
+  if constexpr (VT == 2) return 1;
+  else return MR == 1 ? 4 : MR == 2 ? 2 : 1;
+}
+
+template <bool INT4, int MR>
+void igemv_rows(const Job& j, int64_t t0, int64_t t1, int64_t m0) {
+  constexpr int TPS = igemv_tiles<MR>();
+  int64_t t = t0;
+  for (; t + TPS <= t1; t += TPS) igemv_step<INT4, MR, TPS>(j, t, m0);
+  if constexpr (TPS > 1) {
+    for (; t < t1; ++t) igemv_step<INT4, MR, 1>(j, t, m0);
+  }
+}
+
+template <bool INT4>
+void igemv_format(const Job& j, int64_t t0, int64_t t1) {
+  if constexpr (VT == 2) {  // AVX2: 16 registers hold one row's accumulators
+    for (int64_t m = 0; m < j.M; ++m) igemv_rows<INT4, 1>(j, t0, t1, m);
+  } else {
+    for (int64_t m = 0; m < j.M; m += 4) {
+      switch (min64(4, j.M - m)) {
+        case 1: igemv_rows<INT4, 1>(j, t0, t1, m); break;
+        case 2: igemv_rows<INT4, 2>(j, t0, t1, m); break;
+        case 3: igemv_rows<INT4, 3>(j, t0, t1, m); break;
+        default: igemv_rows<INT4, 4>(j, t0, t1, m); break;
+      }
+    }
+  }
+}
+
+inline void igemv_entry(const Job& j, int64_t t0, int64_t t1) {
+  if (j.format == llmopt_linear::kInt4) return igemv_format<true>(j, t0, t1);
+  if constexpr (VT == 1) igemv_format<false>(j, t0, t1);  // u8 x s8 needs VNNI (AVX2's maddubs saturates)
+}
+
 // ---- entry points
 
 inline void gemv_entry(const Job& j, int64_t t0, int64_t t1) {

@@ -41,6 +41,18 @@ struct Vec {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
   static constexpr int kDotBias = 0;  // dot() is exact: nothing to subtract
+
+  // Unsigned nibbles (u8 <= 15) times signed bytes, two pairs of operands, summed into int32
+  // lanes. Each maddubs pair sum is at most 2 * 15 * 128, so both fit one int16 add.
+  static I dot_u4(I acc, I w0, I x0, I w1, I x1) {
+    I pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  // Only exact while pair sums fit int16 (so not for 8-bit codes): the int8 integer GEMV is
+  // never dispatched to AVX2.
+  static I dot_u8(I acc, I w, I x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  }
 };
 #endif
 
@@ -75,5 +87,10 @@ struct Vec {
   static I xprep(int32_t x4) { return _mm512_set1_epi32(x4 ^ static_cast<int32_t>(0x80808080u)); }
   static I dot(I acc, I x, const WPrep& w) { return _mm512_dpbusd_epi32(acc, x, w.w); }
   static constexpr int kDotBias = 128;
+
+  static I dot_u4(I acc, I w0, I x0, I w1, I x1) {
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, w0, x0), w1, x1);
+  }
+  static I dot_u8(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }  // u8 w, s8 x
 };
 #endif

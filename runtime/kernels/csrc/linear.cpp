@@ -20,7 +20,7 @@ namespace lin = llmopt_linear;
 namespace {
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-enum Path : int64_t { kAuto = -1, kGemv = 0, kPanel = 1 };
+enum Path : int64_t { kAuto = -1, kGemv = 0, kPanel = 1, kFloatGemv = 2 };
 constexpr int64_t kMinTaskMacs = 1 << 16;  // smaller tasks cost more to hand out than to run
 constexpr int64_t kGemvRows = 4;           // up to this many rows, stream the weights once in registers
 
@@ -94,6 +94,14 @@ void prepare_w8a8(lin::Job& j, std::vector<int8_t>& q_buf, std::vector<float>& s
   j.xscale = scales;
 }
 
+// Integer GEMV activation blocks: the largest of 256, 128, ... inputs dividing the weight group
+// into whole lanes (int32 sums stay far from overflow: 255 * 127 * 256 < 2^23).
+int64_t activation_block(int64_t gs, int vpl) {
+  for (int64_t b = 256; b >= vpl; b /= 2)
+    if (gs % b == 0 && b % vpl == 0) return b;
+  return 0;
+}
+
 void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "llmopt cpu linear: ", what); }
 
 }  // namespace
@@ -105,58 +113,98 @@ std::vector<std::string> supported_isas() {
   return names;
 }
 
-// x [M, K] float32; data [tiles, Kp / VPL, 16] int32; scale (and offset) [tiles, groups, 16]
-// float32; wsum [tiles * 16] int32 (w8a8); bias [N] float32. isa / path: -1 chooses.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scale,
-                     const std::optional<torch::Tensor>& offset, const std::optional<torch::Tensor>& wsum,
-                     const std::optional<torch::Tensor>& bias, int64_t format, int64_t n, int64_t group_size,
-                     int64_t isa, int64_t path) {
-  check(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be a contiguous 2-D float32 tensor");
-  check(format >= lin::kInt4 && format <= lin::kW8A8, "unknown format");
-  const int vpl = lin::values_per_lane(static_cast<int>(format));
-  const int64_t M = x.size(0), K = x.size(1), tiles = (n + 15) / 16, Kp = (K + vpl - 1) / vpl * vpl;
-  check(data.scalar_type() == torch::kInt && data.is_contiguous() && data.numel() == tiles * (Kp / vpl) * 16,
-        "packed weights do not match the input size");
-  check(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == tiles &&
-            scale.size(2) == 16, "scales do not match the packed weights");
-  const int64_t groups = scale.size(1);
-  check(groups == 1 || (group_size > 0 && groups * group_size == K), "group size does not divide the input size");
-  if (isa < 0) isa = best_isa();
-  check(isa_supported(isa), "this CPU lacks the requested instruction set");
+// A weight packed by cpu_linear.py: data [tiles, Kp / VPL, 16] int32; scale (and offset)
+// [tiles, groups, 16] float32; wsum [tiles * 16] int32 (w8a8). Checked once, here.
+struct Packed {
+  torch::Tensor data, scale;
+  std::optional<torch::Tensor> offset, wsum;
+  int64_t format, n, k, group_size;  // group_size 0: one group
 
+  Packed(torch::Tensor data_, torch::Tensor scale_, std::optional<torch::Tensor> offset_,
+         std::optional<torch::Tensor> wsum_, int64_t format_, int64_t n_, int64_t k_, int64_t group_size_)
+      : data(std::move(data_)), scale(std::move(scale_)), offset(std::move(offset_)), wsum(std::move(wsum_)),
+        format(format_), n(n_), k(k_), group_size(group_size_) {
+    check(format >= lin::kInt4 && format <= lin::kW8A8, "unknown format");
+    const int vpl = lin::values_per_lane(static_cast<int>(format));
+    const int64_t tiles = (n + 15) / 16, kp = (k + vpl - 1) / vpl * vpl;
+    check(data.scalar_type() == torch::kInt && data.is_contiguous() && data.numel() == tiles * (kp / vpl) * 16,
+          "packed weights do not match the layer's size");
+    check(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == tiles &&
+              scale.size(2) == 16, "scales do not match the packed weights");
+    const int64_t groups = scale.size(1);
+    check(groups == 1 || (group_size > 0 && groups * group_size == k), "group size does not divide the input size");
+    if (offset)
+      check(offset->sizes() == scale.sizes() && offset->scalar_type() == torch::kFloat && offset->is_contiguous(),
+            "offsets do not match the scales");
+    if (format == lin::kW8A8)
+      check(groups == 1 && wsum && wsum->numel() == tiles * 16 && wsum->scalar_type() == torch::kInt &&
+                wsum->is_contiguous(), "w8a8 needs per-channel scales and code sums");
+  }
+};
+
+// y = x @ W.T (+ bias) for x [..., K] of any float dtype (computed in float32, returned in x's
+// dtype). isa / path: -1 chooses.
+torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::optional<torch::Tensor>& bias_in,
+                     int64_t isa, int64_t path) {
+  check(x_in.dim() >= 1 && x_in.size(-1) == w.k, "input features do not match the layer");
+  const bool is_float = x_in.scalar_type() == torch::kFloat;
+  const torch::Tensor x = (is_float ? x_in.reshape({-1, w.k}) : x_in.reshape({-1, w.k}).to(torch::kFloat)).contiguous();
+  std::optional<torch::Tensor> bias;
+  if (bias_in) {
+    check(bias_in->numel() == w.n, "bias must have one value per output feature");
+    bias = bias_in->to(torch::kFloat).contiguous();
+  }
+  const int64_t format = w.format, n = w.n, group_size = w.group_size;
+  const int vpl = lin::values_per_lane(static_cast<int>(format));
+  const int64_t M = x.size(0), K = w.k, tiles = (n + 15) / 16, Kp = (K + vpl - 1) / vpl * vpl;
+  const int64_t groups = w.scale.size(1);
+  static const int64_t best = best_isa();
+  if (isa < 0) isa = best;
+  check(isa == best || isa_supported(isa), "this CPU lacks the requested instruction set");
+
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = n;
   auto out = torch::empty({M, n}, x.options());
-  if (M == 0 || n == 0) return out;
+  auto result = [&] { return is_float ? out.view(shape) : out.view(shape).to(x_in.scalar_type()); };
+  if (M == 0 || n == 0) return result();
   lin::Job j{};
   j.format = static_cast<int>(format);
   j.M = M, j.N = n, j.K = K, j.Kp = Kp, j.groups = groups, j.gs = groups == 1 ? Kp : group_size;
-  j.data = reinterpret_cast<const uint32_t*>(data.data_ptr<int32_t>());
-  j.scale = scale.data_ptr<float>();
+  j.data = reinterpret_cast<const uint32_t*>(w.data.data_ptr<int32_t>());
+  j.scale = w.scale.data_ptr<float>();
   j.half = format == lin::kInt4 ? -8.0f : format == lin::kInt8 ? -128.0f : 0.0f;
   j.x = x.data_ptr<float>();
   j.out = out.data_ptr<float>();
-  if (offset) {
-    check(offset->sizes() == scale.sizes() && offset->scalar_type() == torch::kFloat && offset->is_contiguous(),
-          "offsets do not match the scales");
-    j.offset = offset->data_ptr<float>();
-  }
-  if (bias) {
-    check(bias->numel() == n && bias->scalar_type() == torch::kFloat && bias->is_contiguous(), "bias must be float32 [N]");
-    j.bias = bias->data_ptr<float>();
-  }
+  if (w.offset) j.offset = w.offset->data_ptr<float>();
+  if (bias) j.bias = bias->data_ptr<float>();
 
   thread_local std::vector<float> xs_buf, sum_buf, scale_buf;
   thread_local std::vector<int8_t> q_buf;
-  bool gemv = false;
+  bool gemv = false, igemv = false;
   if (format == lin::kW8A8) {
-    check(groups == 1 && wsum && wsum->numel() == tiles * 16 && wsum->scalar_type() == torch::kInt,
-          "w8a8 needs per-channel scales and code sums");
-    j.wsum = wsum->data_ptr<int32_t>();
+    j.wsum = w.wsum->data_ptr<int32_t>();
     prepare_w8a8(j, q_buf, scale_buf);
   } else if (isa != kScalar) {
     const bool fits = j.gs % vpl == 0;
     check(path != kGemv || fits, "the GEMV path needs groups of whole lanes");
-    gemv = path == kGemv || (path == kAuto && fits && M <= kGemvRows);
-    if (gemv) prepare_gemv(j, xs_buf, sum_buf);
+    gemv = path == kGemv || path == kFloatGemv || (path == kAuto && fits && M <= kGemvRows);
+    // Integer GEMV: int4 everywhere (AVX2: one row at a time), int8 codes with VNNI only.
+    igemv = gemv && path != kFloatGemv && (format == lin::kInt4 || (format == lin::kInt8 && isa == kAvx512)) &&
+            (isa == kAvx512 || M <= 2);
+    if (igemv) {
+      j.xblock = activation_block(j.gs, vpl);
+      const int64_t blocks = Kp / j.xblock;
+      if (static_cast<int64_t>(q_buf.size()) < 3 * M * Kp) q_buf.resize(3 * M * Kp);
+      float* levels = scratch(xs_buf, M * blocks * 3);
+      float* sums = scratch(sum_buf, M * blocks);
+#if defined(__x86_64__)
+      if (isa == kAvx512) lin::avx512::split_levels(j, q_buf.data(), levels, sums);
+      else lin::avx2::split_levels(j, q_buf.data(), levels, sums);
+#endif
+      j.xq = q_buf.data(), j.xls = levels, j.xbsum = sums;
+    } else if (gemv) {
+      prepare_gemv(j, xs_buf, sum_buf);
+    }
   }
 
   const int64_t grain = std::max<int64_t>(1, kMinTaskMacs / std::max<int64_t>(1, 16 * K * M));
@@ -167,15 +215,19 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& data, const to
 #if defined(__x86_64__)
     const bool wide = isa == kAvx512;
     if (format == lin::kW8A8) return wide ? lin::avx512::w8a8(j, t0, t1) : lin::avx2::w8a8(j, t0, t1);
+    if (igemv) return wide ? lin::avx512::igemv(j, t0, t1) : lin::avx2::igemv(j, t0, t1);
     if (gemv) return wide ? lin::avx512::gemv(j, t0, t1) : lin::avx2::gemv(j, t0, t1);
     float* work = scratch(work_buf, work_floats);
     return wide ? lin::avx512::panel(j, t0, t1, work) : lin::avx2::panel(j, t0, t1, work);
 #endif
   });
-  return out;
+  return result();
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Packed>(m, "Packed")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
+                          int64_t, int64_t, int64_t, int64_t>());
   m.def("linear", &linear, "quantized linear on packed weights (see cpu_linear.h)");
   m.def("supported_isas", &supported_isas, "instruction sets this CPU can run, slowest first");
 }
