@@ -7,7 +7,14 @@ import torch
 from .config import ModelArch
 from .kernels.cpu_attention import use_cpu_attention
 from .kernels.reference import block_rows
-from .model import DecodeGroup, ForwardBatch, KVCache, LlamaModel, PagedDecode, PrefillChunk
+from .model import (
+    DecodeGroup,
+    ForwardBatch,
+    KVCache,
+    LlamaModel,
+    PagedDecode,
+    PrefillChunk,
+)
 from .rope import RotaryEmbedding
 from .sequence import Sequence
 

@@ -21,7 +21,7 @@ from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.sequence import Sequence
 
 VOCAB = 259
-TOL = dict(rtol=1e-4, atol=1e-5)  # float32 outputs (about 1 in size): summation order differs from SDPA
+TOL = {"rtol": 1e-4, "atol": 1e-5}  # float32 outputs (about 1 in size): summation order differs from SDPA
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -90,7 +90,6 @@ def random_cache(batch: int, kv_heads: int, dim: int, block_size: int, kind: str
 
 def reference_decode(q, k_cache, v_cache, k_scale, v_scale, tables, lens, num_blocks, block_size, scale):
     """The plain-torch kernel (gather, mask, SDPA) in float32."""
-    batch, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     width = len(tables[0]) * block_size
     rows = ref.block_rows(torch.tensor(tables, dtype=torch.long), kv_heads, num_blocks)
@@ -279,7 +278,7 @@ def test_greedy_tokens_equal_reference_path(tiny_path, kind, threads):
     rng = random.Random()
     prompts = [[1] + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 90))] for _ in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
-    settings = dict(block_size=rng.choice([4, 16]), max_num_batched_tokens=32, kv_cache_dtype=kind)
+    settings = {"block_size": rng.choice([4, 16]), "max_num_batched_tokens": 32, "kv_cache_dtype": kind}
     outs = {cpp: make_engine(tiny_path, cpp, **settings) for cpp in (True, False)}
     results = {}
     for cpp, engine in outs.items():

@@ -1,0 +1,305 @@
+"""KV cache dtype (float / fp8 / int8): accuracy cost and decode speed on the demo model, in one run.
+
+Accuracy: WikiText-2 test text, ``--windows`` windows of ``--window`` tokens. Each window runs
+through the engine's forward teacher-forced: the first ``window - decode`` tokens in chunks of
+``--chunk`` (so later chunks read earlier ones from the cache), the last ``--decode`` tokens one
+decode step each (the decode attention kernel reading the cache). Every next-token distribution
+with an fp8 / int8 cache is compared with the float cache's: KL divergence (nats, mean over
+positions), top-1 agreement, and each cache's perplexity.
+
+Speed: decode tokens/s single stream (``--tg`` tokens after a ``--pp``-token prompt, mean time
+per output token after the first) and for a batch of ``--batch`` streams (``--batch-pp``-token
+prompts, decode steps once every stream has its first token), for each KV dtype, with the C++
+decode attention and with the plain-torch reference. Configurations are measured round-robin,
+``--repetitions`` times, median kept, so background load drifts hit them all alike.
+
+Kernel: decode attention alone at the demo model's shapes (3 KV heads, 9 query heads, head dim
+64, blocks of 16, shuffled) for contexts of ``--pp`` tokens, batch 1 and ``--batch``: the C++
+kernel and the plain-torch reference (gather + SDPA), best of several rounds, per KV dtype.
+
+Results: ``bench/results/kv_cache.{json,md}``.
+
+    python bench/kv_cache.py [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+KINDS = ["auto", "fp8", "int8"]
+LABEL = {"auto": "float32 (auto)", "fp8": "fp8 e4m3", "int8": "int8"}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def engine_for(kind: str, cpp: bool, **settings):
+    from llmopt.runtime import LLMEngine
+
+    engine = LLMEngine("demo", kv_cache_dtype=kind, **settings)
+    if not cpp:
+        engine.runner.cpu_attention = False
+    return engine
+
+
+def forced_logits(engine, ids: list[int], chunk: int, decode: int) -> torch.Tensor:
+    """Next-token logits (float32) at every position of ``ids``: chunks, then decode steps."""
+    from llmopt.runtime.sampling_params import SamplingParams
+    from llmopt.runtime.sequence import Sequence
+
+    seq = Sequence("forced", ids, SamplingParams())
+    assert engine.block_manager.allocate(seq, len(ids))
+    prefill = len(ids) - decode
+    out = []
+    while seq.num_computed < len(ids):
+        n = min(chunk, prefill - seq.num_computed) if seq.num_computed < prefill else 1
+        batch, _ = engine.runner.prepare([(seq, n)])
+        batch.sample_rows = torch.arange(n)
+        out.append(engine.runner.model.forward(batch, engine.cache))
+        seq.num_computed += n
+    engine.block_manager.free(seq)
+    return torch.cat(out)
+
+
+def accuracy(windows: list[list[int]], chunk: int, decode: int) -> dict:
+    logits = {}
+    for kind in KINDS:
+        engine = engine_for(kind, cpp=True, max_num_seqs=1)
+        logits[kind] = [forced_logits(engine, w, chunk, decode) for w in windows]
+        log(f"accuracy: {kind} done")
+    result = {}
+    base = [x.log_softmax(-1) for x in logits["auto"]]
+    targets = [torch.tensor(w[1:]) for w in windows]
+    for kind in KINDS:
+        logp = [x.log_softmax(-1) for x in logits[kind]]
+        nll = torch.cat([-lp[:-1].gather(1, t[:, None])[:, 0] for lp, t in zip(logp, targets)])
+        entry = {"perplexity": float(nll.mean().exp())}
+        if kind != "auto":
+            kld = torch.cat([(b.exp() * (b - q)).sum(-1) for b, q in zip(base, logp)])
+            top1 = torch.cat([b.argmax(-1) == q.argmax(-1) for b, q in zip(base, logp)]).float()
+            kld_decode = torch.cat([(b.exp() * (b - q)).sum(-1)[-decode:] for b, q in zip(base, logp)])
+            entry.update({
+                "kld_mean": float(kld.mean()), "kld_p99": float(kld.quantile(0.99)), "kld_max": float(kld.max()),
+                "kld_mean_decode_positions": float(kld_decode.mean()), "top1_agreement": float(top1.mean()),
+            })
+        result[kind] = entry
+    return result
+
+
+def single_tpot(engine, prompt: list[int], tg: int) -> float:
+    from llmopt.runtime.sampling_params import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=tg, ignore_eos=True))
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            final = out
+    return final.metrics.tpot
+
+
+def batch_decode_rate(engine, prompts: list[list[int]], tg: int) -> float:
+    """Decode tokens/s of the batch once every stream has its first token."""
+    from llmopt.runtime.sampling_params import SamplingParams
+
+    for p in prompts:
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=tg, ignore_eos=True))
+    started, produced, tokens = None, set(), 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        if started is None:
+            produced.update(o.request_id for o in outs if o.token_ids)
+            if len(produced) == len(prompts):
+                started = time.perf_counter()
+        else:
+            tokens += sum(len(o.new_token_ids) for o in outs)
+    return tokens / (time.perf_counter() - started)
+
+
+def speed(text_ids: list[int], args) -> dict:
+    configs = [(kind, cpp) for kind in KINDS for cpp in (True, False)]
+    engines = {kind: engine_for(kind, True, max_num_seqs=args.batch, max_num_batched_tokens=512) for kind in KINDS}
+
+    def engine(config):  # one engine per KV dtype; the attention path is switched per measurement
+        kind, cpp = config
+        engines[kind].runner.cpu_attention = cpp
+        return engines[kind]
+
+    for c in configs:  # warm-up (first-use page faults)
+        single_tpot(engine(c), text_ids[:32], 4)
+    single = {c: [] for c in configs}
+    batched = {c: [] for c in configs}
+    for rep in range(args.repetitions):
+        offset = rep * 97  # a different prompt each repetition (no prefix-cache hits across them)
+        prompt = text_ids[offset:offset + args.pp]
+        prompts = [text_ids[offset + 1000 + i * args.batch_pp: offset + 1000 + (i + 1) * args.batch_pp] for i in range(args.batch)]
+        for c in configs:
+            single[c].append(1 / single_tpot(engine(c), prompt, args.tg))
+            batched[c].append(batch_decode_rate(engine(c), prompts, args.batch_tg))
+        log(f"speed: repetition {rep + 1}/{args.repetitions} done")
+    result = {}
+    for kind, cpp in configs:
+        key = f"{kind} {'cpp' if cpp else 'reference'}"
+        result[key] = {
+            "single_tg_tok_s": statistics.median(single[(kind, cpp)]),
+            "batch_decode_tok_s": statistics.median(batched[(kind, cpp)]),
+            "single_runs": single[(kind, cpp)], "batch_runs": batched[(kind, cpp)],
+        }
+    result["kv_bytes_per_token"] = {k: engines[k].bytes_per_block // engines[k].cache.block_size for k in KINDS}
+    return result
+
+
+def best_time(fn, calls: int = 10, rounds: int = 7) -> float:
+    """Seconds per call, best of ``rounds`` (background load only ever adds time)."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def kernel_times(contexts: list[tuple[int, int]]) -> dict:
+    """Decode attention alone: microseconds per call (one layer) for each (batch, context)."""
+    from llmopt.runtime.kernels import cpu_attention, kv_quant
+    from llmopt.runtime.kernels import reference as ref
+
+    kv_heads, group, dim, bs = 3, 3, 64, 16
+    out = {}
+    for batch, ctx in contexts:
+        blocks = -(-ctx // bs)
+        num_blocks = batch * blocks + 8
+        tables = torch.randperm(num_blocks)[:batch * blocks].view(batch, blocks)
+        lens = torch.full((batch,), ctx, dtype=torch.int32)
+        q = torch.randn(batch, kv_heads * group, dim)
+        rows = ref.block_rows(tables, kv_heads, num_blocks)
+        for kind in KINDS:
+            storage = kv_quant.storage_dtype(kind, torch.float32)
+            k = torch.empty(kv_heads, num_blocks * bs, dim, dtype=storage)
+            v = torch.empty_like(k)
+            ks = vs = None
+            if kv_quant.is_quantized(kind):
+                ks, vs = torch.empty(kv_heads, num_blocks * bs), torch.empty(kv_heads, num_blocks * bs)
+            slots = torch.arange(num_blocks * bs)
+            ref.write_kv(k, v, torch.randn(len(slots), kv_heads, dim), torch.randn(len(slots), kv_heads, dim), slots, ks, vs)
+            spaces = ref.Workspace(storage), ref.Workspace(storage)
+            cpp_args = (q, k, v, tables.int(), lens, bs, dim ** -0.5, ks, vs)
+            plain_args = (q, k, v, rows, ctx, None, bs, dim ** -0.5, *spaces, ks, vs)
+            cpp = best_time(lambda a=cpp_args: cpu_attention.paged_decode_attention(*a))
+            plain = best_time(lambda a=plain_args: ref.paged_decode_attention(*a))
+            out[f"B{batch} ctx{ctx} {kind}"] = {"cpp_us": cpp * 1e6, "reference_us": plain * 1e6}
+    return out
+
+
+def markdown(report: dict) -> str:
+    a, s, cfg = report["accuracy"], report["speed"], report["settings"]
+    lines = [
+        "# KV cache dtype: accuracy cost and decode speed (demo model)",
+        "",
+        (f"Model `demo` (SmolLM2-135M-Instruct, float32 weights), {report['threads']} threads on `{report['machine']}`, "
+         f"torch {report['torch']}; the machine was shared with another long benchmark, so absolute speeds are noisy — "
+         "compare rows of this run."),
+        "",
+        (f"## Accuracy vs the float cache ({cfg['windows']} WikiText-2 windows × {cfg['window']} tokens; chunks of "
+         f"{cfg['chunk']}, last {cfg['decode']} tokens as decode steps)"),
+        "",
+        "| KV cache | bytes/token (all layers) | perplexity | mean KLD (nats) | KLD p99 | KLD max | mean KLD, decode positions | top-1 agreement |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind in KINDS:
+        e = a[kind]
+        mem = f"{s['kv_bytes_per_token'][kind]:,}"
+        if kind == "auto":
+            lines.append(f"| {LABEL[kind]} | {mem} | {e['perplexity']:.3f} | — | — | — | — | — |")
+        else:
+            lines.append(f"| {LABEL[kind]} | {mem} | {e['perplexity']:.3f} | {e['kld_mean']:.5f} | {e['kld_p99']:.4f} | "
+                         f"{e['kld_max']:.4f} | {e['kld_mean_decode_positions']:.5f} | {100 * e['top1_agreement']:.2f}% |")
+    lines += [
+        "",
+        f"## Decode speed (median of {cfg['repetitions']}, round-robin)",
+        "",
+        (f"Single stream: {cfg['tg']} tokens after a {cfg['pp']}-token prompt (1 / mean time per output token). "
+         f"Batch: {cfg['batch']} streams with {cfg['batch_pp']}-token prompts, {cfg['batch_tg']} tokens each "
+         "(decode steps after every stream has its first token)."),
+        "",
+        "| KV cache | attention | single stream tok/s | batch decode tok/s |",
+        "|---|---|---:|---:|",
+    ]
+    for kind in KINDS:
+        for path in ("cpp", "reference"):
+            e = s[f"{kind} {path}"]
+            lines.append(f"| {LABEL[kind]} | {'C++ kernel' if path == 'cpp' else 'plain torch'} | "
+                         f"{e['single_tg_tok_s']:.1f} | {e['batch_decode_tok_s']:.1f} |")
+    base = s["auto cpp"]
+    lines += ["", "Ratios to the float cache with the C++ kernel: " + "; ".join(
+        f"{LABEL[k]} {s[f'{k} cpp']['single_tg_tok_s'] / base['single_tg_tok_s']:.2f}× single, "
+        f"{s[f'{k} cpp']['batch_decode_tok_s'] / base['batch_decode_tok_s']:.2f}× batch" for k in ("fp8", "int8")) + ".",
+        "C++ vs plain-torch attention: " + "; ".join(
+        f"{LABEL[k]} {s[f'{k} cpp']['single_tg_tok_s'] / s[f'{k} reference']['single_tg_tok_s']:.2f}× single, "
+        f"{s[f'{k} cpp']['batch_decode_tok_s'] / s[f'{k} reference']['batch_decode_tok_s']:.2f}× batch" for k in KINDS) + ".", ""]
+    lines += ["", "## Decode attention kernel alone (one layer, best of 7 rounds)", "",
+              "| batch × context | KV cache | C++ µs | plain torch µs | speed-up |", "|---|---|---:|---:|---:|"]
+    for key, e in report["kernel"].items():
+        shape, kind = key.rsplit(" ", 1)
+        lines.append(f"| {shape} | {LABEL[kind]} | {e['cpp_us']:.1f} | {e['reference_us']:.1f} | "
+                     f"{e['reference_us'] / e['cpp_us']:.2f}× |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--pp", type=int, default=512)
+    parser.add_argument("--tg", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch-pp", type=int, default=256)
+    parser.add_argument("--batch-tg", type=int, default=32)
+    parser.add_argument("--repetitions", type=int, default=3)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from llmopt.data import load_text, tokenize_documents
+    from llmopt.runtime.kernels import cpu_attention
+
+    start = time.perf_counter()
+    if not cpu_attention.available():
+        raise SystemExit("the C++ attention kernel is not available here; nothing to compare")
+    tokenizer = engine_for("auto", cpp=True, max_num_seqs=1).tokenizer
+    ids = torch.cat(tokenize_documents(tokenizer, load_text("wikitext2"))).tolist()
+    windows = [ids[i * args.window:(i + 1) * args.window] for i in range(args.windows)]
+    log(f"{len(ids)} WikiText-2 tokens; timing the attention kernel")
+    report = {
+        "model": "demo", "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "avx2": cpu_attention.has_avx2(),
+        "settings": {k: v for k, v in vars(args).items() if k != "threads"},
+    }
+    report["kernel"] = kernel_times([(1, args.pp), (args.batch, args.pp)])
+    log("measuring accuracy")
+    report["accuracy"] = accuracy(windows, args.chunk, args.decode)
+    log("measuring speed")
+    report["speed"] = speed(ids[args.windows * args.window:], args)
+    report["seconds"] = time.perf_counter() - start
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "kv_cache.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / "kv_cache.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
