@@ -34,31 +34,37 @@ def linear_variants(tlin, quick: bool):
                "out_ptr": f"*{xdt}", "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "group_size": "i32",
                "tiles_per_split": "i32", "stride_xm": "i32", "stride_xk": "i32", "stride_wk": "i32", "stride_om": "i32",
                "stride_on": "i32"}
-        consts = dict(KIND=kind, HAS_ZERO=zero, HAS_BIAS=not split, GROUP_MODE=mode, SPLIT=split, DOT_F32=xdt == "fp32",
-                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        consts = {"KIND": kind, "HAS_ZERO": zero, "HAS_BIAS": not split, "GROUP_MODE": mode, "SPLIT": split,
+                  "DOT_F32": xdt == "fp32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
         yield f"linear kind={kind} {xdt} zero={int(zero)} mode={mode} split={int(split)} {bm}x{bn}x{bk}", kernel, sig, consts, warps, stages
     for xdt in ["fp16", "bf16"]:
         sig = {"part_ptr": "*fp32", "bias_ptr": f"*{xdt}", "out_ptr": f"*{xdt}", "M": "i32", "N": "i32", "SPLITS": "i32",
                "stride_om": "i32", "stride_on": "i32"}
-        yield f"split sum {xdt}", tlin._split_sum_kernel, sig, dict(HAS_BIAS=True, BLOCK=1024), 4, 3
+        yield f"split sum {xdt}", tlin._split_sum_kernel, sig, {"HAS_BIAS": True, "BLOCK": 1024}, 4, 3
 
 
 def attention_variants(tatt, quick: bool):
     dtypes = ["fp16"] if quick else ["fp16", "bf16", "fp32"]
     heads = [(4, 128), (3, 64)] if quick else [(4, 128), (3, 64), (1, 80), (8, 128)]  # (query heads per KV head, head dim)
-    for dt, (group, dim), split in itertools.product(dtypes, heads, [False, True]):
-        sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "tables_ptr": "*i32", "lens_ptr": "*i32",
-               "out_ptr": f"*{dt}", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_o_ptr": "*fp32", "qk_scale": "fp32",
-               "tokens_per_part": "i32", "block_size": "i32", "num_parts": "i32", "stride_qb": "i32", "stride_qh": "i32",
-               "stride_kh": "i32", "stride_kt": "i32", "stride_vh": "i32", "stride_vt": "i32", "stride_tb": "i32",
+    kv_kinds = [(0, None), (1, "i8"), (2, "u8")]  # float cache, int8 codes, float8 codes as bytes
+    for dt, (group, dim), split, (kv_kind, kv_dt) in itertools.product(dtypes, heads, [False, True], kv_kinds):
+        if kv_kind and (dt == "fp32" or split):
+            continue
+        cache = f"*{kv_dt or dt}"
+        sig = {"q_ptr": f"*{dt}", "k_ptr": cache, "v_ptr": cache, "k_scale_ptr": "*fp32" if kv_kind else cache,
+               "v_scale_ptr": "*fp32" if kv_kind else cache, "tables_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": f"*{dt}",
+               "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_o_ptr": "*fp32", "qk_scale": "fp32", "tokens_per_part": "i32",
+               "block_size": "i32", "num_parts": "i32", "stride_qb": "i32", "stride_qh": "i32", "stride_kh": "i32",
+               "stride_kt": "i32", "stride_vh": "i32", "stride_vt": "i32", "stride_sh": "i32", "stride_tb": "i32",
                "stride_ob": "i32"}
-        consts = dict(GROUP=group, HEAD_DIM=dim, SPLIT=split, DOT_F32=dt == "fp32", BLOCK_G=16, BLOCK_D=max(16, 1 << (dim - 1).bit_length()),
-                      BLOCK_T=tatt.BLOCK_T)
-        yield f"attention {dt} group={group} dim={dim} split={int(split)}", tatt._paged_decode_kernel, sig, consts, 4, 2
+        consts = {"GROUP": group, "HEAD_DIM": dim, "KV_KIND": kv_kind, "SPLIT": split, "DOT_F32": dt == "fp32", "BLOCK_G": 16,
+                  "BLOCK_D": max(16, 1 << (dim - 1).bit_length()), "BLOCK_T": tatt.BLOCK_T}
+        name = f"attention {dt} group={group} dim={dim} split={int(split)} kv={kv_dt or dt}"
+        yield name, tatt._paged_decode_kernel, sig, consts, 4, 2
     for dt in ["fp16", "bf16"]:
         sig = {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_o_ptr": "*fp32", "out_ptr": f"*{dt}", "num_parts": "i32",
                "stride_ob": "i32"}
-        yield f"combine parts {dt}", tatt._combine_parts_kernel, sig, dict(HEAD_DIM=128, BLOCK_P=8, BLOCK_D=128), 4, 3
+        yield f"combine parts {dt}", tatt._combine_parts_kernel, sig, {"HEAD_DIM": 128, "BLOCK_P": 8, "BLOCK_D": 128}, 4, 3
 
 
 def main() -> int:
@@ -68,10 +74,9 @@ def main() -> int:
     parser.add_argument("--only", default="", help="compile only variants whose name contains this")
     args = parser.parse_args()
     import triton
+    from llmopt.runtime.kernels import triton_attention, triton_linear
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from llmopt.runtime.kernels import triton_attention, triton_linear
 
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0

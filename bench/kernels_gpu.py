@@ -30,6 +30,7 @@ import time
 import traceback
 import types
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +39,10 @@ ROWS = [1, 4, 16, 128]
 ROTATE_BYTES = 256 << 20  # weights / KV cycled per timing: several times the H200's 60 MB L2
 MIN_CALLS = 32  # calls per timed graph
 REPEATS = 7  # timed graph replays; the median is reported
-# (batch, context, heads, kv heads, head dim): Llama-3-8B-like heads, then SmolLM2-135M's
-ATTENTION_SHAPES = [(1, 4096, 32, 8, 128), (8, 4096, 32, 8, 128), (32, 2048, 32, 8, 128), (64, 1024, 32, 8, 128), (16, 1024, 9, 3, 64)]
+# (batch, context, heads, kv heads, head dim, KV cache kind: auto = float16, int8 / fp8 = quantized)
+ATTENTION_SHAPES = [(1, 4096, 32, 8, 128, "auto"), (8, 4096, 32, 8, 128, "auto"), (32, 2048, 32, 8, 128, "auto"),
+                    (64, 1024, 32, 8, 128, "auto"), (16, 1024, 9, 3, 64, "auto"), (8, 4096, 32, 8, 128, "int8"),
+                    (8, 4096, 32, 8, 128, "fp8")]
 TIMED_FORMATS = {"int4 g128": ("int4", 128, False), "int8": ("int8", None, False), "fp8": ("fp8", None, False)}
 # name: (kind, group, asymmetric, activations) for the correctness sweep
 CHECK_FORMATS = {
@@ -224,13 +227,24 @@ def check_linears(torch, kernels, device, dtypes, clock: Clock, small: bool) -> 
     return results
 
 
-def paged_inputs(torch, reference, lens, heads, kv_heads, dim, block_size, dtype, device, copies: int = 1):
-    """A NaN-poisoned cache with each sequence's K/V in shuffled blocks, once per copy, and the
-    reference's and the kernel's inputs for each copy."""
+def paged_inputs(torch, kernels, lens, heads, kv_heads, dim, block_size, dtype, device, kv: str = "auto", copies: int = 1):
+    """A poisoned cache (NaN floats, or random codes with NaN scales) with each sequence's K/V
+    in shuffled blocks, once per copy. Returns ``q, (k_cache, v_cache, k_scale, v_scale),
+    width, sets``, a set being the reference's and the kernel's inputs for one copy."""
+    reference, kv_quant = kernels.reference, kernels.kv_quant
     per_copy = sum(-(-n // block_size) for n in lens)
     num_blocks = per_copy * copies + 1
-    k_cache = torch.full((kv_heads, num_blocks * block_size, dim), float("nan"), dtype=dtype, device=device)
-    v_cache = torch.full_like(k_cache, float("nan"))
+    shape = (kv_heads, num_blocks * block_size, dim)
+    k_scale = v_scale = None
+    if kv_quant.is_quantized(kv):
+        storage = kv_quant.storage_dtype(kv, dtype)
+        k_cache = torch.randint(-128 if storage == torch.int8 else 0, 128, shape, device=device).to(storage)
+        v_cache = torch.randint(-128 if storage == torch.int8 else 0, 128, shape, device=device).to(storage)
+        k_scale = torch.full(shape[:2], float("nan"), device=device)
+        v_scale = torch.full(shape[:2], float("nan"), device=device)
+    else:
+        k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        v_cache = torch.full_like(k_cache, float("nan"))
     width = max(lens)
     n_table = -(-width // block_size)
     order = torch.randperm(num_blocks - 1) + 1
@@ -246,7 +260,7 @@ def paged_inputs(torch, reference, lens, heads, kv_heads, dim, block_size, dtype
         slots = torch.cat(slots).to(device)
         total = slots.numel()
         reference.write_kv(k_cache, v_cache, torch.randn(total, kv_heads, dim, device=device).to(dtype),
-                           torch.randn(total, kv_heads, dim, device=device).to(dtype), slots)
+                           torch.randn(total, kv_heads, dim, device=device).to(dtype), slots, k_scale, v_scale)
         rows = reference.block_rows(tables, kv_heads, num_blocks).to(device)
         mask = None
         if min(lens) != width:
@@ -254,7 +268,7 @@ def paged_inputs(torch, reference, lens, heads, kv_heads, dim, block_size, dtype
             mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))[:, None, None, :].to(device)
         sets.append((rows, mask, tables.to(device=device, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32, device=device)))
     q = torch.randn(len(lens), heads, dim, device=device).to(dtype)
-    return q, k_cache, v_cache, width, sets
+    return q, (k_cache, v_cache, k_scale, v_scale), width, sets
 
 
 def workspace(torch, reference, n: int, dtype, device):
@@ -266,39 +280,46 @@ def workspace(torch, reference, n: int, dtype, device):
 
 def check_attention(torch, kernels, device, dtypes, clock: Clock, small: bool) -> list[dict]:
     reference, tatt = kernels.reference, kernels.triton_attention
-    cases = [  # (lengths, heads, kv heads, head dim, block size, partitions)
-        ([1, 37, 150], 6, 2, 48, 16, None),
-        ([70, 37, 150], 6, 2, 48, 8, 3),
-        ([100, 100], 4, 4, 64, 16, None),
-        ([129, 5], 8, 2, 64, 32, 4),
-        ([200], 9, 3, 64, 16, 2),
+    cases = [  # (lengths, heads, kv heads, head dim, block size, partitions, KV cache kind)
+        ([1, 37, 150], 6, 2, 48, 16, None, "auto"),
+        ([70, 37, 150], 6, 2, 48, 8, 3, "auto"),
+        ([100, 100], 4, 4, 64, 16, None, "auto"),
+        ([129, 5], 8, 2, 64, 32, 4, "auto"),
+        ([200], 9, 3, 64, 16, 2, "auto"),
+        ([70, 37, 150], 6, 2, 48, 8, 3, "int8"),
+        ([129, 5], 8, 2, 64, 32, 4, "fp8"),
     ]
     if not small:
         cases += [
-            ([3000, 17, 1024, 2500], 32, 8, 128, 16, None),  # long contexts: automatic split
-            ([777] * 3, 28, 4, 128, 16, 1),  # GQA 7, unsplit
-            ([4096], 64, 8, 128, 16, None),  # one long sequence, GQA 8
-            ([513, 2049], 40, 40, 80, 16, None),  # MHA, head dim 80
+            ([3000, 17, 1024, 2500], 32, 8, 128, 16, None, "auto"),  # long contexts: automatic split
+            ([777] * 3, 28, 4, 128, 16, 1, "auto"),  # GQA 7, unsplit
+            ([4096], 64, 8, 128, 16, None, "auto"),  # one long sequence, GQA 8
+            ([513, 2049], 40, 40, 80, 16, None, "auto"),  # MHA, head dim 80
+            ([3000, 17, 1024, 2500], 32, 8, 128, 16, None, "int8"),
+            ([3000, 17, 1024, 2500], 32, 8, 128, 16, None, "fp8"),
         ]
     results = []
     for dtype in dtypes:
-        for lens, heads, kv_heads, dim, block_size, parts in cases:
+        for lens, heads, kv_heads, dim, block_size, parts, kv in cases:
             if clock.left() < 0:
                 results.append({"kernel": "attention", "case": str(lens), "skipped": "time budget"})
                 continue
-            row = {"kernel": "attention", "case": f"lens={lens} heads={heads}/{kv_heads} dim={dim} block={block_size} parts={parts}",
-                   "dtype": str(dtype).split(".")[-1]}
+            row = {"kernel": "attention", "dtype": str(dtype).split(".")[-1],
+                   "case": f"lens={lens} heads={heads}/{kv_heads} dim={dim} block={block_size} parts={parts} kv={kv}"}
             try:
-                q, k_cache, v_cache, width, sets = paged_inputs(torch, reference, lens, heads, kv_heads, dim, block_size, dtype, device)
+                q, (k_cache, v_cache, k_scale, v_scale), width, sets = paged_inputs(
+                    torch, kernels, lens, heads, kv_heads, dim, block_size, dtype, device, kv)
                 rows, mask, tables, context_lens = sets[0]
                 out = torch.full((len(lens), heads * dim), float("nan"), dtype=dtype, device=device)
-                tatt.triton_paged_decode_attention(q, k_cache, v_cache, tables, context_lens, width, block_size, dim ** -0.5,
-                                                   out=out, num_parts=parts)
+                tatt.triton_paged_decode_attention(q, k_cache, v_cache, tables, context_lens, block_size, dim ** -0.5,
+                                                   k_scale, v_scale, out=out, num_parts=parts)
                 n_ws = rows.numel() * block_size * dim
+                if k_scale is None:  # the reference in float32: a float cache upcast, a quantized one dequantized to float32
+                    k_cache, v_cache = k_cache.float(), v_cache.float()
                 ref = reference.paged_decode_attention(
-                    q.float(), k_cache.float(), v_cache.float(), rows, width, None if mask is None else mask.float(),
-                    block_size, dim ** -0.5, workspace(torch, reference, n_ws, torch.float32, device),
-                    workspace(torch, reference, n_ws, torch.float32, device))
+                    q.float(), k_cache, v_cache, rows, width, None if mask is None else mask.float(),
+                    block_size, dim ** -0.5, workspace(torch, reference, n_ws, k_cache.dtype, device),
+                    workspace(torch, reference, n_ws, k_cache.dtype, device), k_scale, v_scale)
                 row.update(errors(torch, out.float(), ref))
                 row["ok"] = row["unwritten_or_nan"] == 0 and row["max_err_over_max_ref"] <= TOLERANCE[row["dtype"]]
             except Exception:  # noqa: BLE001
@@ -346,10 +367,10 @@ def time_linears(torch, kernels, device, shapes, rows, clock: Clock, copy_gbps: 
             for name, ws in weights.items():
                 try:
                     if name == "fp16":
-                        calls = [lambda w=w: F.linear(x, w) for w in ws]
+                        calls = [partial(F.linear, x, w) for w in ws]
                         wbytes = n * k * 2
                     else:
-                        calls = [lambda w=w: tlin.triton_quant_linear(x, w, None, None, out=out) for w in ws]
+                        calls = [partial(tlin.triton_quant_linear, x, w, None, None, out=out) for w in ws]
                         wbytes = ws[0].nbytes()
                         cfg = tlin.choose_config(m, ws[0], device)
                         row[f"{name} config"] = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} split{cfg.split_k}"
@@ -380,32 +401,35 @@ def time_attention(torch, kernels, device, shapes, clock: Clock, copy_gbps: floa
     reference, tatt = kernels.reference, kernels.triton_attention
     dtype, block_size = torch.float16, 16
     results = []
-    for batch, ctx, heads, kv_heads, dim in shapes:
+    for batch, ctx, heads, kv_heads, dim, kv in shapes:
         if clock.left() < 0:
-            results.append({"shape": f"B={batch} ctx={ctx}", "skipped": "time budget"})
+            results.append({"shape": f"B={batch} ctx={ctx} kv={kv}", "skipped": "time budget"})
             continue
-        row = {"batch": batch, "context": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "block_size": block_size}
-        kv_bytes = batch * ctx * kv_heads * dim * 2 * 2
+        row = {"batch": batch, "context": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "block_size": block_size, "kv": kv}
+        element = 2 if kv == "auto" else 1
+        kv_bytes = batch * ctx * kv_heads * (dim * element + (0 if kv == "auto" else 4)) * 2  # K and V (codes and scales)
         try:
             copies = min(32, copies_for(kv_bytes, rotate))
-            q, k_cache, v_cache, width, sets = paged_inputs(torch, reference, [ctx] * batch, heads, kv_heads, dim, block_size, dtype,
-                                                            device, copies)
+            q, (k_cache, v_cache, k_scale, v_scale), width, sets = paged_inputs(
+                torch, kernels, [ctx] * batch, heads, kv_heads, dim, block_size, dtype, device, kv, copies)
             scale = dim ** -0.5
             out = torch.empty(batch, heads * dim, dtype=dtype, device=device)
             parts = tatt.choose_parts(batch, kv_heads, ctx, device)
             row["parts"] = parts
-            calls = [lambda t=t, c=c: tatt.triton_paged_decode_attention(q, k_cache, v_cache, t, c, width, block_size, scale, out=out)
+            calls = [partial(tatt.triton_paged_decode_attention, q, k_cache, v_cache, t, c, block_size, scale, k_scale, v_scale,
+                             out=out, max_context=width)
                      for _, _, t, c in sets]
             n_ws = sets[0][0].numel() * block_size * dim
-            k_ws, v_ws = workspace(torch, reference, n_ws, dtype, device), workspace(torch, reference, n_ws, dtype, device)
-            ref_calls = [lambda r=r, mk=mk: reference.paged_decode_attention(q, k_cache, v_cache, r, width, mk, block_size, scale, k_ws, v_ws)
+            k_ws, v_ws = (workspace(torch, reference, n_ws, k_cache.dtype, device) for _ in range(2))
+            ref_calls = [partial(reference.paged_decode_attention, q, k_cache, v_cache, r, width, mk, block_size, scale, k_ws, v_ws,
+                                 k_scale, v_scale)
                          for r, mk, _, _ in sets]
             for name, fns in (("triton", calls), ("reference", ref_calls)):
                 us, method = time_calls(torch, fns, device)
                 gbps = kv_bytes / (us * 1e-6) / 1e9
                 row[name] = {"us": round(us, 2), "GB/s": round(gbps, 1), "of_copy": round(gbps / copy_gbps, 3), "timing": method,
                              "copies": len(fns)}
-            del k_cache, v_cache, sets
+            del calls, ref_calls, k_cache, v_cache, k_scale, v_scale, sets
         except Exception:  # noqa: BLE001
             row["error"] = traceback.format_exc(limit=4)
         results.append(row)
@@ -437,7 +461,7 @@ def linear_line(row: dict) -> str:
 def attention_line(row: dict) -> str:
     if "skipped" in row:
         return f"{row['shape']}: skipped ({row['skipped']})"
-    head = f"B={row['batch']} ctx={row['context']} heads={row['heads']}/{row['kv_heads']} dim={row['head_dim']}"
+    head = f"B={row['batch']} ctx={row['context']} heads={row['heads']}/{row['kv_heads']} dim={row['head_dim']} kv={row['kv']}"
     if "error" in row:
         return f"{head}: error"
     return f"{head} parts={row['parts']}: triton {cell(row['triton'])} | reference {cell(row['reference'])}"
@@ -454,9 +478,9 @@ def markdown(result: dict) -> str:
     lines = [
         "# Triton kernels on the GPU",
         "",
-        f"{result['device']} · torch {result['torch']} · triton {result['triton']} · {result['wall_s']:.0f} s. "
-        f"Copy bandwidth {result['copy_GBps']:.0f} GB/s (read + written); percentages below are of it. "
-        "Times are medians of CUDA-graph replays over weights (KV) cycled past the L2.",
+        (f"{result['device']} · torch {result['torch']} · triton {result['triton']} · {result['wall_s']:.0f} s. "
+         f"Copy bandwidth {result['copy_GBps']:.0f} GB/s (read + written); percentages below are of it. "
+         "Times are medians of CUDA-graph replays over weights (KV) cycled past the L2."),
         "",
     ]
     checks = result["correctness"]
@@ -473,8 +497,8 @@ def markdown(result: dict) -> str:
                          f"{c.get('max_err_over_max_ref', c.get('error', '')[-300:])}")
         lines.append("")
     lines += ["## Quantized linear (float16 activations)", "",
-              "int4 is g128 where 128 divides the input features, else the largest power of two that does "
-              "(g64 for 576), as the quantizer picks.", "",
+              ("int4 is g128 where 128 divides the input features, else the largest power of two that does "
+               "(g64 for 576), as the quantizer picks."), "",
               "| in → out | M | fp16 F.linear | int4 g128 | int8 | fp8 | int4 / int8 / fp8 speedup vs fp16 |",
               "| --- | ---: | --- | --- | --- | --- | --- |"]
     for row in result["linear"]:
@@ -484,18 +508,19 @@ def markdown(result: dict) -> str:
         speeds = " / ".join(speedup(row, nm) for nm in TIMED_FORMATS)
         lines.append(f"| {row['shape']} | {row['m']} | {cell(row.get('fp16'))} | {cell(row.get('int4 g128'))} | "
                      f"{cell(row.get('int8'))} | {cell(row.get('fp8'))} | {speeds} |")
-    lines += ["", "## Paged decode attention (float16, block size 16, every sequence at the full context)", "",
-              "| batch | context | heads / kv | head dim | parts | triton | reference (gather + SDPA) | speedup |",
-              "| ---: | ---: | --- | ---: | ---: | --- | --- | --- |"]
+    lines += ["", "## Paged decode attention (float16 queries, block size 16, every sequence at the full context)", "",
+              "| batch | context | heads / kv | head dim | KV cache | parts | triton | reference (gather + SDPA) | speedup |",
+              "| ---: | ---: | --- | ---: | --- | ---: | --- | --- | --- |"]
     for row in result["attention"]:
         if "skipped" in row or "error" in row:
-            lines.append(f"| {row.get('batch', '')} | {row.get('context', '')} | {row.get('skipped', 'error')} | | | | | |")
+            lines.append(f"| {row.get('batch', '')} | {row.get('context', '')} | {row.get('skipped', 'error')} | | | | | | |")
             continue
         sp = row["reference"]["us"] / row["triton"]["us"]
-        lines.append(f"| {row['batch']} | {row['context']} | {row['heads']} / {row['kv_heads']} | {row['head_dim']} | {row['parts']} | "
+        kv = "float16" if row["kv"] == "auto" else row["kv"]
+        lines.append(f"| {row['batch']} | {row['context']} | {row['heads']} / {row['kv_heads']} | {row['head_dim']} | {kv} | {row['parts']} | "
                      f"{cell(row['triton'])} | {cell(row['reference'])} | {sp:.2f}x |")
-    lines += ["", "GB/s counts the bytes a kernel must move: packed weights with scales (zero points), input and output "
-              "for linears; the K and V read for attention.", ""]
+    lines += ["", ("GB/s counts the bytes a kernel must move: packed weights with scales (zero points), input and output "
+                   "for linears; the K and V read (codes and scales) for attention."), ""]
     return "\n".join(lines)
 
 
@@ -517,9 +542,14 @@ def main() -> int:
         log("kernels_gpu: triton is not installed; the Triton kernels cannot run (pip install triton).")
         return 1
     import_llmopt()
-    from llmopt.runtime.kernels import reference, triton_attention, triton_linear
+    from llmopt.runtime.kernels import (
+        kv_quant,
+        reference,
+        triton_attention,
+        triton_linear,
+    )
 
-    kernels = types.SimpleNamespace(reference=reference, triton_linear=triton_linear, triton_attention=triton_attention)
+    kernels = types.SimpleNamespace(reference=reference, kv_quant=kv_quant, triton_linear=triton_linear, triton_attention=triton_attention)
     clock = Clock(args.budget)
     torch.manual_seed(0)
     small = args.cpu_dry_run
@@ -554,7 +584,7 @@ def main() -> int:
     result["linear"] = time_linears(torch, kernels, device, shapes, rows, clock, result["copy_GBps"], rotate)
     save()
     log("attention timings:")
-    att_shapes = [(2, 100, 8, 2, 64)] if small else ATTENTION_SHAPES
+    att_shapes = [(2, 100, 8, 2, 64, "auto"), (2, 100, 8, 2, 64, "int8")] if small else ATTENTION_SHAPES
     result["attention"] = time_attention(torch, kernels, device, att_shapes, clock, result["copy_GBps"], rotate)
     save()
     log(f"wrote {out_dir / 'kernels_gpu.json'} and .md in {clock.elapsed():.0f} s")

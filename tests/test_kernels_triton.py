@@ -15,7 +15,13 @@ except ImportError as e:  # fail loudly: CI installs triton with the test extra
 
 import pytest
 import torch
-from llmopt.runtime.kernels import reference, triton_attention, triton_common, triton_linear
+from llmopt.runtime.kernels import (
+    kv_quant,
+    reference,
+    triton_attention,
+    triton_common,
+    triton_linear,
+)
 
 # Error allowed relative to the largest output magnitude, by the dtype the kernel computes in.
 TOLERANCE = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float32: 2e-5}
@@ -167,12 +173,20 @@ def test_split_k_heuristic() -> None:
 # Paged decode attention.
 
 
-def paged_case(lens: list[int], heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype):
-    """A NaN-poisoned cache holding each sequence's K/V in shuffled blocks, plus the
-    reference's inputs (rows, width, mask) as the model runner builds them."""
+def paged_case(lens: list[int], heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype, kv: str = "auto"):
+    """A poisoned cache (NaN floats, or random codes with NaN scales) holding each sequence's
+    K/V in shuffled blocks, plus the reference's inputs (rows, width, mask) as the model runner
+    builds them. Returns ``q, k_cache, v_cache, k_scale, v_scale, rows, width, mask``."""
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    k_cache = torch.full((kv_heads, num_blocks * block_size, dim), float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
+    shape = (kv_heads, num_blocks * block_size, dim)
+    k_scale = v_scale = None
+    if kv_quant.is_quantized(kv):
+        storage = kv_quant.storage_dtype(kv, dtype)
+        k_cache, v_cache = (torch.randint(-128 if storage == torch.int8 else 0, 128, shape).to(storage) for _ in range(2))
+        k_scale, v_scale = (torch.full(shape[:2], float("nan")) for _ in range(2))
+    else:
+        k_cache = torch.full(shape, float("nan"), dtype=dtype)
+        v_cache = k_cache.clone()
     width = max(lens)
     n_table = -(-width // block_size)
     free = torch.randperm(num_blocks).tolist()
@@ -181,21 +195,24 @@ def paged_case(lens: list[int], heads: int, kv_heads: int, dim: int, block_size:
         used = -(-n // block_size)
         tables[i, :used] = torch.tensor([free.pop() for _ in range(used)])
         slots = (tables[i, :used, None] * block_size + torch.arange(block_size)).flatten()[:n]
-        reference.write_kv(k_cache, v_cache, torch.randn(n, kv_heads, dim).to(dtype), torch.randn(n, kv_heads, dim).to(dtype), slots)
+        k, v = (torch.randn(n, kv_heads, dim).to(dtype) for _ in range(2))
+        reference.write_kv(k_cache, v_cache, k, v, slots, k_scale, v_scale)
     rows = reference.block_rows(tables, kv_heads, num_blocks)
     mask = None
     if min(lens) != width:
         visible = torch.arange(n_table * block_size)[None, :] < torch.tensor(lens)[:, None]
         mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
     q = (torch.randn(len(lens), heads, dim) * 2).to(dtype)
-    return q, k_cache, v_cache, rows, width, mask
+    return q, k_cache, v_cache, k_scale, v_scale, rows, width, mask
 
 
-def reference_attention(q, k_cache, v_cache, rows, width, mask, block_size) -> torch.Tensor:
-    ws = reference.Workspace(torch.float32)
-    scale = q.shape[-1] ** -0.5
+def reference_attention(q, k_cache, v_cache, k_scale, v_scale, rows, width, mask, block_size) -> torch.Tensor:
+    """The reference in float32 (a float cache upcast; a quantized one dequantized to float32)."""
+    if k_scale is None:
+        k_cache, v_cache = k_cache.float(), v_cache.float()
     return reference.paged_decode_attention(
-        q.float(), k_cache.float(), v_cache.float(), rows, width, mask, block_size, scale, ws, reference.Workspace(torch.float32))
+        q.float(), k_cache, v_cache, rows, width, mask, block_size, q.shape[-1] ** -0.5,
+        reference.Workspace(k_cache.dtype), reference.Workspace(k_cache.dtype), k_scale, v_scale)
 
 
 # (lengths, heads, kv heads, head dim, block size, partitions)
@@ -208,23 +225,35 @@ ATTENTION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
-def test_paged_decode_attention_matches_reference(case: int, dtype: torch.dtype) -> None:
+def check_attention(case: int, dtype: torch.dtype, kv: str) -> None:
     lens, heads, kv_heads, dim, block_size, parts = ATTENTION_CASES[case]
-    q, k_cache, v_cache, rows, width, mask = paged_case(lens, heads, kv_heads, dim, block_size, dtype)
+    q, k_cache, v_cache, k_scale, v_scale, rows, width, mask = paged_case(lens, heads, kv_heads, dim, block_size, dtype, kv)
     tables, context_lens = triton_attention.decode_tables(rows, mask, len(lens), kv_heads, width)
     assert context_lens.tolist() == lens
     out = torch.full((len(lens), heads * dim), float("nan"), dtype=dtype)
     triton_attention.triton_paged_decode_attention(
-        q, k_cache, v_cache, tables, context_lens, width, block_size, dim ** -0.5, out=out, num_parts=parts)
-    assert_matches(out, reference_attention(q, k_cache, v_cache, rows, width, mask, block_size), dtype)
+        q, k_cache, v_cache, tables, context_lens, block_size, dim ** -0.5, k_scale, v_scale, out=out, num_parts=parts)
+    assert_matches(out, reference_attention(q, k_cache, v_cache, k_scale, v_scale, rows, width, mask, block_size), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
+def test_paged_decode_attention_matches_reference(case: int, dtype: torch.dtype) -> None:
+    check_attention(case, dtype, "auto")
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("case", [0, 1, 3])
+def test_paged_decode_attention_quantized_cache(case: int, kv: str) -> None:
+    check_attention(case, torch.float16, kv)
 
 
 def test_paged_decode_attention_dispatch() -> None:
     lens, heads, kv_heads, dim, block_size = [45, 90, 12], 8, 2, 64, 16
-    q, k_cache, v_cache, rows, width, mask = paged_case(lens, heads, kv_heads, dim, block_size, torch.float16)
-    ws = reference.Workspace(torch.float16)
-    out = triton_attention.paged_decode_attention(q, k_cache, v_cache, rows, width, mask, block_size, dim ** -0.5, ws, ws)
-    assert out.shape == (len(lens), heads * dim)
-    assert_matches(out, reference_attention(q, k_cache, v_cache, rows, width, mask, block_size), torch.float16)
+    for kv in ("auto", "int8"):
+        q, k_cache, v_cache, k_scale, v_scale, rows, width, mask = paged_case(lens, heads, kv_heads, dim, block_size, torch.float16, kv)
+        ws = reference.Workspace(k_cache.dtype)
+        out = triton_attention.paged_decode_attention(
+            q, k_cache, v_cache, rows, width, mask, block_size, dim ** -0.5, ws, ws, k_scale, v_scale)
+        assert out.shape == (len(lens), heads * dim)
+        assert_matches(out, reference_attention(q, k_cache, v_cache, k_scale, v_scale, rows, width, mask, block_size), torch.float16)

@@ -6,13 +6,16 @@ layer). One program handles one (sequence, KV head, context partition): the quer
 sharing that KV head (grouped-query attention) form the rows of its ``tl.dot``, and an online
 softmax runs over chunks of ``BLOCK_T`` tokens, which may span several small blocks. Long
 contexts with few programs are split into partitions whose partial results (running max,
-normaliser, unnormalised output) a second kernel combines (flash-decoding).
+normaliser, unnormalised output) a second kernel combines (flash-decoding). A quantized cache
+(int8 codes, or float8 e4m3 codes as bytes, with float32 scales ``[kv_heads, slots]``, see
+``kv_quant``) is dequantized as it is read, to ``q``'s dtype as the reference does.
 
 Plugging in (the CPU runtime does not yet): the reference signature is kept by
 :func:`paged_decode_attention`, which derives block tables and context lengths from the
 reference's ``rows`` and ``mask``; a CUDA runner would rather build ``block_tables``
 ``[B, max_blocks]`` int32 and ``context_lens`` ``[B]`` int32 once per step and call
-:func:`triton_paged_decode_attention` directly.
+:func:`triton_paged_decode_attention` directly, whose arguments follow
+:func:`.cpu_attention.paged_decode_attention` (the C++ kernel's).
 """
 
 from __future__ import annotations
@@ -20,22 +23,48 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .triton_common import dot_dtype_is_f32, multiprocessors, next_power_of_2, tl, triton, use_triton
+from .triton_common import (
+    dot_dtype_is_f32,
+    multiprocessors,
+    next_power_of_2,
+    tl,
+    triton,
+    use_triton,
+)
+
+if triton is not None:
+    from .triton_common import fp8e4m3_bits_to_f32
 
 BLOCK_T = 64  # context tokens per softmax step
 MIN_PART_TOKENS = 256  # shortest context partition worth a program of its own
 
+KV_KINDS = {None: 0, torch.int8: 1, torch.uint8: 2}  # float cache / int8 codes / float8 codes as bytes
+
 if triton is not None:
 
     @triton.jit
+    def _load_kv(base, scales, slot, offs_d, t_mask, d_mask, stride_t, KV_KIND: tl.constexpr):
+        """``[tokens, head_dim]`` of one head at ``slot``: the cache's floats, or float32 values
+        of quantized codes times their per-token scales. Masked-out entries read zero."""
+        x = tl.load(base + slot[:, None] * stride_t + offs_d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0)
+        if KV_KIND != 0:
+            if KV_KIND == 1:
+                x = x.to(tl.float32)
+            else:
+                x = fp8e4m3_bits_to_f32(x)
+            x = x * tl.load(scales + slot, mask=t_mask, other=0.0)[:, None]
+        return x
+
+    @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+        q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
         qk_scale, tokens_per_part, block_size, num_parts,
-        stride_qb, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_tb, stride_ob,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+        stride_qb, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_sh, stride_tb, stride_ob,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     ):
-        """``qk_scale`` is the softmax scale times log2(e): scores are kept in base 2."""
+        """``qk_scale`` is the softmax scale times log2(e): scores are kept in base 2. Scales of a
+        quantized cache are ``[kv_heads, slots]`` with row stride ``stride_sh``."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         p = tl.program_id(2)
@@ -57,16 +86,18 @@ if triton is not None:
         acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
         k_head = k_ptr + kvh.to(tl.int64) * stride_kh
         v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+        k_scales = k_scale_ptr + kvh.to(tl.int64) * stride_sh
+        v_scales = v_scale_ptr + kvh.to(tl.int64) * stride_sh
+        dtype = q_ptr.dtype.element_ty  # a quantized cache is dequantized to q's dtype, as the reference does
         table = tables_ptr + b.to(tl.int64) * stride_tb
         for t0 in range(start, end, BLOCK_T):
             ts = t0 + offs_t
             t_mask = ts < end
             block = tl.load(table + ts // block_size, mask=t_mask, other=0)
             slot = block.to(tl.int64) * block_size + ts % block_size
-            kv_mask = t_mask[:, None] & d_mask[None, :]
             # Slots past the context were never written (NaN included): masked loads read zeros.
-            k = tl.load(k_head + slot[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_head + slot[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = _load_kv(k_head, k_scales, slot, offs_d, t_mask, d_mask, stride_kt, KV_KIND).to(dtype)
+            v = _load_kv(v_head, v_scales, slot, offs_d, t_mask, d_mask, stride_vt, KV_KIND).to(dtype)
             if DOT_F32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -129,18 +160,22 @@ def triton_paged_decode_attention(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
-    max_context: int,
     block_size: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    max_context: int | None = None,
     num_parts: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention on the Triton kernel.
+    """Decode attention on the Triton kernel (arguments as the C++ kernel's).
 
-    ``q`` ``[B, heads, head_dim]``; caches ``[kv_heads, slots, head_dim]``; ``block_tables``
-    ``[B, >= ceil(max_context / block_size)]`` and ``context_lens`` ``[B]`` (int32, on ``q``'s
-    device; ``max_context`` >= every length, without reading them back). Returns (or writes
-    ``out``) ``[B, heads * head_dim]`` in ``q``'s dtype; a sequence of length 0 gives zeros.
+    ``q`` ``[B, heads, head_dim]``; caches ``[kv_heads, slots, head_dim]``, float or int8 /
+    float8-byte codes with float32 ``k_scale``/``v_scale`` ``[kv_heads, slots]``;
+    ``block_tables`` ``[B, n]`` and ``context_lens`` ``[B]`` on ``q``'s device. ``max_context``
+    bounds the lengths without reading them back (default ``n * block_size``); ``num_parts``
+    fixes the context partitions (default: enough to fill the GPU). Returns (or writes ``out``)
+    ``[B, heads * head_dim]`` in ``q``'s dtype; a sequence of length 0 gives zeros.
     """
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -148,10 +183,15 @@ def triton_paged_decode_attention(
     kv_heads = k_cache.shape[0]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} KV heads evenly")
+    quantized = k_cache.dtype in (torch.int8, torch.uint8)
+    if quantized and (k_scale is None or v_scale is None):
+        raise ValueError("a quantized KV cache needs k_scale and v_scale")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' head dimension must be contiguous")
+    if quantized and (k_scale.stride(-1) != 1 or v_scale.stride() != k_scale.stride()):
+        raise ValueError("the KV scales must be [kv_heads, slots] with contiguous slots")
     group = heads // kv_heads
     if out is None:
         out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
@@ -159,10 +199,14 @@ def triton_paged_decode_attention(
         return out
     block_tables = block_tables.to(torch.int32)
     context_lens = context_lens.to(torch.int32)
+    if max_context is None:
+        max_context = block_tables.shape[1] * block_size
+    max_context = max(1, max_context)
     if num_parts is None:
         num_parts = choose_parts(batch, kv_heads, max_context, q.device)
-    tokens_per_part = -(-max(1, -(-max_context // num_parts)) // BLOCK_T) * BLOCK_T
-    num_parts = max(1, -(-max_context // tokens_per_part))
+    per_part = -(-max_context // num_parts)
+    tokens_per_part = -(-per_part // BLOCK_T) * BLOCK_T  # whole chunks
+    num_parts = -(-max_context // tokens_per_part)
     split = num_parts > 1
     block_d = max(16, next_power_of_2(dim))
     if split:
@@ -171,13 +215,14 @@ def triton_paged_decode_attention(
         part_o = torch.empty(batch * heads * num_parts, dim, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_o = out
+    scales = (k_scale, v_scale) if quantized else (k_cache, v_cache)  # unread for a float cache
     _paged_decode_kernel[(batch, kv_heads, num_parts)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_o,
+        q, k_cache, v_cache, scales[0], scales[1], block_tables, context_lens, out, part_m, part_l, part_o,
         scale * 1.4426950408889634, tokens_per_part, block_size, num_parts,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0), out.stride(0),
-        GROUP=group, HEAD_DIM=dim, SPLIT=split, DOT_F32=dot_dtype_is_f32(q.dtype),
-        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_T=BLOCK_T,
+        scales[0].stride(0), block_tables.stride(0), out.stride(0),
+        GROUP=group, HEAD_DIM=dim, KV_KIND=KV_KINDS[k_cache.dtype if quantized else None], SPLIT=split,
+        DOT_F32=dot_dtype_is_f32(q.dtype), BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_T=BLOCK_T,
         num_warps=4, num_stages=2,
     )
     if split:
@@ -210,10 +255,14 @@ def paged_decode_attention(
     scale: float,
     k_space: reference.Workspace,
     v_space: reference.Workspace,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`reference.paged_decode_attention`'s signature: Triton when the tensors are on
     CUDA and triton is importable (the workspaces are then unused), the reference otherwise."""
     if not use_triton(q, k_cache, v_cache):
-        return reference.paged_decode_attention(q, k_cache, v_cache, rows, width, mask, block_size, scale, k_space, v_space)
+        return reference.paged_decode_attention(q, k_cache, v_cache, rows, width, mask, block_size, scale, k_space, v_space,
+                                                k_scale, v_scale)
     tables, lens = decode_tables(rows.to(q.device), None if mask is None else mask.to(q.device), q.shape[0], k_cache.shape[0], width)
-    return triton_paged_decode_attention(q, k_cache, v_cache, tables, lens, width, block_size, scale)
+    return triton_paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, scale, k_scale, v_scale,
+                                         max_context=width)

@@ -53,3 +53,16 @@ def dot_dtype_is_f32(dtype: torch.dtype) -> bool:
     """Whether the kernels should feed ``tl.dot`` float32 operands: always for float32 inputs,
     and for bfloat16 under the interpreter, whose bfloat16 matmul is wrong (triton 3.8)."""
     return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
+
+
+if triton is not None:
+
+    @triton.jit
+    def fp8e4m3_bits_to_f32(bits):
+        """float32 values of float8 e4m3fn codes given as integer bytes (NaN codes excepted).
+
+        Exponent and mantissa shifted into a float16's bits give the value / 256 exactly
+        (subnormals included), so no native fp8 conversion, which older GPUs lack, is needed."""
+        b = bits.to(tl.int32)
+        mag = ((b & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        return tl.where((b & 0x80) != 0, -mag, mag)

@@ -33,6 +33,9 @@ from llmopt.quant.formats import fake_quantize_activations
 from . import reference
 from .triton_common import dot_dtype_is_f32, multiprocessors, tl, triton, use_triton
 
+if triton is not None:
+    from .triton_common import fp8e4m3_bits_to_f32
+
 WeightKind = Literal["int4", "int8", "fp8"]
 _KIND_IDS = {"int4": 0, "int8": 1, "fp8": 2}
 
@@ -138,10 +141,8 @@ def choose_config(m: int, w: PackedWeight, device: torch.device, split_k: int | 
     else:
         block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
     g = w.group_size
-    if g is not None and g % block_k:
-        # A tile inside one group reads one scale row; power-of-two groups shrink the tile to fit.
-        if g >= 16 and g & (g - 1) == 0:
-            block_k = g
+    if g is not None and g % block_k and g >= 16 and g & (g - 1) == 0:
+        block_k = g  # a tile inside one group reads one scale row: power-of-two groups shrink the tile to fit
     k_tiles = -(-w.in_features // block_k)
     if split_k is None:
         tiles = -(-m // block_m) * -(-w.out_features // block_n)
@@ -176,9 +177,8 @@ if triton is not None:
         n_mask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-        if GROUP_MODE == 0:
-            if HAS_ZERO:
-                zero_row = tl.load(zero_ptr + offs_n, mask=n_mask, other=0.0)
+        if GROUP_MODE == 0 and HAS_ZERO:
+            zero_row = tl.load(zero_ptr + offs_n, mask=n_mask, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_tiles = tl.cdiv(K, BLOCK_K)
         first = pid_s * tiles_per_split
@@ -194,10 +194,7 @@ if triton is not None:
             elif KIND == 1:
                 w = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_wk + offs_n[None, :], mask=w_mask, other=0).to(tl.float32)
             else:
-                # e4m3fn bits -> float16 bits: exponent and mantissa shifted into place give value / 256.
-                b = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_wk + offs_n[None, :], mask=w_mask, other=0).to(tl.int32)
-                mag = ((b & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-                w = tl.where((b & 0x80) != 0, -mag, mag)
+                w = fp8e4m3_bits_to_f32(tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_wk + offs_n[None, :], mask=w_mask, other=0))
             if GROUP_MODE == 0:
                 if HAS_ZERO:
                     w = w - zero_row[None, :]
@@ -238,7 +235,7 @@ if triton is not None:
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < M * N
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(0, SPLITS):
+        for s in range(SPLITS):
             acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
         n = offs % N
         if HAS_BIAS:
