@@ -186,7 +186,8 @@ def errors(torch, out, ref) -> dict:
 
 
 def check_in_features(group: int | None, small: bool) -> int:
-    """Odd per-channel; otherwise whole groups (1536 is no multiple of 48 * 64)."""
+    """In features for the sweep: odd per-channel, else whole groups (48: no tile divides it, so
+    the kernel gathers scales per element; 1536 is not a multiple of 128 * 48)."""
     if group is None:
         return 333 if small else 999
     if group == 48:

@@ -11,9 +11,11 @@ so a tile's loads run along the contiguous output dimension):
   kernel with integer operations (no native fp8 conversion needed, so any GPU runs it);
 * ``scale`` (and ``zero`` as float) transposed to ``[n_groups, out]`` float32.
 
-Few rows (decode, ``M <= 16``) run a GEMV-shaped configuration: small ``BLOCK_M`` and split-K,
-so that even a 576 x 576 projection spreads over every multiprocessor; the partial sums are
-then added by a second small kernel, which also adds the bias. Activation-quantized schemes
+Few rows (decode, ``M <= 16``) run a GEMV-shaped configuration: small ``BLOCK_M`` and long K
+tiles. Whenever the output tiles alone would leave multiprocessors idle (decode, or small
+projections at any M), K is split across programs (at least two K tiles each) and a second
+small kernel adds the float32 partial sums and the bias. The tiles are fixed, not autotuned:
+``bench/kernels_gpu.py`` records each shape's configuration beside its timing. Activation-quantized schemes
 (W8A8, FP8_DYNAMIC) quantize ``x`` per token in torch first, exactly as the reference does.
 
 Plugging in (the CPU runtime does not yet): a CUDA ``QuantLinear`` packs once,
