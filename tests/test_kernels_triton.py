@@ -149,11 +149,15 @@ def test_quant_linear_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     codes, scale, zero = random_weight("int8", None, False, 96)
     x = torch.randn(3, 96, dtype=torch.float16)
     ref = reference.quant_linear(x, codes, scale, zero, None, None, None)
-    # Interpreting, CPU tensors go to the kernel.
+    # CPU tensors stay on the reference unless asked for, interpreting or not.
+    assert not triton_common.use_triton(x, codes)
+    assert torch.equal(triton_linear.quant_linear(x, codes, scale, zero, None, None, None), ref)
+    # Asked for and interpreting, they go to the kernel.
+    monkeypatch.setattr(triton_common, "CPU_INTERPRETER", True)
     assert triton_common.use_triton(x, codes)
     out = triton_linear.quant_linear(x, codes, scale, zero, None, None, None)
     assert_matches(out, ref.float(), torch.float16)
-    # Not interpreting, CPU tensors stay on the reference.
+    # Not interpreting, they stay on the reference.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not triton_common.use_triton(x, codes)
     assert torch.equal(triton_linear.quant_linear(x, codes, scale, zero, None, None, None), ref)
@@ -248,10 +252,12 @@ def test_paged_decode_attention_quantized_cache(case: int, kv: str) -> None:
     check_attention(case, torch.float16, kv)
 
 
-def test_paged_decode_attention_dispatch() -> None:
+def test_paged_decode_attention_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_common, "CPU_INTERPRETER", True)
     lens, heads, kv_heads, dim, block_size = [45, 90, 12], 8, 2, 64, 16
     for kv in ("auto", "int8"):
         q, k_cache, v_cache, k_scale, v_scale, rows, width, mask = paged_case(lens, heads, kv_heads, dim, block_size, torch.float16, kv)
+        assert triton_common.use_triton(q, k_cache, v_cache)
         ws = reference.Workspace(k_cache.dtype)
         out = triton_attention.paged_decode_attention(
             q, k_cache, v_cache, rows, width, mask, block_size, dim ** -0.5, ws, ws, k_scale, v_scale)

@@ -29,13 +29,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Route CPU tensors to the kernels under the interpreter too. Off by default even when
+# TRITON_INTERPRET=1 is set (as it stays for a whole test session once the kernel tests are
+# collected), so that other CPU code keeps the reference; the dispatch tests switch it on.
+CPU_INTERPRETER = False
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
-    """Triton for these tensors: importable and all of them on CUDA (or on the CPU when interpreting)."""
+    """Triton for these tensors: importable and all of them on CUDA (or on the CPU when
+    interpreting and :data:`CPU_INTERPRETER` is set)."""
     if triton is None:
         return False
     if all(t.is_cuda for t in tensors):
         return True
-    return interpreting() and all(t.device.type == "cpu" for t in tensors)
+    return CPU_INTERPRETER and interpreting() and all(t.device.type == "cpu" for t in tensors)
 
 
 def multiprocessors(device: torch.device) -> int:
