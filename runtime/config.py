@@ -11,6 +11,7 @@ from llmopt.errors import LlmoptError
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 GIB = 1024**3
+KERNEL_CHOICES = ("auto", "cpu", "reference")
 
 
 @dataclass
@@ -21,6 +22,8 @@ class EngineConfig:
     budget, trimmed to what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use.
     ``kv_cache_dtype``: ``auto`` stores K/V in the model's dtype; ``fp8`` (e4m3) and ``int8``
     store one byte per value plus a float32 scale per token and KV head.
+    ``kernels`` (quantized linears): ``auto`` uses the C++ CPU kernels when they build here,
+    ``cpu`` requires them, ``reference`` forces the plain-torch path (for comparison).
     """
 
     max_num_seqs: int = 64
@@ -34,6 +37,7 @@ class EngineConfig:
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
     seed: int = 0
+    kernels: str = "auto"
 
     def validate(self) -> None:
         checks = [
@@ -45,6 +49,7 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
             (self.threads is None or self.threads >= 1, "threads must be at least 1"),
             (self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}"),
+            (self.kernels in KERNEL_CHOICES, f"kernels must be one of {', '.join(KERNEL_CHOICES)}, not {self.kernels!r}"),
             (self.kv_cache_dtype in ("auto", "fp8", "int8"), f"kv_cache_dtype must be auto, fp8 or int8, not {self.kv_cache_dtype!r}"),
         ]
         for ok, problem in checks:

@@ -48,7 +48,7 @@ class LLMEngine:
         self.arch = read_arch(self.path)
         dtype = getattr(torch, config.dtype)
         self.max_model_len = resolve_max_model_len(self.arch, config.max_model_len)
-        self.weights = load_weights(self.path, self.arch, dtype)
+        self.weights = load_weights(self.path, self.arch, dtype, config.kernels)
         bs = config.block_size
         self.bytes_per_block = KVCache.bytes_per_block(self.arch, bs, dtype, config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks

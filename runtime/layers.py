@@ -2,17 +2,18 @@
 
 ``DenseLinear`` holds a float weight; ``QuantLinear`` keeps a quantized weight as stored (int4
 codes in int8, int8, or float8 with scales / zero points) and calls a kernel that dequantizes
-it per call. Projections that read the same input (q/k/v, gate/up) are merged into one.
+it per call, or, once ``use_kernels`` has packed it, the C++ CPU kernels (``kernels.cpu_linear``).
+Projections that read the same input (q/k/v, gate/up) are merged into one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from llmopt.quant.formats import QuantizedWeight
 
-from .kernels import reference
+from .kernels import cpu_linear, reference
 
 
 class Linear:
@@ -60,6 +61,7 @@ class QuantLinear(Linear):
     activations: str | None
     scheme_name: str
     bias: torch.Tensor | None = None
+    packed: cpu_linear.PackedLinear | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantLinear:
@@ -69,7 +71,16 @@ class QuantLinear(Linear):
     def out_features(self) -> int:
         return self.codes.shape[0]
 
+    def use_kernels(self, kernels: str) -> None:
+        """``"cpu"`` / ``"auto"``: pack the weight for the C++ CPU kernels when they cover its format
+        (and are built); ``"reference"``: dequantize per call in plain torch."""
+        self.packed = None
+        if kernels != "reference":
+            self.packed = cpu_linear.pack(self.codes, self.scale, self.zero_point, self.group_size, self.activations)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.device.type == "cpu":
+            return cpu_linear.linear(x, self.packed, self.bias)
         return reference.quant_linear(x, self.codes, self.scale, self.zero_point, self.group_size, self.activations, self.bias)
 
     def nbytes(self) -> int:

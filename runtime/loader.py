@@ -2,7 +2,8 @@
 
 Dense safetensors (single file or sharded) load directly; compressed-tensors checkpoints keep
 their quantized Linears quantized (``QuantLinear``); bitsandbytes NF4 checkpoints are
-dequantized at load. Q/K/V and gate/up projections are merged so each is one matmul.
+dequantized at load. Q/K/V and gate/up projections are merged so each is one matmul; the
+quantized ones are then packed for the C++ CPU kernels unless ``kernels="reference"``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from llmopt.errors import LlmoptError
 from safetensors import safe_open
 
 from .config import ModelArch
-from .layers import DenseLinear, Linear, QuantLinear, merge_linears
+from .kernels import cpu_linear
+from .layers import ConcatLinear, DenseLinear, Linear, QuantLinear, merge_linears
 
 
 @dataclass
@@ -94,8 +96,8 @@ def _quantized(path: Path, config: dict) -> tuple[dict, dict[str, torch.Tensor],
     raise LlmoptError(f"the runtime cannot read '{method}' checkpoints", "use a dense or compressed-tensors checkpoint (llmopt quantize writes those)")
 
 
-def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype) -> ModelWeights:
-    """Load the decoder's weights from ``path`` for ``arch``."""
+def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, kernels: str = "auto") -> ModelWeights:
+    """Load the decoder's weights from ``path`` for ``arch``; ``kernels`` as in :func:`use_kernels`."""
     config = json.loads((path / "config.json").read_text())
     quantized, dense, description = _quantized(path, config)
 
@@ -141,7 +143,35 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype) -> ModelWeight
         lm_head = DenseLinear.from_weight(tensor("lm_head.weight"))
     weights = ModelWeights(embed, layers, tensor("model.norm.weight"), lm_head, description)
     _check_shapes(weights, arch, path)
+    use_kernels(weights, kernels)
     return weights
+
+
+def _quant_linears(weights: ModelWeights) -> list[QuantLinear]:
+    found: list[QuantLinear] = []
+    todo: list[Linear] = [weights.lm_head]
+    for layer in weights.layers:
+        todo += [layer.qkv, layer.o, layer.gate_up, layer.down]
+    while todo:
+        lin = todo.pop()
+        if isinstance(lin, ConcatLinear):
+            todo += lin.parts
+        elif isinstance(lin, QuantLinear):
+            found.append(lin)
+    return found
+
+
+def use_kernels(weights: ModelWeights, kernels: str) -> None:
+    """Choose the quantized linears' kernels: ``"auto"`` packs them for the C++ CPU kernels when
+    those build here, ``"cpu"`` insists on them, ``"reference"`` keeps plain torch."""
+    linears = _quant_linears(weights)
+    if kernels == "cpu" and linears and not cpu_linear.available():
+        raise LlmoptError(
+            "the C++ CPU kernels are not available (no C++ compiler, a failed build, or LLMOPT_KERNELS=reference)",
+            "install g++ (or clang++), or use kernels='auto' / 'reference'",
+        )
+    for lin in linears:
+        lin.use_kernels(kernels)
 
 
 def _check_shapes(w: ModelWeights, arch: ModelArch, path: Path) -> None:

@@ -2,7 +2,8 @@
 
 Every extension is built with torch's ``cpp_extension`` into ``<cache>/kernels/<name>-<hash>``,
 where the hash covers the sources, the compiler flags and the torch version, so an edited source
-or a new torch rebuilds and an unchanged one loads in milliseconds. Instruction-set choice is
+or a new torch rebuilds and an unchanged one loads in milliseconds. ``LLMOPT_KERNEL_CACHE``
+overrides the folder (tests share one across their per-test caches). Instruction-set choice is
 made at run time inside the sources (``__attribute__((target(...)))`` variants selected with
 ``__builtin_cpu_supports``), so one build serves every x86-64 CPU. When no compiler is found or
 the build fails, ``load_extension`` warns once and returns None: callers fall back to the plain
@@ -61,7 +62,10 @@ def load_extension(name: str, sources: list[str]) -> ModuleType | None:
         from torch.utils import cpp_extension
 
         paths = [SOURCES / s for s in sources]
-        build_dir = cache_dir("kernels", f"{name}-{_digest(paths, CFLAGS)}")
+        tag = f"{name}-{_digest(paths, CFLAGS)}"
+        root = os.environ.get("LLMOPT_KERNEL_CACHE")
+        build_dir = Path(root) / tag if root else cache_dir("kernels", tag)
+        build_dir.mkdir(parents=True, exist_ok=True)
         fresh = not any(build_dir.glob("*.so"))
         if fresh:
             notice(f"compiling llmopt's {name} kernels (once, about a minute)")

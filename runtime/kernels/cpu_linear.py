@@ -155,13 +155,15 @@ def linear(
     *,
     isa: str | None = None,
     path: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a packed ``W``; ``x`` is ``[..., in]`` of any float dtype (computed
-    in float32, returned in ``x``'s dtype). ``isa`` / ``path`` force a variant (tests, benchmarks)."""
+    in float32, returned in ``x``'s dtype). ``out`` (float32 ``x`` only) receives the result;
+    ``isa`` / ``path`` force a variant (tests, benchmarks)."""
     if x.shape[-1] != packed.in_features:
         raise LlmoptError(f"input has {x.shape[-1]} features, the layer expects {packed.in_features}", "check the model's shapes")
     if path is not None and path not in PATHS:
         raise LlmoptError(f"unknown kernel path {path!r}", f"use one of {', '.join(PATHS)}")
     if packed.act_quant is not None:
         x = fake_quantize_activations(x, packed.act_quant)
-    return _module().linear(x, packed.handle, bias, _isa_code(isa), PATHS.get(path, -1))
+    return _module().linear(x, packed.handle, bias, _isa_code(isa), PATHS.get(path, -1), out)

@@ -510,15 +510,19 @@ void igemv_rows(const Job& j, int64_t t0, int64_t t1, int64_t m0) {
 
 template <bool INT4>
 void igemv_format(const Job& j, int64_t t0, int64_t t1) {
-  if constexpr (VT == 2) {  // AVX2: 16 registers hold one row's accumulators
-    for (int64_t m = 0; m < j.M; ++m) igemv_rows<INT4, 1>(j, t0, t1, m);
-  } else {
-    for (int64_t m = 0; m < j.M; m += 4) {
-      switch (min64(4, j.M - m)) {
-        case 1: igemv_rows<INT4, 1>(j, t0, t1, m); break;
-        case 2: igemv_rows<INT4, 2>(j, t0, t1, m); break;
-        case 3: igemv_rows<INT4, 3>(j, t0, t1, m); break;
-        default: igemv_rows<INT4, 4>(j, t0, t1, m); break;
+  constexpr int step = igemv_tiles<1>();  // the widest step of igemv_rows
+  for (int64_t t = t0; t < t1; t += step) {
+    const int64_t te = min64(t1, t + step);
+    if constexpr (VT == 2) {  // AVX2: 16 registers hold one row's accumulators
+      for (int64_t m = 0; m < j.M; ++m) igemv_rows<INT4, 1>(j, t, te, m);
+    } else {
+      for (int64_t m = 0; m < j.M; m += 4) {  // the step's weights stay in cache across row blocks
+        switch (min64(4, j.M - m)) {
+          case 1: igemv_rows<INT4, 1>(j, t, te, m); break;
+          case 2: igemv_rows<INT4, 2>(j, t, te, m); break;
+          case 3: igemv_rows<INT4, 3>(j, t, te, m); break;
+          default: igemv_rows<INT4, 4>(j, t, te, m); break;
+        }
       }
     }
   }

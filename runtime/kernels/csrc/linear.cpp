@@ -22,7 +22,9 @@ namespace {
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 enum Path : int64_t { kAuto = -1, kGemv = 0, kPanel = 1, kFloatGemv = 2 };
 constexpr int64_t kMinTaskMacs = 1 << 16;  // smaller tasks cost more to hand out than to run
-constexpr int64_t kGemvRows = 4;           // up to this many rows, stream the weights once in registers
+// Up to these many rows, the GEMVs (weights streamed once, unpacked in registers) beat the
+// dequantized panel; the integer GEMV holds four rows per pass with AVX-512, one with AVX2.
+constexpr int64_t kGemvRows = 4, kIntGemvRowsAvx512 = 16, kIntGemvRowsAvx2 = 2;
 
 bool isa_supported(int64_t isa) {
 #if defined(__x86_64__)
@@ -143,9 +145,9 @@ struct Packed {
 };
 
 // y = x @ W.T (+ bias) for x [..., K] of any float dtype (computed in float32, returned in x's
-// dtype). isa / path: -1 chooses.
+// dtype), written to `out_in` when given (float32 x only). isa / path: -1 chooses.
 torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::optional<torch::Tensor>& bias_in,
-                     int64_t isa, int64_t path) {
+                     int64_t isa, int64_t path, const std::optional<torch::Tensor>& out_in) {
   check(x_in.dim() >= 1 && x_in.size(-1) == w.k, "input features do not match the layer");
   const bool is_float = x_in.scalar_type() == torch::kFloat;
   const torch::Tensor x = (is_float ? x_in.reshape({-1, w.k}) : x_in.reshape({-1, w.k}).to(torch::kFloat)).contiguous();
@@ -164,7 +166,14 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
 
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = n;
-  auto out = torch::empty({M, n}, x.options());
+  torch::Tensor out;
+  if (out_in) {
+    check(is_float && out_in->scalar_type() == torch::kFloat && out_in->is_contiguous() && out_in->numel() == M * n,
+          "out must be a contiguous float32 tensor of the output's size (float32 inputs only)");
+    out = out_in->view({M, n});
+  } else {
+    out = torch::empty({M, n}, x.options());
+  }
   auto result = [&] { return is_float ? out.view(shape) : out.view(shape).to(x_in.scalar_type()); };
   if (M == 0 || n == 0) return result();
   lin::Job j{};
@@ -186,11 +195,12 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
     prepare_w8a8(j, q_buf, scale_buf);
   } else if (isa != kScalar) {
     const bool fits = j.gs % vpl == 0;
-    check(path != kGemv || fits, "the GEMV path needs groups of whole lanes");
-    gemv = path == kGemv || path == kFloatGemv || (path == kAuto && fits && M <= kGemvRows);
-    // Integer GEMV: int4 everywhere (AVX2: one row at a time), int8 codes with VNNI only.
-    igemv = gemv && path != kFloatGemv && (format == lin::kInt4 || (format == lin::kInt8 && isa == kAvx512)) &&
-            (isa == kAvx512 || M <= 2);
+    check((path != kGemv && path != kFloatGemv) || fits, "the GEMV paths need groups of whole lanes");
+    // Integer GEMV: int4 everywhere, int8 codes with VNNI only (AVX2's maddubs would saturate).
+    const bool int_ok = format == lin::kInt4 || (format == lin::kInt8 && isa == kAvx512);
+    const int64_t int_rows = isa == kAvx512 ? kIntGemvRowsAvx512 : kIntGemvRowsAvx2;
+    igemv = fits && int_ok && (path == kGemv || (path == kAuto && M <= int_rows));
+    gemv = igemv || path == kGemv || path == kFloatGemv || (path == kAuto && fits && M <= kGemvRows);
     if (igemv) {
       j.xblock = activation_block(j.gs, vpl);
       const int64_t blocks = Kp / j.xblock;
@@ -228,6 +238,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Packed>(m, "Packed")
       .def(pybind11::init<torch::Tensor, torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
                           int64_t, int64_t, int64_t, int64_t>());
-  m.def("linear", &linear, "quantized linear on packed weights (see cpu_linear.h)");
+  m.def("linear", &linear, "quantized linear on packed weights (see cpu_linear.h)", pybind11::arg("x"),
+        pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("isa"), pybind11::arg("path"),
+        pybind11::arg("out") = pybind11::none());
   m.def("supported_isas", &supported_isas, "instruction sets this CPU can run, slowest first");
 }
