@@ -21,7 +21,7 @@ namespace {
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 enum Path : int64_t { kAuto = -1, kGemv = 0, kPanel = 1, kFloatGemv = 2 };
-constexpr int64_t kMinTaskMacs = 1 << 16;  // smaller tasks cost more to hand out than to run
+constexpr int64_t kMinTaskMacs = 1 << 18;  // a few microseconds: smaller tasks cost more to hand out than to run
 // Up to these many rows, the GEMVs (weights streamed once, unpacked in registers) beat the
 // dequantized panel; the integer GEMV holds four rows per pass with AVX-512, one with AVX2.
 constexpr int64_t kGemvRows = 4, kIntGemvRowsAvx512 = 16, kIntGemvRowsAvx2 = 2;
