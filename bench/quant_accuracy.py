@@ -32,18 +32,18 @@ VARIANTS: dict[str, tuple[str, str, int | None, list[str]]] = {
     "FP8_DYNAMIC rtn": ("FP8_DYNAMIC", "rtn", None, []),
     "W8A8 rtn": ("W8A8", "rtn", None, []),
     "W8A8 smoothquant": ("W8A8", "smoothquant", None, []),
-    "W8A8 smoothquant+gptq": ("W8A8", "smoothquant+gptq", None, []),
     "W4A16 g64 rtn": ("W4A16", "rtn", 64, []),
     "W4A16 g64 gptq": ("W4A16", "gptq", 64, []),
     "W4A16 g64 awq": ("W4A16", "awq", 64, []),
     "W4A16 g32 rtn": ("W4A16", "rtn", 32, []),
     "W4A16 g32 gptq": ("W4A16", "gptq", 32, []),
-    "W4A16 g32 awq": ("W4A16", "awq", 32, []),
     "W4A16 g32 awq+gptq": ("W4A16", "awq+gptq", 32, []),
     "W4A16 g128 (mixed 64/128) rtn": ("W4A16", "rtn", 128, []),
-    "W4A16 g128 (mixed 64/128) gptq": ("W4A16", "gptq", 128, []),
-    "W4A16_ASYM g32 rtn (demo weights' own grid)": ("W4A16_ASYM", "rtn", 32, []),
     "NF4 (bitsandbytes)": ("NF4", "rtn", None, []),
+    "W4A16_ASYM g32 rtn (demo weights' own grid)": ("W4A16_ASYM", "rtn", 32, []),
+    "W4A16 g32 awq": ("W4A16", "awq", 32, []),
+    "W4A16 g128 (mixed 64/128) gptq": ("W4A16", "gptq", 128, []),
+    "W8A8 smoothquant+gptq": ("W8A8", "smoothquant+gptq", None, []),
 }
 
 
