@@ -3,10 +3,18 @@
 ``pack`` turns a quantized weight (codes, scales, zero points as stored in checkpoints) into the
 layout the kernels read (see ``csrc/cpu_linear.h``): output features in tiles of 16, each
 uint32 lane holding 8 int4 or 4 byte values of one feature along the input. ``linear`` runs
-``x @ W.T + b`` on it, choosing the instruction set at run time (AVX-512 VNNI, AVX2 + FMA, or
-portable C++; ``isa`` or ``LLMOPT_CPU_ISA`` force one) and the path (``gemv`` for a few rows,
-``panel`` for many; W8A8 always uses integer dot products). Results match
-``reference.quant_linear`` up to float32 summation order.
+``x @ W.T + b`` on it, choosing the instruction set at run time (AVX-512 with VNNI, AVX2 + FMA,
+or portable C++; ``isa`` or ``LLMOPT_CPU_ISA`` force one) and the path:
+
+- ``gemv`` (a few rows, decode): int4 / int8 codes times the activations split into three int8
+  levels (integer dot products; the split leaves at most ``6.1e-8 * max|x|`` per element, the
+  size of float32 rounding), up to 16 rows with AVX-512 and 2 with AVX2;
+- ``float-gemv`` (fp8, and int8 on AVX2; up to 4 rows): codes converted to float in registers;
+- ``panel`` (many rows, prefill): weights dequantized a panel at a time for an FMA micro-kernel;
+- W8A8 always multiplies int8 activations (quantized per token as ``fake_quantize_activations``
+  does) by int8 weights.
+
+Results match ``reference.quant_linear`` up to float32 rounding (see tests/test_kernels_linear.py).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 PATHS = {"gemv": 0, "panel": 1, "float-gemv": 2}  # gemv: the integer GEMV where it applies
 TILE = 16
 PACK_ROWS = 2048  # output features packed per step (bounds the int64 intermediates)
+W8A8_MAX_K = 65536
 
 
 @dataclass
@@ -121,7 +130,8 @@ def pack(
             return None
         fmt, data = "fp8", _lanes(codes.view(torch.uint8), 8)
     elif codes.dtype == torch.int8:
-        if activations == "int8" and zero_point is None and groups == 1:
+        # W8A8 sums whole rows in int32: |sum| <= 255 * 128 * K stays below 2^31 up to K = 65536.
+        if activations == "int8" and zero_point is None and groups == 1 and k <= W8A8_MAX_K:
             fmt, data, act_quant = "w8a8", _lanes(codes.view(torch.uint8), 8), None
             sums = torch.zeros(tiles * TILE, dtype=torch.int32)
             sums[:n] = codes.sum(1, dtype=torch.int32)

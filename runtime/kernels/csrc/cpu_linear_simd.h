@@ -2,8 +2,10 @@
 // compiled per instruction set (cpu_linear_avx2.cpp, cpu_linear_avx512.cpp). Include inside an
 // anonymous namespace after the target pragma.
 //
-// Three paths, each computing output features [16 * t0, 16 * t1) for every row:
-//   gemv   few rows (decode): the packed weights are read once and unpacked in registers.
+// Four paths, each computing output features [16 * t0, 16 * t1) for every row:
+//   igemv  few rows (decode), int4 / int8 codes: integer dot products with the activations
+//          split into three int8 levels (see "integer GEMV" below).
+//   gemv   few rows, any format: the packed weights are read once and unpacked in registers.
 //          Integer value i of a lane is isolated with one AND (no shift) and converted, which
 //          gives u * 2^(bits * i); the caller pre-scales activation k by 2^-(bits * (k % VPL)),
 //          so each weight costs an AND, a convert and one FMA per row. Scales apply per group:
