@@ -23,7 +23,13 @@ import pytest
 import torch
 from conftest import byte_tokenizer, tiny_llama
 from llmopt.errors import LlmoptError
-from llmopt.quant.formats import compute_qparams, dequantize, fake_quantize_activations, get_scheme, quantize
+from llmopt.quant.formats import (
+    compute_qparams,
+    dequantize,
+    fake_quantize_activations,
+    get_scheme,
+    quantize,
+)
 from llmopt.runtime.kernels import build, cpu_linear, reference
 
 pytestmark = pytest.mark.skipif(not build.compiler_available(), reason="no C++ compiler: the kernels fall back to torch")
