@@ -10,6 +10,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# C++ kernels compile once (about a minute) into one shared folder, not once per test's private cache
+os.environ.setdefault("LLMOPT_KERNEL_CACHE", os.path.join(
+    os.environ.get("LLMOPT_TEST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmopt"), "kernels"))
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
