@@ -77,13 +77,18 @@ class QuantLinear(Linear):
         self.packed = None
         if kernels != "reference":
             self.packed = cpu_linear.pack(self.codes, self.scale, self.zero_point, self.group_size, self.activations)
+        if self.packed is not None:
+            # the packed copy replaces the codes (int4 codes held one per byte would double the memory)
+            self.codes = self.codes[:, :0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.device.type == "cpu":
+        if self.packed is not None:
             return cpu_linear.linear(x, self.packed, self.bias)
         return reference.quant_linear(x, self.codes, self.scale, self.zero_point, self.group_size, self.activations, self.bias)
 
     def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.nbytes() + _nbytes(self.bias)
         return _nbytes(self.codes, self.scale, self.zero_point, self.bias)
 
 
