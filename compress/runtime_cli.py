@@ -51,7 +51,7 @@ def _engine_settings(threads, max_model_len, **extra) -> dict:
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
               help="KV cache storage: the model's dtype (auto), or fp8 e4m3 / int8 with per-token scales (about half / a quarter of bf16 / fp32 memory).")
 @click.option("--kernels", type=click.Choice(["auto", "cpu", "reference"]), default="auto", show_default=True,
-              help="Quantized linears: C++ CPU kernels when they build (auto), always (cpu); reference forces the plain-torch path for comparison.")
+              help="Quantized linears and decode attention: C++ CPU kernels when they build (auto), always (cpu); reference forces the plain-torch path for comparison.")
 @click.option("--json", "as_json", is_flag=True, help="Print the output, token ids and timings as JSON.")
 @user_errors
 def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop,
@@ -114,7 +114,7 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
               help="KV cache storage: the model's dtype (auto), or fp8 e4m3 / int8 with per-token scales (about half / a quarter of bf16 / fp32 memory).")
 @click.option("--kernels", type=click.Choice(["auto", "cpu", "reference"]), default="auto", show_default=True,
-              help="Quantized linears: C++ CPU kernels when they build (auto), always (cpu); reference forces the plain-torch path for comparison.")
+              help="Quantized linears and decode attention: C++ CPU kernels when they build (auto), always (cpu); reference forces the plain-torch path for comparison.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @user_errors
 def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_len, rate, seed, no_single, threads,

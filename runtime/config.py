@@ -22,8 +22,8 @@ class EngineConfig:
     budget, trimmed to what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use.
     ``kv_cache_dtype``: ``auto`` stores K/V in the model's dtype; ``fp8`` (e4m3) and ``int8``
     store one byte per value plus a float32 scale per token and KV head.
-    ``kernels`` (quantized linears): ``auto`` uses the C++ CPU kernels when they build here,
-    ``cpu`` requires them, ``reference`` forces the plain-torch path (for comparison).
+    ``kernels`` (quantized linears and decode attention): ``auto`` uses the C++ CPU kernels when
+    they build here, ``cpu`` requires them, ``reference`` forces the plain-torch path (for comparison).
     """
 
     max_num_seqs: int = 64

@@ -63,7 +63,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.arch, LlamaModel(self.arch, self.weights), self.cache, self.max_model_len, dtype,
-                                  getattr(config, "kernels", "auto"))
+                                  config.kernels)
         self.sampler = Sampler(config.seed)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(self.path)
         self.eos_token_ids = _eos_ids(self.path, self.tokenizer)

@@ -33,7 +33,7 @@ def extension():
     from platformdirs import user_cache_dir
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LLMOPT_CACHE", os.environ.get("LLMOPT_TEST_CACHE", user_cache_dir("llmopt")))
+        mp.setenv("LLMOPT_KERNEL_CACHE", os.path.join(os.environ.get("LLMOPT_TEST_CACHE", user_cache_dir("llmopt")), "kernels"))
         module = cpu_attention.extension()
     assert module is not None, "the C++ attention extension failed to build (see the warning)"
     return module
@@ -244,9 +244,8 @@ def test_kv_budget_gives_more_blocks_when_quantized(tmp_path):
 
 
 def make_engine(path, cpp: bool, **settings) -> LLMEngine:
-    engine = LLMEngine(path, **settings)
-    assert engine.runner.cpu_attention  # the C++ kernel is the default wherever it builds
-    engine.runner.cpu_attention = cpp
+    engine = LLMEngine(path, kernels="auto" if cpp else "reference", **settings)
+    assert engine.runner.cpu_attention == cpp  # auto: the C++ kernel wherever it builds
     return engine
 
 
