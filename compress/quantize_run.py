@@ -119,6 +119,8 @@ def quantize_checkpoint(request: QuantizeRequest, progress=None) -> dict:
 
 def _finish(record: dict, start: float) -> dict:
     record["total_seconds"] = round(time.perf_counter() - start, 2)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    record["cpu_seconds"] = round(usage.ru_utime + usage.ru_stime, 1)  # whole process, loading included
     record["peak_rss_mib"] = round(peak_rss_mib(), 1)
     return record
 
