@@ -62,7 +62,8 @@ def measure(name: str, spec, windows: int, workdir: Path) -> dict:
         "kld_p99": figures["kld_p99"], "top1": figures["top1_agreement"], "tokens": figures["tokens"],
         "windows": figures["windows"], "weights_bytes": size,
         "quantize_seconds": record.get("quantize_seconds", record.get("total_seconds")),
-        "total_seconds": record.get("total_seconds"), "peak_rss_mib": record.get("peak_rss_mib"),
+        "total_seconds": record.get("total_seconds"), "cpu_seconds": record.get("cpu_seconds"),
+        "peak_rss_mib": record.get("peak_rss_mib"),
         "calibration": record.get("calibration"),
     }
 
