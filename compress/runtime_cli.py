@@ -11,6 +11,12 @@ from .cli import MODEL_HELP, emit_json, user_errors
 from .errors import LlmoptError
 
 
+LM_HEAD_HELP = ("Output head: as the checkpoint stores it (auto), or quantized to int8 per output channel at load "
+                "(a quarter of the bytes per token; the demo model's float32 head is most of a W4A16 model's weight "
+                "traffic). Accuracy cost on WikiText-2 (demo model, float32 and W4A16): mean KLD 1e-3 nats from the float "
+                "head's next-token distributions, top-1 agreement 97%, perplexity unchanged (bench/results/lm_head_int8.md).")
+
+
 def _range(text: str, what: str) -> tuple[int, int]:
     """``"32:512"`` (or ``"64"``) → ``(32, 512)``."""
     try:
@@ -51,11 +57,12 @@ def _engine_settings(threads, max_model_len, **extra) -> dict:
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
               help="KV cache storage: the model's dtype (auto), or fp8 e4m3 / int8 with per-token scales (about half / a quarter of bf16 / fp32 memory).")
 @click.option("--kernels", type=click.Choice(["auto", "cpu", "reference"]), default="auto", show_default=True,
-              help="Quantized linears and decode attention: C++ CPU kernels when they build (auto), always (cpu); reference forces the plain-torch path for comparison.")
+              help="Linears, decode attention and fused float32 steps: C++ CPU kernels when they build (auto), always (cpu); reference forces the plain-torch path for comparison.")
+@click.option("--lm-head", type=click.Choice(["auto", "int8"]), default="auto", show_default=True, help=LM_HEAD_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the output, token ids and timings as JSON.")
 @user_errors
 def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop,
-                     ignore_eos, chat, stream, threads, max_model_len, kv_cache_dtype, kernels, as_json):
+                     ignore_eos, chat, stream, threads, max_model_len, kv_cache_dtype, kernels, lm_head, as_json):
     """Generate text for PROMPT with MODEL in llmopt's runtime.
 
     \b
@@ -70,7 +77,7 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos)
     llm = LLM(model, **_engine_settings(threads, max_model_len, max_num_seqs=1, kv_cache_dtype=kv_cache_dtype,
-                                        kernels=kernels))
+                                        kernels=kernels, lm_head=lm_head))
     request = llm.chat_prompt(prompt) if chat else prompt
     if stream and not as_json:
         final = None
@@ -114,11 +121,13 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
               help="KV cache storage: the model's dtype (auto), or fp8 e4m3 / int8 with per-token scales (about half / a quarter of bf16 / fp32 memory).")
 @click.option("--kernels", type=click.Choice(["auto", "cpu", "reference"]), default="auto", show_default=True,
-              help="Quantized linears and decode attention: C++ CPU kernels when they build (auto), always (cpu); reference forces the plain-torch path for comparison.")
+              help="Linears, decode attention and fused float32 steps: C++ CPU kernels when they build (auto), always (cpu); reference forces the plain-torch path for comparison.")
+@click.option("--lm-head", type=click.Choice(["auto", "int8"]), default="auto", show_default=True, help=LM_HEAD_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @user_errors
 def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_len, rate, seed, no_single, threads,
-                  max_num_seqs, max_num_batched_tokens, kv_cache_gib, no_prefix_caching, kv_cache_dtype, kernels, as_json):
+                  max_num_seqs, max_num_batched_tokens, kv_cache_gib, no_prefix_caching, kv_cache_dtype, kernels, lm_head,
+                  as_json):
     """Speed of MODEL in the runtime: single stream (pp/tg tokens/s, median of repetitions, like
     llama-bench) and a serving workload (throughput, TTFT / TPOT p50 and p99).
 
@@ -135,13 +144,13 @@ def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_l
 
     prompt_range, output_range = _range(prompt_len, "prompt-len"), _range(output_len, "output-len")
     settings = _engine_settings(threads, None, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                kv_cache_gib=kv_cache_gib, kv_cache_dtype=kv_cache_dtype, kernels=kernels)
+                                kv_cache_gib=kv_cache_gib, kv_cache_dtype=kv_cache_dtype, kernels=kernels, lm_head=lm_head)
     if no_prefix_caching:
         settings["enable_prefix_caching"] = False
     engine = LLMEngine(model, **settings)
     result = {"model": model, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
               "torch": torch.__version__, "seed": seed, "kv_cache_dtype": kv_cache_dtype,
-              "kernels": kernels}
+              "kernels": kernels, "lm_head": lm_head}
     with make_progress() as progress:
         if not no_single:
             task = progress.add_task(f"single stream pp{pp}/tg{tg}", total=repetitions)

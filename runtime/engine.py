@@ -48,7 +48,7 @@ class LLMEngine:
         self.arch = read_arch(self.path)
         dtype = getattr(torch, config.dtype)
         self.max_model_len = resolve_max_model_len(self.arch, config.max_model_len)
-        self.weights = load_weights(self.path, self.arch, dtype, config.kernels)
+        self.weights = load_weights(self.path, self.arch, dtype, config.kernels, config.lm_head)
         bs = config.block_size
         self.bytes_per_block = KVCache.bytes_per_block(self.arch, bs, dtype, config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks
@@ -62,7 +62,7 @@ class LLMEngine:
         self.cache = KVCache(self.arch, num_blocks, bs, dtype, config.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.arch, LlamaModel(self.arch, self.weights), self.cache, self.max_model_len, dtype,
+        self.runner = ModelRunner(self.arch, LlamaModel(self.arch, self.weights, config.kernels), self.cache, self.max_model_len, dtype,
                                   config.kernels)
         self.sampler = Sampler(config.seed)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(self.path)

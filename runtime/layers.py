@@ -1,6 +1,7 @@
 """Linear layers behind one small interface, so faster kernels can replace the reference ones.
 
-``DenseLinear`` holds a float weight; ``QuantLinear`` keeps a quantized weight as stored (int4
+``DenseLinear`` holds a float weight (run by the C++ GEMV of ``kernels.cpu_dense`` for a few
+rows, torch otherwise); ``QuantLinear`` keeps a quantized weight as stored (int4
 codes in int8, int8, or float8 with scales / zero points) and calls a kernel that dequantizes
 it per call, or, once ``use_kernels`` has packed it, the C++ CPU kernels (``kernels.cpu_linear``).
 Projections that read the same input (q/k/v, gate/up) are merged into one.
@@ -11,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from llmopt.quant.formats import QuantizedWeight
+from llmopt.quant.formats import QuantizedWeight, compute_qparams, get_scheme, quantize
 
-from .kernels import cpu_linear, reference
+from .kernels import cpu_dense, cpu_linear, reference
 
 
 class Linear:
@@ -31,25 +32,52 @@ class Linear:
 
 @dataclass
 class DenseLinear(Linear):
-    """A float weight stored transposed, ``[in, out]``: ``x @ W.T`` then streams it row by row,
-    which CPU BLAS does markedly faster for the one-token (GEMV) case."""
+    """A float weight, held in the layout its kernel streams best (``use_kernels``):
 
-    weight_t: torch.Tensor
+    - C++ kernels (``auto`` / ``cpu``): ``weight`` ``[out, in]`` as stored in checkpoints. Up to
+      ``cpu_dense.GEMV_ROWS`` rows (decode) run our GEMV; more rows run torch's linear on it.
+    - ``reference`` (or no C++ build): ``weight_t`` ``[in, out]``, ``x @ W.T`` through
+      ``torch.mm``, which CPU BLAS runs markedly faster in that layout for one token.
+
+    Exactly one of the two is set. Loading leaves ``weight`` until ``use_kernels`` picks."""
+
+    weight: torch.Tensor | None
     bias: torch.Tensor | None = None
+    weight_t: torch.Tensor | None = None
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> DenseLinear:
-        return cls(weight.t().contiguous(), bias)
+        return cls(weight.contiguous(), bias)
 
     @property
     def out_features(self) -> int:
-        return self.weight_t.shape[1]
+        return self.weight.shape[0] if self.weight is not None else self.weight_t.shape[1]
+
+    def full_weight(self) -> torch.Tensor:
+        """The ``[out, in]`` weight (a transposed view in the reference layout)."""
+        return self.weight if self.weight is not None else self.weight_t.t()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the ``[out, in]`` weight (an embedding lookup of a tied head)."""
+        if self.weight is not None:
+            return torch.nn.functional.embedding(ids, self.weight)
+        return self.weight_t.index_select(1, ids).t()
+
+    def use_kernels(self, kernels: str) -> None:
+        """``"auto"`` / ``"cpu"``: rows for the C++ GEMV when it builds; ``"reference"``: transposed for torch."""
+        rows = kernels != "reference" and cpu_dense.available()
+        if rows and self.weight is None:
+            self.weight, self.weight_t = self.weight_t.t().contiguous(), None
+        elif not rows and self.weight_t is None:
+            self.weight_t, self.weight = self.weight.t().contiguous(), None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return reference.dense_linear_t(x, self.weight_t, self.bias)
+        if self.weight_t is not None:
+            return reference.dense_linear_t(x, self.weight_t, self.bias)
+        return cpu_dense.linear(x, self.weight, self.bias)
 
     def nbytes(self) -> int:
-        return _nbytes(self.weight_t, self.bias)
+        return _nbytes(self.weight, self.weight_t, self.bias)
 
 
 @dataclass
@@ -110,6 +138,15 @@ class ConcatLinear(Linear):
         return sum(p.nbytes() for p in self.parts)
 
 
+def int8_rows(lin: DenseLinear) -> QuantLinear:
+    """``lin`` quantized per output channel to int8: symmetric round-to-nearest, scale = max|w| / 127
+    (``W8A16``'s rule; the output head option ``lm_head="int8"``)."""
+    scheme = get_scheme("W8A16")
+    weight = lin.full_weight()
+    scale, _ = compute_qparams(weight, scheme)
+    return QuantLinear(quantize(weight, scale, None, scheme), scale, None, None, None, scheme.name, lin.bias)
+
+
 def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -127,7 +164,7 @@ def merge_linears(parts: list[Linear]) -> Linear:
     if len(parts) == 1:
         return parts[0]
     if all(isinstance(p, DenseLinear) for p in parts):
-        return DenseLinear(torch.cat([p.weight_t for p in parts], dim=1), _cat_bias(parts))
+        return DenseLinear(torch.cat([p.full_weight() for p in parts]), _cat_bias(parts))
     if all(isinstance(p, QuantLinear) for p in parts):
         first = parts[0]
         same = all(

@@ -17,8 +17,8 @@ from llmopt.errors import LlmoptError
 from safetensors import safe_open
 
 from .config import ModelArch
-from .kernels import cpu_linear
-from .layers import ConcatLinear, DenseLinear, Linear, QuantLinear, merge_linears
+from .kernels import cpu_dense, cpu_linear
+from .layers import ConcatLinear, DenseLinear, Linear, QuantLinear, int8_rows, merge_linears
 
 
 @dataclass
@@ -35,7 +35,8 @@ class LayerWeights:
 @dataclass
 class ModelWeights:
     """``embed`` is ``[vocab, hidden]``, or ``None`` when tied to a dense head: the lookup then
-    reads the head's ``[hidden, vocab]`` weight, so the matrix is held once."""
+    reads the head's weight, so the matrix is held once. A tied head quantized at load
+    (``lm_head="int8"``) keeps the float table in ``embed`` for lookups."""
 
     embed: torch.Tensor | None
     layers: list[LayerWeights]
@@ -46,7 +47,7 @@ class ModelWeights:
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             return torch.nn.functional.embedding(ids, self.embed)
-        return self.lm_head.weight_t.index_select(1, ids).t()
+        return self.lm_head.rows(ids)
 
     def nbytes(self) -> int:
         """Bytes of weights in memory."""
@@ -96,8 +97,10 @@ def _quantized(path: Path, config: dict) -> tuple[dict, dict[str, torch.Tensor],
     raise LlmoptError(f"the runtime cannot read '{method}' checkpoints", "use a dense or compressed-tensors checkpoint (llmopt quantize writes those)")
 
 
-def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, kernels: str = "auto") -> ModelWeights:
-    """Load the decoder's weights from ``path`` for ``arch``; ``kernels`` as in :func:`use_kernels`."""
+def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, kernels: str = "auto", lm_head: str = "auto") -> ModelWeights:
+    """Load the decoder's weights from ``path`` for ``arch``; ``kernels`` as in :func:`use_kernels`.
+    ``lm_head``: ``auto`` keeps the output head as the checkpoint stores it; ``int8`` quantizes a
+    float head per output channel (symmetric round-to-nearest) for the int8 kernels."""
     config = json.loads((path / "config.json").read_text())
     quantized, dense, description = _quantized(path, config)
 
@@ -134,21 +137,25 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, kernels: str =
         ))
     embed = tensor("model.embed_tokens.weight").contiguous()
     if "lm_head" in quantized:
-        lm_head: Linear = QuantLinear.from_quantized(quantized["lm_head"])
+        head: Linear = QuantLinear.from_quantized(quantized["lm_head"])
     elif arch.tie_word_embeddings or "lm_head.weight" not in dense:
         if not arch.tie_word_embeddings:
             raise LlmoptError(f"{path} has no lm_head.weight and its embeddings are not tied", "re-create the checkpoint")
-        lm_head, embed = DenseLinear.from_weight(embed), None
+        head, embed = DenseLinear.from_weight(embed), None
     else:
-        lm_head = DenseLinear.from_weight(tensor("lm_head.weight"))
-    weights = ModelWeights(embed, layers, tensor("model.norm.weight"), lm_head, description)
+        head = DenseLinear.from_weight(tensor("lm_head.weight"))
+    if lm_head == "int8" and isinstance(head, DenseLinear):
+        if embed is None:  # tied: lookups keep reading the float table
+            embed = head.full_weight()
+        head = int8_rows(head)
+    weights = ModelWeights(embed, layers, tensor("model.norm.weight"), head, description)
     _check_shapes(weights, arch, path)
     use_kernels(weights, kernels)
     return weights
 
 
-def _quant_linears(weights: ModelWeights) -> list[QuantLinear]:
-    found: list[QuantLinear] = []
+def _linears(weights: ModelWeights) -> list[DenseLinear | QuantLinear]:
+    found: list[DenseLinear | QuantLinear] = []
     todo: list[Linear] = [weights.lm_head]
     for layer in weights.layers:
         todo += [layer.qkv, layer.o, layer.gate_up, layer.down]
@@ -156,16 +163,19 @@ def _quant_linears(weights: ModelWeights) -> list[QuantLinear]:
         lin = todo.pop()
         if isinstance(lin, ConcatLinear):
             todo += lin.parts
-        elif isinstance(lin, QuantLinear):
+        elif isinstance(lin, (DenseLinear, QuantLinear)):
             found.append(lin)
     return found
 
 
 def use_kernels(weights: ModelWeights, kernels: str) -> None:
-    """Choose the quantized linears' kernels: ``"auto"`` packs them for the C++ CPU kernels when
-    those build here, ``"cpu"`` insists on them, ``"reference"`` keeps plain torch."""
-    linears = _quant_linears(weights)
-    if kernels == "cpu" and linears and not cpu_linear.available():
+    """Choose the linears' kernels: ``"auto"`` packs quantized weights for the C++ CPU kernels
+    and lays float weights out for the C++ GEMV when those build here, ``"cpu"`` insists on
+    them, ``"reference"`` keeps plain torch."""
+    linears = _linears(weights)
+    quant = any(isinstance(lin, QuantLinear) for lin in linears)
+    dense = any(isinstance(lin, DenseLinear) for lin in linears)
+    if kernels == "cpu" and ((quant and not cpu_linear.available()) or (dense and not cpu_dense.available())):
         raise LlmoptError(
             "the C++ CPU kernels are not available (no C++ compiler, a failed build, or LLMOPT_KERNELS=reference)",
             "install g++ (or clang++), or use kernels='auto' / 'reference'",

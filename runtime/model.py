@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelArch
-from .kernels import cpu_attention, kv_quant
+from .kernels import cpu_attention, cpu_fused, kv_quant
 from .kernels import reference as kernels
 from .loader import LayerWeights, ModelWeights
 from .rope import apply_rotary
@@ -114,19 +114,29 @@ class KVCache:
 
 
 class LlamaModel:
-    """Forward of Llama / Mistral / Qwen2 / Qwen3 / SmolLM decoders."""
+    """Forward of Llama / Mistral / Qwen2 / Qwen3 / SmolLM decoders.
 
-    def __init__(self, arch: ModelArch, weights: ModelWeights) -> None:
+    Float32 models with the C++ kernels (``kernels`` auto / cpu, ``cpu_fused`` built) run the
+    fused forward: the residual stream is updated in place, and the residual add + RMSNorm,
+    SwiGLU's product and RoPE + KV write are one C++ call each (``kernels.cpu_fused``). Other
+    dtypes and ``kernels="reference"`` run the plain-torch forward; both compute the same
+    operations, so they agree up to float32 rounding.
+    """
+
+    def __init__(self, arch: ModelArch, weights: ModelWeights, kernels: str = "auto") -> None:
         self.arch = arch
         self.w = weights
         self.scale = arch.head_dim ** -0.5
         self.eps = arch.rms_norm_eps
         self.hidden_shape = (arch.hidden_size,)
         self.head_shape = (arch.head_dim,)
+        self.fused = kernels != "reference" and weights.norm.dtype == torch.float32 and cpu_fused.available()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Logits ``[len(batch.sample_rows), vocab]`` (float32)."""
+        if self.fused:
+            return self._forward_fused(batch, cache)
         h = self.w.embed_tokens(batch.input_ids)
         for i, layer in enumerate(self.w.layers):
             x = F.rms_norm(h, self.hidden_shape, layer.input_norm, self.eps)
@@ -140,6 +150,24 @@ class LlamaModel:
         h = F.rms_norm(h, self.hidden_shape, self.w.norm, self.eps)
         return self.w.lm_head(h).float()
 
+    def _forward_fused(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """The forward with the C++ fused steps: each layer's output ``delta`` is added to the
+        residual stream ``h`` (in place) by the next norm."""
+        w = self.w
+        h = w.embed_tokens(batch.input_ids).contiguous()  # a fresh tensor: ours to update
+        x = torch.empty_like(h)
+        delta = None
+        for i, layer in enumerate(w.layers):
+            cpu_fused.add_rms_norm(h, delta, layer.input_norm, self.eps, x)
+            delta = layer.o(self._attention_fused(layer, layer.qkv(x), batch, cache, i))
+            cpu_fused.add_rms_norm(h, delta, layer.post_norm, self.eps, x)
+            delta = layer.down(cpu_fused.silu_mul(layer.gate_up(x)))
+        cpu_fused.add_rms_norm(h, delta, w.norm, self.eps, x)  # row-wise: select rows after
+        rows = batch.sample_rows
+        if rows is not None and rows.numel() != x.shape[0]:  # sample rows ascend: all rows means no selection
+            x = x.index_select(0, rows)
+        return w.lm_head(x).float()
+
     def _attention(self, layer: LayerWeights, x: torch.Tensor, b: ForwardBatch, cache: KVCache, index: int) -> torch.Tensor:
         arch = self.arch
         heads, kv_heads = arch.num_heads, arch.num_kv_heads
@@ -149,9 +177,29 @@ class LlamaModel:
             qk = F.rms_norm(qk, self.head_shape, None, self.eps) * layer.qk_norm
         qk = apply_rotary(qk, b.cos, b.sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+        kernels.write_kv(cache.k[index], cache.v[index], k, v, b.slots, cache.k_scale[index], cache.v_scale[index])
+        return self._attend(q, k, v, b, cache, index)
+
+    def _attention_fused(self, layer: LayerWeights, qkv: torch.Tensor, b: ForwardBatch, cache: KVCache, index: int) -> torch.Tensor:
+        """:meth:`_attention` with q/k norm, RoPE and (float caches) the KV write in one C++ call,
+        in place on the merged q/k/v output."""
+        arch = self.arch
+        heads, kv_heads = arch.num_heads, arch.num_kv_heads
+        k_cache, v_cache, k_scale = cache.k[index], cache.v[index], cache.k_scale[index]
+        if k_scale is None:
+            cpu_fused.rope(qkv, b.cos, b.sin, heads, kv_heads, layer.qk_norm, self.eps, k_cache, v_cache, b.slots)
+        else:
+            cpu_fused.rope(qkv, b.cos, b.sin, heads, kv_heads, layer.qk_norm, self.eps)
+        qkv = qkv.view(qkv.shape[0], heads + 2 * kv_heads, arch.head_dim)
+        q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+        if k_scale is not None:
+            kernels.write_kv(k_cache, v_cache, k, v, b.slots, k_scale, cache.v_scale[index])
+        return self._attend(q, k, v, b, cache, index)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: ForwardBatch, cache: KVCache, index: int) -> torch.Tensor:
+        """Attention of the batch's tokens (their K/V already in the cache)."""
         k_cache, v_cache = cache.k[index], cache.v[index]
         k_scale, v_scale = cache.k_scale[index], cache.v_scale[index]
-        kernels.write_kv(k_cache, v_cache, k, v, b.slots, k_scale, v_scale)
         outs = []
         if b.paged_decode is not None:
             d = b.paged_decode

@@ -244,8 +244,12 @@ def test_kv_budget_gives_more_blocks_when_quantized(tmp_path):
 
 
 def make_engine(path, cpp: bool, **settings) -> LLMEngine:
-    engine = LLMEngine(path, kernels="auto" if cpp else "reference", **settings)
-    assert engine.runner.cpu_attention == cpp  # auto: the C++ kernel wherever it builds
+    """An engine whose decode attention is the C++ kernel (``cpp``) or the reference; everything
+    else runs the same kernels, so a quantized cache sees the same K/V (a float32 rounding
+    difference upstream could otherwise move a code by one step)."""
+    engine = LLMEngine(path, kernels="auto", **settings)
+    assert engine.runner.cpu_attention  # auto: the C++ kernel wherever it builds
+    engine.runner.cpu_attention = cpp
     return engine
 
 

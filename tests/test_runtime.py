@@ -228,6 +228,47 @@ def test_quantized_checkpoints_stay_quantized_and_match(tmp_path, preset, group)
         h.remove()
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])  # tied and untied heads
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+def test_int8_head_matches_a_dequantized_reference_head(models, tmp_path, kind, kernels):
+    """``lm_head="int8"``: the head quantized per output channel (scale = max|w| / 127, codes
+    rounded to nearest) gives transformers' tokens for the model whose head is that dequantized
+    int8 matrix, while embedding lookups keep the float table."""
+    import copy
+
+    model, path = models(kind)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        if ref.config.tie_word_embeddings:  # untie: the reference head alone becomes int8
+            ref.config.tie_word_embeddings = False
+            ref.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        w = ref.lm_head.weight
+        scale = w.abs().amax(1, keepdim=True) / 127
+        w.copy_(torch.round(w / scale).clamp(-128, 127) * scale)
+    assert not torch.equal(ref.lm_head.weight, model.lm_head.weight)
+    assert torch.equal(ref.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    llm = LLM(path, lm_head="int8", kernels=kernels)
+    head = llm.engine.weights.lm_head
+    assert isinstance(head, QuantLinear) and head.codes.dtype == torch.int8
+    assert (head.packed is not None) == (kernels == "auto")
+    assert llm.engine.weights.embed.dtype == torch.float32
+    float_bytes = LLMEngine(path, kernels=kernels).weights.nbytes()
+    if kind == "qwen3":  # untied: the head's bytes shrink about 4x (the tied float table stays for lookups)
+        assert llm.engine.weights.nbytes() < float_bytes
+    prompts = random_prompts(3)
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy(12))):
+        want, scores = reference(ref, prompt, 12)
+        assert_greedy_match(out.token_ids, want, scores, f"{kind} int8 head")
+
+
+def test_lm_head_setting_is_validated(models):
+    _, path = models("llama")
+    with pytest.raises(LlmoptError, match="lm_head must be one of auto, int8"):
+        LLMEngine(path, lm_head="int4")
+    result = CliRunner().invoke(main, ["generate", str(path), "hi", "--lm-head", "int4"])
+    assert result.exit_code == 2 and "int4" in result.output
+
+
 # ---------------------------------------------------------------------------------------------
 # Block manager and scheduler
 
@@ -532,14 +573,16 @@ def test_cli_generate_and_bench(models):
     result = runner.invoke(main, ["generate", str(path), "hello", "--max-tokens", "5", "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
+    int8_head = runner.invoke(main, ["generate", str(path), "hello", "--max-tokens", "5", "--lm-head", "int8", "--json"])
+    assert int8_head.exit_code == 0 and len(json.loads(int8_head.stdout)["token_ids"]) == 5, int8_head.output
     assert len(payload["token_ids"]) == 5 and payload["finish_reason"] == "length"
     streamed = runner.invoke(main, ["generate", str(path), "hello", "--max-tokens", "5", "--stream"])
     assert streamed.exit_code == 0 and streamed.stdout.rstrip("\n") == payload["text"]
     result = runner.invoke(main, ["bench", str(path), "--pp", "16", "--tg", "4", "-r", "2", "-n", "3",
-                                  "--prompt-len", "4:20", "--output-len", "2:5", "--json"])
+                                  "--prompt-len", "4:20", "--output-len", "2:5", "--lm-head", "int8", "--json"])
     assert result.exit_code == 0, result.output
     bench = json.loads(result.stdout)
-    assert bench["pp16_tok_s"] > 0 and bench["tg4_tok_s"] > 0
+    assert bench["pp16_tok_s"] > 0 and bench["tg4_tok_s"] > 0 and bench["lm_head"] == "int8"
     assert bench["serving"]["requests"] == 3 and bench["serving"]["ttft_p50_s"] > 0
     for args, message in ((["generate", str(path), "hi", "--chat"], "no chat template"),
                           (["generate", str(path), "hi", "--top-p", "2"], "top_p"),

@@ -1,0 +1,44 @@
+"""Fused elementwise steps of the float32 forward in C++ (``csrc/fused.cpp``): the residual add
+with RMSNorm, SwiGLU's ``silu(gate) * up``, and RoPE (with Qwen3's per-head q/k norm) applied in
+place to the merged q/k/v output while k / v go to the KV cache.
+
+A decode step runs each of these 30 times per token; in plain torch every one is several tensor
+operations whose dispatch and temporaries cost more than their arithmetic. Built at first use by
+:func:`build.load_extension`; when it cannot be built :func:`available` is False and the model
+keeps the plain-torch forward.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from .build import load_extension
+
+
+def _module() -> ModuleType | None:
+    return load_extension("cpu_fused", ["fused.cpp"])
+
+
+def available() -> bool:
+    return _module() is not None
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    """``h += delta`` (when given, in place), then ``out = rms_norm(h) * weight``; float32 ``[tokens, hidden]``."""
+    _module().add_rms_norm(h, delta, weight, eps, out)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a merged ``[tokens, 2 * intermediate]`` float32 output."""
+    return _module().silu_mul(gate_up)
+
+
+def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+         qk_norm: torch.Tensor | None, eps: float, k_cache: torch.Tensor | None = None,
+         v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
+    """Rotate q and k in place inside ``qkv`` ``[tokens, (heads + 2 kv_heads) * head_dim]``
+    (after ``qk_norm`` per head when given) with ``cos`` / ``sin`` ``[tokens, head_dim]``; then
+    store k and v at ``slots`` of float32 caches ``[kv_heads, slots, head_dim]`` when given."""
+    _module().rope(qkv, cos, sin, heads, kv_heads, qk_norm, eps, k_cache, v_cache, slots)

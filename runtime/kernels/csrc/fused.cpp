@@ -1,0 +1,161 @@
+// Small fused steps of the decoder's float32 forward, one C++ call each where plain torch takes
+// several tensor operations (a decode step is hundreds of tiny ops, so their dispatch and
+// temporaries cost more than their arithmetic):
+//   add_rms_norm  h += delta (the residual add, in place), out = rms_norm(h) * weight
+//   silu_mul      out = silu(gate) * up, from the merged gate/up projection's output
+//   rope          q / k rotated in place inside the merged q/k/v output (after the optional
+//                 per-head q/k norm of Qwen3), and k / v written to the KV cache slots
+// Rows are split across torch's intra-op threads when there are many (prefill); elementwise
+// loops are left to the compiler's vectorizer. Arithmetic follows the plain-torch forward
+// (runtime/model.py) operation by operation; results agree up to float32 rounding (a fused
+// multiply-add where torch rounds twice).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+namespace {
+
+constexpr int64_t kMinTaskValues = 1 << 15;  // values per thread task at least
+
+void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "llmopt fused ops: ", what); }
+
+bool is_f32_contiguous(const torch::Tensor& t) { return t.scalar_type() == torch::kFloat && t.is_contiguous(); }
+
+int64_t grain(int64_t values_per_row) { return std::max<int64_t>(1, kMinTaskValues / std::max<int64_t>(1, values_per_row)); }
+
+// x <- x * rsqrt(mean(x^2) + eps) (* weight), like F.rms_norm in float32.
+inline void rms_norm_row(const float* x, float* out, const float* weight, int64_t n, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  if (weight) {
+    for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * r) * weight[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r;
+  }
+}
+
+}  // namespace
+
+// h [T, H] += delta (when given); out [T, H] = rms_norm(h) * weight. All float32, contiguous.
+void add_rms_norm(torch::Tensor& h, const std::optional<torch::Tensor>& delta, const torch::Tensor& weight, double eps,
+                  torch::Tensor& out) {
+  check(h.dim() == 2 && is_f32_contiguous(h) && is_f32_contiguous(out) && out.sizes() == h.sizes(),
+        "h and out must be contiguous float32 [tokens, hidden] tensors of one shape");
+  const int64_t T = h.size(0), H = h.size(1);
+  check(is_f32_contiguous(weight) && weight.numel() == H, "weight must be float32 [hidden]");
+  if (delta) check(is_f32_contiguous(*delta) && delta->sizes() == h.sizes(), "delta must match h");
+  float* hp = h.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* dp = delta ? delta->data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, grain(H), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* x = hp + t * H;
+      if (dp)
+        for (int64_t i = 0; i < H; ++i) x[i] += dp[t * H + i];
+      rms_norm_row(x, op + t * H, wp, H, e);
+    }
+  });
+}
+
+// gate_up [T, 2I] -> out [T, I] = silu(gate) * up, silu(g) = g / (1 + exp(-g)).
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  check(gate_up.dim() == 2 && is_f32_contiguous(gate_up) && gate_up.size(1) % 2 == 0,
+        "gate_up must be a contiguous float32 [tokens, 2 * intermediate] tensor");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  torch::Tensor out = torch::empty({T, I}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain(2 * I), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = gp + t * 2 * I;
+      const float* u = g + I;
+      float* o = op + t * I;
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// qkv [T, (heads + 2 * kv_heads) * D] float32 contiguous: q and k heads normalized per head
+// (qk_norm [heads + kv_heads, D], optional) and rotated in place with cos / sin [T, D] (sin
+// signed: x * cos + rotate_half(x) * sin); then k and v stored at `slots` [T] (int64) of the
+// caches [kv_heads, slots, D] when they are given.
+void rope(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads, int64_t kv_heads,
+          const std::optional<torch::Tensor>& qk_norm, double eps, const std::optional<torch::Tensor>& k_cache,
+          const std::optional<torch::Tensor>& v_cache, const std::optional<torch::Tensor>& slots) {
+  check(qkv.dim() == 2 && is_f32_contiguous(qkv), "qkv must be a contiguous float32 [tokens, features] tensor");
+  const int64_t T = qkv.size(0), rows = heads + 2 * kv_heads;
+  check(rows > 0 && qkv.size(1) % rows == 0, "qkv's width is not (heads + 2 * kv_heads) * head_dim");
+  const int64_t D = qkv.size(1) / rows, half = D / 2;
+  check(D % 2 == 0 && D <= 1024, "head_dim must be even and at most 1024");
+  check(is_f32_contiguous(cos) && is_f32_contiguous(sin) && cos.numel() == T * D && sin.numel() == T * D,
+        "cos and sin must be contiguous float32 [tokens, head_dim]");
+  if (qk_norm) check(is_f32_contiguous(*qk_norm) && qk_norm->numel() == (heads + kv_heads) * D, "qk_norm must be [heads + kv_heads, head_dim]");
+  const bool write = k_cache.has_value();
+  int64_t capacity = 0;
+  if (write) {
+    check(v_cache && slots, "writing the cache needs k_cache, v_cache and slots");
+    check(is_f32_contiguous(*k_cache) && is_f32_contiguous(*v_cache) && k_cache->dim() == 3 &&
+              k_cache->sizes() == v_cache->sizes() && k_cache->size(0) == kv_heads && k_cache->size(2) == D,
+          "caches must be contiguous float32 [kv_heads, slots, head_dim]");
+    check(slots->scalar_type() == torch::kLong && slots->is_contiguous() && slots->numel() == T, "slots must be int64 [tokens]");
+    capacity = k_cache->size(1);
+  }
+  float* base = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const float* np = qk_norm ? qk_norm->data_ptr<float>() : nullptr;
+  float* kc = write ? k_cache->data_ptr<float>() : nullptr;
+  float* vc = write ? v_cache->data_ptr<float>() : nullptr;
+  const int64_t* sl = write ? slots->data_ptr<int64_t>() : nullptr;
+  const float e = static_cast<float>(eps);
+  bool bad_slot = false;
+  at::parallel_for(0, T, grain(rows * D), [&](int64_t t0, int64_t t1) {
+    float tmp[1024];
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = base + t * rows * D;
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        float* x = row + h * D;
+        if (np) rms_norm_row(x, x, nullptr, D, e);
+        for (int64_t i = 0; i < D; ++i) tmp[i] = np ? x[i] * np[h * D + i] : x[i];
+        for (int64_t i = 0; i < half; ++i) {
+          x[i] = tmp[i] * c[i] + tmp[i + half] * s[i];
+          x[i + half] = tmp[i + half] * c[i + half] + tmp[i] * s[i + half];
+        }
+      }
+      if (!write) continue;
+      const int64_t slot = sl[t];
+      if (slot < 0 || slot >= capacity) {
+        bad_slot = true;
+        continue;
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const float* k = row + (heads + h) * D;
+        const float* v = row + (heads + kv_heads + h) * D;
+        float* kd = kc + (h * capacity + slot) * D;
+        float* vd = vc + (h * capacity + slot) * D;
+        for (int64_t i = 0; i < D; ++i) kd[i] = k[i], vd[i] = v[i];
+      }
+    }
+  });
+  check(!bad_slot, "a slot is outside the cache");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "h += delta; out = rms_norm(h) * weight", pybind11::arg("h"),
+        pybind11::arg("delta"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("out"));
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a merged gate/up output", pybind11::arg("gate_up"));
+  m.def("rope", &rope, "per-head q/k norm, rotary embedding in place, k/v to the cache", pybind11::arg("qkv"),
+        pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("heads"), pybind11::arg("kv_heads"),
+        pybind11::arg("qk_norm"), pybind11::arg("eps"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("slots"));
+}
