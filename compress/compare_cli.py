@@ -39,7 +39,7 @@ def compare_table(report: dict) -> Table:
 @click.option("--serving-requests", default=16, show_default=True, type=click.IntRange(1))
 @click.option("-o", "--output", default="out/compare", show_default=True, type=click.Path(file_okay=False), help="Directory for report.md, report.json and pareto.png.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Pareto plot path (default OUTPUT/pareto.png).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @user_errors
 def compare_command(baseline, variants, labels, dataset, seq_len, max_windows, speed, repetitions, serving_requests, output, plot, as_json):
     """Accuracy (perplexity, KLD, top-1 vs BASELINE), speed (our runtime) and size of every VARIANT."""
@@ -67,7 +67,7 @@ def compare_command(baseline, variants, labels, dataset, seq_len, max_windows, s
 @click.option("-o", "--output", default="out/demo", show_default=True, type=click.Path(file_okay=False), help="Where variants and the report go.")
 @click.option("--max-windows", default=4, show_default=True, type=click.IntRange(1), help="WikiText-2 windows of 2048 tokens for accuracy.")
 @click.option("--speed/--no-speed", default=True, show_default=True, help="Also measure speed in our runtime.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @user_errors
 def demo_command(model, output, max_windows, speed, as_json):
     """Build the standard variants of the demo model and compare them.
