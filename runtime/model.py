@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .config import ModelArch
 from .kernels import cpu_attention, cpu_fused, kv_quant
 from .kernels import reference as kernels
+from .kernels.reference import Workspace
 from .loader import LayerWeights, ModelWeights
 from .rope import apply_rotary
 
@@ -131,6 +132,8 @@ class LlamaModel:
         self.hidden_shape = (arch.hidden_size,)
         self.head_shape = (arch.head_dim,)
         self.fused = kernels != "reference" and weights.norm.dtype == torch.float32 and cpu_fused.available()
+        self.ops = cpu_fused.extension() if self.fused else None  # called directly: 30 layers a token
+        self.attn_space = Workspace(weights.norm.dtype)  # the decode attention's output, reused
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -153,16 +156,16 @@ class LlamaModel:
     def _forward_fused(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """The forward with the C++ fused steps: each layer's output ``delta`` is added to the
         residual stream ``h`` (in place) by the next norm."""
-        w = self.w
+        w, ops, eps = self.w, self.ops, self.eps
         h = w.embed_tokens(batch.input_ids).contiguous()  # a fresh tensor: ours to update
         x = torch.empty_like(h)
         delta = None
         for i, layer in enumerate(w.layers):
-            cpu_fused.add_rms_norm(h, delta, layer.input_norm, self.eps, x)
+            ops.add_rms_norm(h, delta, layer.input_norm, eps, x)
             delta = layer.o(self._attention_fused(layer, layer.qkv(x), batch, cache, i))
-            cpu_fused.add_rms_norm(h, delta, layer.post_norm, self.eps, x)
-            delta = layer.down(cpu_fused.silu_mul(layer.gate_up(x)))
-        cpu_fused.add_rms_norm(h, delta, w.norm, self.eps, x)  # row-wise: select rows after
+            ops.add_rms_norm(h, delta, layer.post_norm, eps, x)
+            delta = layer.down(ops.silu_mul(layer.gate_up(x)))
+        ops.add_rms_norm(h, delta, w.norm, eps, x)  # row-wise: select rows after
         rows = batch.sample_rows
         if rows is not None and rows.numel() != x.shape[0]:  # sample rows ascend: all rows means no selection
             x = x.index_select(0, rows)
@@ -187,9 +190,9 @@ class LlamaModel:
         heads, kv_heads = arch.num_heads, arch.num_kv_heads
         k_cache, v_cache, k_scale = cache.k[index], cache.v[index], cache.k_scale[index]
         if k_scale is None:
-            cpu_fused.rope(qkv, b.cos, b.sin, heads, kv_heads, layer.qk_norm, self.eps, k_cache, v_cache, b.slots)
+            self.ops.rope(qkv, b.cos, b.sin, heads, kv_heads, layer.qk_norm, self.eps, k_cache, v_cache, b.slots)
         else:
-            cpu_fused.rope(qkv, b.cos, b.sin, heads, kv_heads, layer.qk_norm, self.eps)
+            self.ops.rope(qkv, b.cos, b.sin, heads, kv_heads, layer.qk_norm, self.eps, None, None, None)
         qkv = qkv.view(qkv.shape[0], heads + 2 * kv_heads, arch.head_dim)
         q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
         if k_scale is not None:
@@ -203,9 +206,10 @@ class LlamaModel:
         outs = []
         if b.paged_decode is not None:
             d = b.paged_decode
+            out = self.attn_space.take(d.count, q.shape[1] * q.shape[2])  # consumed by o before the next layer
             outs.append(cpu_attention.paged_decode_attention(
                 q[d.start:d.start + d.count], k_cache, v_cache, d.tables, d.lens, cache.block_size, self.scale,
-                k_scale, v_scale))
+                k_scale, v_scale, out=out))
         for g in b.decodes:
             outs.append(kernels.paged_decode_attention(
                 q[g.start:g.start + g.count], k_cache, v_cache, g.rows, g.width, g.mask, cache.block_size, self.scale,

@@ -17,22 +17,23 @@ import torch
 from .build import load_extension
 
 
-def _module() -> ModuleType | None:
+def extension() -> ModuleType | None:
+    """The compiled module (its functions are the ones below, without the Python call in between)."""
     return load_extension("cpu_fused", ["fused.cpp"])
 
 
 def available() -> bool:
-    return _module() is not None
+    return extension() is not None
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
     """``h += delta`` (when given, in place), then ``out = rms_norm(h) * weight``; float32 ``[tokens, hidden]``."""
-    _module().add_rms_norm(h, delta, weight, eps, out)
+    extension().add_rms_norm(h, delta, weight, eps, out)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a merged ``[tokens, 2 * intermediate]`` float32 output."""
-    return _module().silu_mul(gate_up)
+    return extension().silu_mul(gate_up)
 
 
 def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
@@ -41,4 +42,4 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv
     """Rotate q and k in place inside ``qkv`` ``[tokens, (heads + 2 kv_heads) * head_dim]``
     (after ``qk_norm`` per head when given) with ``cos`` / ``sin`` ``[tokens, head_dim]``; then
     store k and v at ``slots`` of float32 caches ``[kv_heads, slots, head_dim]`` when given."""
-    _module().rope(qkv, cos, sin, heads, kv_heads, qk_norm, eps, k_cache, v_cache, slots)
+    extension().rope(qkv, cos, sin, heads, kv_heads, qk_norm, eps, k_cache, v_cache, slots)

@@ -4,7 +4,7 @@
 layout the kernels read (see ``csrc/cpu_linear.h``): output features in tiles of 16, each
 uint32 lane holding 8 int4 or 4 byte values of one feature along the input. ``linear`` runs
 ``x @ W.T + b`` on it, choosing the instruction set at run time (AVX-512 with VNNI, AVX2 + FMA,
-or portable C++; ``isa`` or ``LLMOPT_CPU_ISA`` force one) and the path:
+or portable C++; ``isa`` or ``LLMOPT_CPU_ISA``, read once per process, force one) and the path:
 
 - ``gemv`` (a few rows, decode): int4 / int8 codes times the activations split into three int8
   levels (integer dot products; the split leaves at most ``6.1e-8 * max|x|`` per element, the
@@ -147,9 +147,15 @@ def pack(
     return PackedLinear(fmt, n, k, gs, data, _tiles(scale, tiles), offset, wsum, act_quant)
 
 
+_env_isa: list[int] = []  # LLMOPT_CPU_ISA's code, read once (a lookup per call costs as much as a small GEMV)
+
+
 def _isa_code(isa: str | None) -> int:
-    isa = isa or os.environ.get("LLMOPT_CPU_ISA")
-    if isa is None or isa == "auto":
+    if isa is None:
+        if not _env_isa:
+            _env_isa.append(_isa_code(os.environ.get("LLMOPT_CPU_ISA") or "auto"))
+        return _env_isa[0]
+    if isa == "auto":
         return -1
     if isa not in ISAS:
         raise LlmoptError(f"unknown instruction set {isa!r} for the CPU kernels", f"use one of auto, {', '.join(ISAS)}")
