@@ -1,9 +1,11 @@
 """End-to-end speed of the demo model's variants in llmopt's runtime, in one run.
 
-For float32, W8A16, W4A16 (groups of 32 and 64) and FP8 (weights quantized by RTN: the method
-does not change the speed), ``llmopt bench`` measures single-stream prompt processing (pp512)
-and generation (tg128), median of 5, with the fused kernels (``--kernels auto``) and, for the
-quantized variants, with the plain-torch path (``--kernels reference``) for comparison. Then:
+For float32, W8A16, W4A16 (groups of 32 and 64; g32 also with the int8 output head,
+``--lm-head int8``) and FP8 (weights quantized by RTN: the method does not change the speed),
+``llmopt bench`` measures single-stream prompt processing (pp512)
+and generation (tg128), median of 5, with the C++ kernels (``--kernels auto``: quantized and float
+GEMVs, decode attention, fused float32 steps) and with the plain-torch path (``--kernels
+reference``) for comparison. Then:
 
 * a serving workload (32 requests, prompts 32–512, outputs 32–256, all at once) for float32
   and W4A16 g32;
@@ -41,11 +43,16 @@ VARIANTS: dict[str, tuple[str | None, int | None]] = {
     "W4A16 g32": ("W4A16", 32),
     "W4A16 g64": ("W4A16", 64),
     "FP8": ("FP8", None),
+    "W4A16 g32 + int8 head": ("W4A16", 32),
 }
+# variants that run another variant's checkpoint with extra ``llmopt bench`` options
+SAME_CHECKPOINT = {"W4A16 g32 + int8 head": "W4A16 g32"}
+BENCH_OPTIONS = {"W4A16 g32 + int8 head": ["--lm-head", "int8"]}
 TARGETS = {"w4a16_vs_float32_decode": 2.5, "w4a16_vs_llamacpp_q4_0_decode": 0.8, "ttft_p50_ms": 150, "tpot_p50_ms": 50}
 
 
 def checkpoint(label: str, workdir: Path) -> str:
+    label = SAME_CHECKPOINT.get(label, label)
     scheme, group = VARIANTS[label]
     if scheme is None:
         return "demo"
@@ -57,8 +64,8 @@ def checkpoint(label: str, workdir: Path) -> str:
     return str(path)
 
 
-def single(model: str, threads: int, kernels: str) -> dict:
-    r = llmopt("bench", model, "--threads", str(threads), "-n", "0", "--kernels", kernels)
+def single(model: str, threads: int, kernels: str, *extra: str) -> dict:
+    r = llmopt("bench", model, "--threads", str(threads), "-n", "0", "--kernels", kernels, *extra)
     return {"pp512_tok_s": r["pp512_tok_s"], "tg128_tok_s": r["tg128_tok_s"]}
 
 
@@ -111,9 +118,9 @@ def main() -> None:
     for label in VARIANTS:
         model = checkpoint(label, workdir)
         log(f"{label}: single stream")
-        rows[label] = {"kernels": single(model, args.threads, "auto")}
-        if VARIANTS[label][0] is not None:
-            rows[label]["reference"] = single(model, args.threads, "reference")
+        extra = BENCH_OPTIONS.get(label, [])
+        rows[label] = {"kernels": single(model, args.threads, "auto", *extra),
+                       "reference": single(model, args.threads, "reference", *extra)}
         log(f"  {rows[label]}")
     peers = llamacpp_rows(workdir, args.threads)
     result = {"machine": platform.machine(), "threads": args.threads, "date": time.strftime("%Y-%m-%d"),
@@ -152,6 +159,10 @@ def render(result: dict) -> str:
         lines.append(f"| {label} | | {r['tg128_tok_s']:.1f} | {r['tg128_tok_s'] / base:.2f}× | | |")
     w4 = rows["W4A16 g32"]["kernels"]["tg128_tok_s"]
     lines += ["", f"- W4A16 g32 decode vs float32: **{w4 / base:.2f}×** (target ≥ {TARGETS['w4a16_vs_float32_decode']}×)."]
+    if "W4A16 g32 + int8 head" in rows:
+        w4h = rows["W4A16 g32 + int8 head"]["kernels"]["tg128_tok_s"]
+        lines.append(f"- W4A16 g32 with the int8 output head (`--lm-head int8`, bench/results/lm_head_int8.md): "
+                     f"**{w4h / base:.2f}×** float32, {w4h / w4:.2f}× the float head.")
     if "llama.cpp Q4_0" in peers:
         q4 = peers["llama.cpp Q4_0"]["tg128_tok_s"]
         lines.append(f"- W4A16 g32 decode vs llama.cpp Q4_0: **{w4 / q4:.2f}×** (target ≥ {TARGETS['w4a16_vs_llamacpp_q4_0_decode']}×).")
