@@ -9,6 +9,7 @@ Projections that read the same input (q/k/v, gate/up) are merged into one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +91,7 @@ class QuantLinear(Linear):
     scheme_name: str
     bias: torch.Tensor | None = None
     packed: cpu_linear.PackedLinear | None = field(default=None, repr=False, compare=False)
+    run: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False, compare=False)  # bound kernel
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantLinear:
@@ -105,13 +107,15 @@ class QuantLinear(Linear):
         self.packed = None
         if kernels != "reference":
             self.packed = cpu_linear.pack(self.codes, self.scale, self.zero_point, self.group_size, self.activations)
+        self.run = None
         if self.packed is not None:
             # the packed copy replaces the codes (int4 codes held one per byte would double the memory)
             self.codes = self.codes[:, :0]
+            self.run = cpu_linear.bind(self.packed, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return cpu_linear.linear(x, self.packed, self.bias)
+        if self.run is not None:
+            return self.run(x)
         return reference.quant_linear(x, self.codes, self.scale, self.zero_point, self.group_size, self.activations, self.bias)
 
     def nbytes(self) -> int:

@@ -133,6 +133,8 @@ class LlamaModel:
         self.head_shape = (arch.head_dim,)
         self.fused = kernels != "reference" and weights.norm.dtype == torch.float32 and cpu_fused.available()
         self.ops = cpu_fused.extension() if self.fused else None  # called directly: 30 layers a token
+        attention = cpu_attention.extension() if self.fused else None
+        self.attention = attention.paged_decode if attention is not None else None
         self.attn_space = Workspace(weights.norm.dtype)  # the decode attention's output, reused
 
     @torch.inference_mode()
@@ -194,6 +196,12 @@ class LlamaModel:
         else:
             self.ops.rope(qkv, b.cos, b.sin, heads, kv_heads, layer.qk_norm, self.eps, None, None, None)
         qkv = qkv.view(qkv.shape[0], heads + 2 * kv_heads, arch.head_dim)
+        d = b.paged_decode
+        if d is not None and k_scale is None and not b.decodes and not b.prefills and self.attention is not None:
+            # decode only: the C++ kernel directly (as cpu_attention.paged_decode_attention calls it)
+            out = self.attn_space.take(d.count, heads * arch.head_dim)
+            return self.attention(qkv[:, :heads], k_cache, v_cache, None, None, d.tables, d.lens, cache.block_size,
+                                  self.scale, out, False, 0)
         q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
         if k_scale is not None:
             kernels.write_kv(k_cache, v_cache, k, v, b.slots, k_scale, cache.v_scale[index])

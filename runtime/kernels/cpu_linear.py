@@ -20,6 +20,7 @@ Results match ``reference.quant_linear`` up to float32 rounding (see tests/test_
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -183,3 +184,12 @@ def linear(
     if packed.act_quant is not None:
         x = fake_quantize_activations(x, packed.act_quant)
     return _module().linear(x, packed.handle, bias, _isa_code(isa), PATHS.get(path, -1), out)
+
+
+def bind(packed: PackedLinear, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> linear(x, packed, bias)`` with the Python-side checks and choices made once: a
+    decode step calls every linear of every layer (the C++ side still checks the input's size)."""
+    if packed.act_quant is not None:
+        return lambda x: linear(x, packed, bias)
+    run, handle, isa = _module().linear, packed.handle, _isa_code(None)
+    return lambda x: run(x, handle, bias, isa, -1, None)
