@@ -47,7 +47,7 @@ class DecodeGroup:
 @dataclass
 class PagedDecode:
     """``count`` decode tokens at rows ``start ...`` for the C++ kernel: each sequence's block
-    table (``[count, width]`` int32, padded with block 0) and context length (``[count]`` int32)."""
+    table (``[count, width]`` int64, padded with block 0) and context length (``[count]`` int64)."""
 
     start: int
     count: int

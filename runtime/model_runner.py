@@ -115,7 +115,8 @@ class ModelRunner:
         lens = [s.num_computed + 1 for s in seqs]
         width = -(-max(lens) // bs)
         tables = [s.block_table[:width] + [0] * (width - min(width, len(s.block_table))) for s in seqs]
-        return PagedDecode(0, len(seqs), torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
+        # int64: the kernel's own type (int32 would be converted again in every layer's call)
+        return PagedDecode(0, len(seqs), torch.tensor(tables, dtype=torch.long), torch.tensor(lens, dtype=torch.long))
 
     def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
         """Decode sequences (sorted by length) in runs of similar length, each padded to its longest."""
