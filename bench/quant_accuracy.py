@@ -158,6 +158,10 @@ def main() -> None:
     results = saved.get("variants", {}) if saved.get("windows") == args.windows else {}
     baseline = llmopt("eval", "demo", "--baseline", "demo", "--max-windows", str(args.windows))
     def save() -> None:
+        if path.is_file():  # keep rows another run wrote meanwhile
+            on_disk = json.loads(path.read_text())
+            if on_disk.get("windows") == args.windows:
+                results.update({k: v for k, v in on_disk.get("variants", {}).items() if k not in results})
         ordered = {k: results[k] for k in VARIANTS if k in results}
         calib = next((r["calibration"] for r in ordered.values() if r.get("calibration")), None)
         meta = {

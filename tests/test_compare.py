@@ -49,3 +49,29 @@ def test_compare_tiny_variants(tmp_path):
     assert json.loads((report_dir / "report.json").read_text())["rows"] == rows
     assert "W4A16 rtn" in (report_dir / "report.md").read_text()
     assert (report_dir / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_builds_every_variant_and_reports(tmp_path):
+    """The whole ``llmopt demo`` pipeline on a tiny model: every variant built by its recipe,
+    compared in one run, the report written; a second run reuses every variant."""
+    from llmopt.compare import CompareSettings
+    from llmopt.demo import VARIANTS, run_demo
+
+    base = save_model(tiny_llama(num_hidden_layers=8, max_position_embeddings=1024), tmp_path / "base")
+
+    def settings() -> CompareSettings:
+        return CompareSettings(dataset=str(WIKI), seq_len=128, max_windows=2, repetitions=1, serving_requests=2,
+                               prompt_len=(8, 16), output_len=(4, 8))
+
+    report = run_demo(tmp_path / "demo", str(base), settings())
+    labels = [r["label"] for r in report["rows"]]
+    assert labels == [f"float ({base})", *VARIANTS]
+    rows = {r["label"]: r for r in report["rows"]}
+    assert rows[f"float ({base})"]["kld_mean"] == 0
+    assert all(r["kld_mean"] > 0 and r["tg128_tok_s"] > 0 for label, r in rows.items() if label in VARIANTS)
+    assert rows["W4A16 g32 gptq"]["weights_bytes"] < rows["W8A16 rtn"]["weights_bytes"] < rows[f"float ({base})"]["weights_bytes"]
+    assert rows["drop 6 layers + distill"]["weights_bytes"] < rows[f"float ({base})"]["weights_bytes"]
+    for name in ("report.md", "report.json", "pareto.png"):
+        assert (tmp_path / "demo" / name).is_file()
+    again = run_demo(tmp_path / "demo", str(base), settings())
+    assert all(b["reused"] for b in again["build"].values())
