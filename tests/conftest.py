@@ -9,6 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton kernels are tested on the CPU under Triton's interpreter; the switch must be set before
+# anything imports triton (transformers and torch may, before the Triton tests are collected)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # C++ kernels compile once (about a minute) into one shared folder, not once per test's private cache
 os.environ.setdefault("LLMOPT_KERNEL_CACHE", os.path.join(
