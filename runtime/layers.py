@@ -66,7 +66,7 @@ class DenseLinear(Linear):
 
     def use_kernels(self, kernels: str) -> None:
         """``"auto"`` / ``"cpu"``: rows for the C++ GEMV when it builds; ``"reference"``: transposed for torch."""
-        rows = kernels != "reference" and cpu_dense.available()
+        rows = kernels != "reference" and self.full_weight().device.type == "cpu" and cpu_dense.available()
         if rows and self.weight is None:
             self.weight, self.weight_t = self.weight_t.t().contiguous(), None
         elif not rows and self.weight_t is None:

@@ -131,7 +131,8 @@ class LlamaModel:
         self.eps = arch.rms_norm_eps
         self.hidden_shape = (arch.hidden_size,)
         self.head_shape = (arch.head_dim,)
-        self.fused = kernels != "reference" and weights.norm.dtype == torch.float32 and cpu_fused.available()
+        self.fused = (kernels != "reference" and weights.norm.dtype == torch.float32 and weights.norm.device.type == "cpu"
+                      and cpu_fused.available())
         self.ops = cpu_fused.extension() if self.fused else None  # called directly: 30 layers a token
         attention = cpu_attention.extension() if self.fused else None
         self.attention = attention.paged_decode if attention is not None else None

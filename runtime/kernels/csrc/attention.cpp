@@ -31,6 +31,7 @@
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kMinTaskMacs = 1 << 18;
 
 // Shapes and strides of one call.
 struct Shape {
@@ -340,7 +341,12 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
     part_acc.resize(B * H * splits * G * D);
   }
   const int64_t items = B * H * splits;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // Tasks of at least kMinTaskMacs multiply-adds (q.k and p.v over the contexts): handing a task
+  // to another thread costs tens of microseconds on a busy machine, more than a short context.
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < B; ++b) tokens += ctx[b];
+  const int64_t grain = std::max<int64_t>(1, items * kMinTaskMacs / std::max<int64_t>(1, 2 * tokens * H * G * D));
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(4 * G * D + 2 * G + G * bs + 2 * bs * D);
     State st{buffer.data(), buffer.data() + G * D, buffer.data() + 2 * G * D, buffer.data() + 2 * G * D + G,
              buffer.data() + 2 * G * D + 2 * G, nullptr, nullptr};

@@ -22,7 +22,9 @@ namespace {
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 constexpr int64_t kDefaultRows = 32;       // GEMV up to these many rows (see linear())
-constexpr int64_t kMinTaskMacs = 1 << 18;  // smaller tasks cost more to hand out than to run
+// Tasks stream at least this many weight bytes per activation row (about 50 us from memory):
+// waking a second thread costs tens of microseconds on a busy machine.
+constexpr int64_t kMinTaskBytes = 1 << 20;
 
 bool isa_supported(int64_t isa) {
 #if defined(__x86_64__)
@@ -91,6 +93,7 @@ std::vector<std::string> supported_isas() {
 torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& w, const std::optional<torch::Tensor>& bias_in,
                      int64_t isa, int64_t max_rows, const std::optional<torch::Tensor>& out_in) {
   check(w.dim() == 2 && w.is_contiguous(), "the weight must be a contiguous [out, in] matrix");
+  check(w.device().is_cpu() && x_in.device().is_cpu(), "CPU tensors only");
   const int64_t N = w.size(0), K = w.size(1);
   check(x_in.dim() >= 1 && x_in.size(-1) == K, "input features do not match the layer");
   check(x_in.is_floating_point(), "the input must be a float tensor");
@@ -134,7 +137,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& w, const st
     j.bias = bias ? bias->data_ptr<float>() : nullptr;
     j.out = out.data_ptr<float>();
     const int64_t blocks = (N + 15) / 16;
-    const int64_t grain = std::max<int64_t>(1, kMinTaskMacs / std::max<int64_t>(1, 16 * K * M));
+    const int64_t grain = std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(1, 16 * K * w.element_size() * M));
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
       const int64_t n0 = b0 * 16, n1 = std::min(N, b1 * 16);
 #if defined(__x86_64__)

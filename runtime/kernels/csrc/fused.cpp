@@ -25,7 +25,9 @@ constexpr int64_t kMinTaskValues = 1 << 15;  // values per thread task at least
 
 void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "llmopt fused ops: ", what); }
 
-bool is_f32_contiguous(const torch::Tensor& t) { return t.scalar_type() == torch::kFloat && t.is_contiguous(); }
+bool is_f32_contiguous(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu();
+}
 
 int64_t grain(int64_t values_per_row) { return std::max<int64_t>(1, kMinTaskValues / std::max<int64_t>(1, values_per_row)); }
 
@@ -106,7 +108,7 @@ LLMOPT_CLONES void silu_mul_rows(const float* gp, float* op, int64_t t0, int64_t
 void add_rms_norm(torch::Tensor& h, const std::optional<torch::Tensor>& delta, const torch::Tensor& weight, double eps,
                   torch::Tensor& out) {
   check(h.dim() == 2 && is_f32_contiguous(h) && is_f32_contiguous(out) && out.sizes() == h.sizes(),
-        "h and out must be contiguous float32 [tokens, hidden] tensors of one shape");
+        "h and out must be contiguous float32 CPU [tokens, hidden] tensors of one shape");
   const int64_t T = h.size(0), H = h.size(1);
   check(is_f32_contiguous(weight) && weight.numel() == H, "weight must be float32 [hidden]");
   if (delta) check(is_f32_contiguous(*delta) && delta->sizes() == h.sizes(), "delta must match h");

@@ -22,6 +22,10 @@ namespace {
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 enum Path : int64_t { kAuto = -1, kGemv = 0, kPanel = 1, kFloatGemv = 2 };
 constexpr int64_t kMinTaskMacs = 1 << 18;  // a few microseconds: smaller tasks cost more to hand out than to run
+// GEMV tasks stream at least this many weight bytes per activation row (about 50 us from memory):
+// waking a second thread costs tens of microseconds on a busy machine, more than a small decode
+// linear takes alone.
+constexpr int64_t kMinTaskBytes = 1 << 20;
 // Up to these many rows, the GEMVs (weights streamed once, unpacked in registers) beat the
 // dequantized panel; the integer GEMV holds four rows per pass with AVX-512, one with AVX2.
 constexpr int64_t kGemvRows = 4, kIntGemvRowsAvx512 = 16, kIntGemvRowsAvx2 = 2;
@@ -217,7 +221,11 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
     }
   }
 
-  const int64_t grain = std::max<int64_t>(1, kMinTaskMacs / std::max<int64_t>(1, 16 * K * M));
+  int64_t grain = std::max<int64_t>(1, kMinTaskMacs / std::max<int64_t>(1, 16 * K * M));
+  if (gemv) {
+    const int64_t tile_bytes = 16 * (Kp * 4 / vpl + groups * 4 * (w.offset ? 2 : 1));
+    grain = std::max(grain, kMinTaskBytes / std::max<int64_t>(1, tile_bytes * M));
+  }
   const int64_t work_floats = std::max<int64_t>(K, lin::kWorkFloats);
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> work_buf;
