@@ -64,7 +64,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.arch, LlamaModel(self.arch, self.weights, config.kernels), self.cache, self.max_model_len, dtype,
                                   config.kernels)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, config.kernels)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(self.path)
         self.eos_token_ids = _eos_ids(self.path, self.tokenizer)
         self.stats = RunStats()

@@ -173,3 +173,15 @@ def test_rope_and_kv_write_match_torch(qk_norm):
     assert torch.equal(rotated_only.view_as(got), got)
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu_fused.rope(qkv.clone(), cos, sin, heads, kv_heads, norm, eps, k_cache, v_cache, slots + slots_total)
+
+
+def test_argmax_matches_torch_with_ties_and_nan():
+    for vocab in (1, 15, 16, 17, 1000, 49152):
+        logits = torch.randn(6, vocab)
+        logits[1] = 0.0  # all tied: the first
+        logits[2, vocab // 2:] = logits[2].max() + 1  # tied maxima in the second half
+        logits[3, vocab - 1] = float("nan")  # a NaN wins, as in torch
+        logits[4, vocab // 3] = float("nan")
+        logits[4, 0] = float("inf")
+        logits[5] = -float("inf")
+        assert torch.equal(cpu_fused.argmax(logits), logits.argmax(-1)), vocab

@@ -2,7 +2,8 @@
 with RMSNorm, SwiGLU's ``silu(gate) * up``, and RoPE (with Qwen3's per-head q/k norm) applied in
 place to the merged q/k/v output while k / v go to the KV cache.
 
-A decode step runs each of these 30 times per token; in plain torch every one is several tensor
+``argmax`` serves greedy sampling (torch's runs one element at a time). A decode step runs each
+of the others 30 times per token; in plain torch every one is several tensor
 operations whose dispatch and temporaries cost more than their arithmetic. Built at first use by
 :func:`build.load_extension`; when it cannot be built :func:`available` is False and the model
 keeps the plain-torch forward.
@@ -43,3 +44,9 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv
     (after ``qk_norm`` per head when given) with ``cos`` / ``sin`` ``[tokens, head_dim]``; then
     store k and v at ``slots`` of float32 caches ``[kv_heads, slots, head_dim]`` when given."""
     extension().rope(qkv, cos, sin, heads, kv_heads, qk_norm, eps, k_cache, v_cache, slots)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of float32 ``[rows, vocab]`` logits, int64 ``[rows]``: torch's choice
+    (the first of equal maxima; the first NaN when a row has one)."""
+    return extension().argmax(logits)

@@ -5,6 +5,7 @@
 //   silu_mul      out = silu(gate) * up, from the merged gate/up projection's output
 //   rope          q / k rotated in place inside the merged q/k/v output (after the optional
 //                 per-head q/k norm of Qwen3), and k / v written to the KV cache slots
+//   argmax        greedy sampling's row-wise argmax over the vocabulary (torch's is scalar)
 // Rows are split across torch's intra-op threads when there are many (prefill). The row loops
 // are written for the compiler's vectorizer (partial sums, a branch-free exp) and built for
 // AVX-512, AVX2 and baseline x86-64, chosen at load (GCC target_clones). Arithmetic follows the
@@ -13,6 +14,10 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -102,7 +107,67 @@ LLMOPT_CLONES void silu_mul_rows(const float* gp, float* op, int64_t t0, int64_t
   }
 }
 
+// Index of the largest value (the first of equal ones; the first NaN if any, as torch.argmax):
+// the maximum, then its first position.
+int64_t argmax_portable(const float* x, int64_t n) {
+  float top = -HUGE_VALF;
+  for (int64_t i = 0; i < n; ++i) {
+    if (x[i] != x[i]) return i;
+    top = x[i] > top ? x[i] : top;
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] == top) return i;
+  return 0;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) int64_t argmax_avx512(const float* x, int64_t n) {
+  __m512 best = _mm512_set1_ps(-HUGE_VALF);
+  __mmask16 nan = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, v);
+  }
+  float top = _mm512_reduce_max_ps(best);
+  for (int64_t k = i; k < n; ++k) {
+    if (x[k] != x[k]) nan = 1;
+    top = x[k] > top ? x[k] : top;
+  }
+  if (nan) return argmax_portable(x, n);
+  const __m512 t = _mm512_set1_ps(top);
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + k), t, _CMP_EQ_OQ);
+    if (hit) return k + __builtin_ctz(hit);
+  }
+  for (; k < n; ++k)
+    if (x[k] == top) return k;
+  return 0;
+}
+#endif
+
+int64_t argmax_row(const float* x, int64_t n) {
+#if defined(__x86_64__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512) return argmax_avx512(x, n);
+#endif
+  return argmax_portable(x, n);
+}
+
 }  // namespace
+
+// Row-wise argmax of float32 logits [rows, vocab] (vocab >= 1) as int64 [rows].
+torch::Tensor argmax(const torch::Tensor& logits) {
+  check(logits.dim() == 2 && is_f32_contiguous(logits) && logits.size(1) > 0, "logits must be contiguous float32 [rows, vocab]");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  torch::Tensor out = torch::empty({rows}, logits.options().dtype(torch::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) o[r] = argmax_row(x + r * n, n);
+  return out;
+}
 
 // h [T, H] += delta (when given); out [T, H] = rms_norm(h) * weight. All float32, contiguous.
 void add_rms_norm(torch::Tensor& h, const std::optional<torch::Tensor>& delta, const torch::Tensor& weight, double eps,
@@ -202,6 +267,7 @@ void rope(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "h += delta; out = rms_norm(h) * weight", pybind11::arg("h"),
         pybind11::arg("delta"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("out"));
+  m.def("argmax", &argmax, "row-wise argmax of float32 logits (first maximum; first NaN, as torch)", pybind11::arg("logits"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a merged gate/up output", pybind11::arg("gate_up"));
   m.def("rope", &rope, "per-head q/k norm, rotary embedding in place, k/v to the cache", pybind11::arg("qkv"),
         pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("heads"), pybind11::arg("kv_heads"),
