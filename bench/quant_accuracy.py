@@ -138,8 +138,10 @@ def write_markdown(results: dict, meta: dict) -> None:
             f"{r['weights_bytes'] / 2**20:.1f} | {r['quantize_seconds']:.1f} s | {r['peak_rss_mib']:.0f} |"
         )
     lines += ["", "Targets (issue 3):", "", *target_lines(results), "",
-              "Quantize times of this run are wall times on 2 cores shared with other benchmarks and compiles "
-              "(load average 4–6 for the calibrated rows), so they are upper bounds; a quiet re-measure of GPTQ is due.",
+              "Quantize times are wall times on this 2-core machine. The W4A16 GPTQ rows (g32, g64) and g32 AWQ+GPTQ "
+              "were measured alone on a quiet machine (2026-11-30); the other calibrated rows ran beside other "
+              "benchmarks and compiles (load average 4–6), so their times are upper bounds (GPTQ took 4.5–6.6× "
+              "longer that way, with identical results: it is deterministic).",
               "",
               "W4A16_ASYM g32 is reported but excluded from the method comparisons above: the demo model was "
               "shipped as llama.cpp Q4_1 (asymmetric groups of 32 with a float offset), a grid close to this "
