@@ -80,3 +80,44 @@ def load_extension(name: str, sources: list[str]) -> ModuleType | None:
                           RuntimeWarning, stacklevel=2)
     _loaded[name] = module
     return module
+
+
+ISAS = ("scalar", "avx2", "avx512")  # the codes the C++ sources use (0, 1, 2); -1 = the best supported
+
+
+class IsaExtension:
+    """An extension whose kernels come in per-instruction-set variants chosen at run time; it
+    exports ``supported_isas()`` and takes an ISA code (:meth:`isa_code`) with every call."""
+
+    def __init__(self, name: str, sources: list[str]) -> None:
+        self.name = name
+        self.sources = sources
+        self._env_code: int | None = None  # LLMOPT_CPU_ISA's code, read once (a lookup costs as much as a small GEMV)
+
+    def module(self) -> ModuleType | None:
+        return load_extension(self.name, self.sources)
+
+    def available(self) -> bool:
+        """True when the extension is built (or can be) and not disabled by ``LLMOPT_KERNELS=reference``."""
+        return self.module() is not None
+
+    def supported_isas(self) -> list[str]:
+        """Instruction sets this CPU runs, slowest first (``scalar`` always)."""
+        module = self.module()
+        return list(module.supported_isas()) if module is not None else []
+
+    def isa_code(self, isa: str | None) -> int:
+        """The code of ``isa`` (None: ``LLMOPT_CPU_ISA``, read once; ``auto``: -1, the best one)."""
+        from llmopt.errors import LlmoptError
+
+        if isa is None:
+            if self._env_code is None:
+                self._env_code = self.isa_code(os.environ.get("LLMOPT_CPU_ISA") or "auto")
+            return self._env_code
+        if isa == "auto":
+            return -1
+        if isa not in ISAS:
+            raise LlmoptError(f"unknown instruction set {isa!r} for the CPU kernels", f"use one of auto, {', '.join(ISAS)}")
+        if isa not in self.supported_isas():
+            raise LlmoptError(f"this CPU cannot run the {isa} kernels", f"use one of: auto, {', '.join(self.supported_isas())}")
+        return ISAS.index(isa)

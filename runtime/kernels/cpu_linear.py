@@ -19,7 +19,6 @@ Results match ``reference.quant_linear`` up to float32 rounding (see tests/test_
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -28,11 +27,10 @@ import torch
 from llmopt.errors import LlmoptError
 from llmopt.quant.formats import fake_quantize_activations
 
-from .build import load_extension
+from .build import IsaExtension
 
 SOURCES = ["linear.cpp", "cpu_linear_avx2.cpp", "cpu_linear_avx512.cpp", "cpu_linear_scalar.cpp"]
 FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "w8a8": 3}
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 PATHS = {"gemv": 0, "panel": 1, "float-gemv": 2}  # gemv: the integer GEMV where it applies
 TILE = 16
 PACK_ROWS = 2048  # output features packed per step (bounds the int64 intermediates)
@@ -63,19 +61,13 @@ class PackedLinear:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.offset, self.wsum) if t is not None)
 
 
+EXTENSION = IsaExtension("cpu_linear", SOURCES)
+available = EXTENSION.available
+supported_isas = EXTENSION.supported_isas
+
+
 def _module() -> ModuleType | None:
-    return load_extension("cpu_linear", SOURCES)
-
-
-def available() -> bool:
-    """True when the C++ kernels are built (or can be) and not disabled by ``LLMOPT_KERNELS=reference``."""
-    return _module() is not None
-
-
-def supported_isas() -> list[str]:
-    """Instruction sets this CPU runs, slowest first (``scalar`` always)."""
-    module = _module()
-    return list(module.supported_isas()) if module is not None else []
+    return EXTENSION.module()
 
 
 def _tiles(t: torch.Tensor, tiles: int) -> torch.Tensor:
@@ -148,23 +140,6 @@ def pack(
     return PackedLinear(fmt, n, k, gs, data, _tiles(scale, tiles), offset, wsum, act_quant)
 
 
-_env_isa: list[int] = []  # LLMOPT_CPU_ISA's code, read once (a lookup per call costs as much as a small GEMV)
-
-
-def _isa_code(isa: str | None) -> int:
-    if isa is None:
-        if not _env_isa:
-            _env_isa.append(_isa_code(os.environ.get("LLMOPT_CPU_ISA") or "auto"))
-        return _env_isa[0]
-    if isa == "auto":
-        return -1
-    if isa not in ISAS:
-        raise LlmoptError(f"unknown instruction set {isa!r} for the CPU kernels", f"use one of auto, {', '.join(ISAS)}")
-    if isa not in supported_isas():
-        raise LlmoptError(f"this CPU cannot run the {isa} kernels", f"use one of: auto, {', '.join(supported_isas())}")
-    return ISAS[isa]
-
-
 def linear(
     x: torch.Tensor,
     packed: PackedLinear,
@@ -183,7 +158,7 @@ def linear(
         raise LlmoptError(f"unknown kernel path {path!r}", f"use one of {', '.join(PATHS)}")
     if packed.act_quant is not None:
         x = fake_quantize_activations(x, packed.act_quant)
-    return _module().linear(x, packed.handle, bias, _isa_code(isa), PATHS.get(path, -1), out)
+    return _module().linear(x, packed.handle, bias, EXTENSION.isa_code(isa), PATHS.get(path, -1), out)
 
 
 def bind(packed: PackedLinear, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -191,5 +166,5 @@ def bind(packed: PackedLinear, bias: torch.Tensor | None = None) -> Callable[[to
     decode step calls every linear of every layer (the C++ side still checks the input's size)."""
     if packed.act_quant is not None:
         return lambda x: linear(x, packed, bias)
-    run, handle, isa = _module().linear, packed.handle, _isa_code(None)
+    run, handle, isa = _module().linear, packed.handle, EXTENSION.isa_code(None)
     return lambda x: run(x, handle, bias, isa, -1, None)

@@ -15,33 +15,17 @@
 #include <vector>
 
 #include "cpu_dense.h"
+#include "cpu_isa.h"
 
 namespace dense = llmopt_dense;
 
 namespace {
 
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+using namespace llmopt_isa;  // kScalar, kAvx2, kAvx512
 constexpr int64_t kDefaultRows = 32;       // GEMV up to these many rows (see linear())
 // Tasks stream at least this many weight bytes per activation row (about 50 us from memory):
 // waking a second thread costs tens of microseconds on a busy machine.
 constexpr int64_t kMinTaskBytes = 1 << 20;
-
-bool isa_supported(int64_t isa) {
-#if defined(__x86_64__)
-  if (isa == kAvx2)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (isa == kAvx512)
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && isa_supported(kAvx2);
-#endif
-  return isa == kScalar;
-}
-
-int64_t best_isa() {
-  for (int64_t isa : {kAvx512, kAvx2})
-    if (isa_supported(isa)) return isa;
-  return kScalar;
-}
 
 void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "llmopt dense linear: ", what); }
 
@@ -79,12 +63,7 @@ void run(const Job& j, int64_t n0, int64_t n1) {
 
 }  // namespace llmopt_dense::scalar
 
-std::vector<std::string> supported_isas() {
-  std::vector<std::string> names{"scalar"};
-  if (isa_supported(kAvx2)) names.push_back("avx2");
-  if (isa_supported(kAvx512)) names.push_back("avx512");
-  return names;
-}
+std::vector<std::string> supported_isas() { return llmopt_isa::supported_names(false); }
 
 // y = x @ w.T (+ bias) for x [..., K] of any float dtype and w [N, K] contiguous float32 /
 // bfloat16 / float16, returned in x's dtype. Up to `max_rows` rows (-1: the default) run the
@@ -120,9 +99,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& w, const st
     case torch::kHalf: wtype = dense::kF16; break;
     default: check(false, "the weight must be float32, bfloat16 or float16"); return {};
   }
-  static const int64_t best = best_isa();
-  if (isa < 0) isa = best;
-  check(isa == best || isa_supported(isa), "this CPU lacks the requested instruction set");
+  check(llmopt_isa::resolve(isa, false), "this CPU lacks the requested instruction set");
 
   const torch::Tensor x = (is_float ? x_in.reshape({M, K}) : x_in.reshape({M, K}).to(torch::kFloat)).contiguous();
   torch::Tensor out = out_in ? out_in->view({M, N}) : torch::empty({M, N}, x.options());

@@ -13,13 +13,14 @@
 #include <string>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "cpu_linear.h"
 
 namespace lin = llmopt_linear;
 
 namespace {
 
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+using namespace llmopt_isa;  // kScalar, kAvx2, kAvx512
 enum Path : int64_t { kAuto = -1, kGemv = 0, kPanel = 1, kFloatGemv = 2 };
 constexpr int64_t kMinTaskMacs = 1 << 18;  // a few microseconds: smaller tasks cost more to hand out than to run
 // GEMV tasks stream at least this many weight bytes per activation row (about 50 us from memory):
@@ -29,23 +30,6 @@ constexpr int64_t kMinTaskBytes = 1 << 20;
 // Up to these many rows, the GEMVs (weights streamed once, unpacked in registers) beat the
 // dequantized panel; the integer GEMV holds four rows per pass with AVX-512, one with AVX2.
 constexpr int64_t kGemvRows = 4, kIntGemvRowsAvx512 = 16, kIntGemvRowsAvx2 = 2;
-
-bool isa_supported(int64_t isa) {
-#if defined(__x86_64__)
-  if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (isa == kAvx512)
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vnni") && isa_supported(kAvx2);
-#endif
-  return isa == kScalar;
-}
-
-int64_t best_isa() {
-  for (int64_t isa : {kAvx512, kAvx2})
-    if (isa_supported(isa)) return isa;
-  return kScalar;
-}
 
 // Per-thread scratch reused across calls (fresh large buffers would page-fault every call).
 float* scratch(std::vector<float>& buf, int64_t n) {
@@ -112,12 +96,7 @@ void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "llmopt cpu linea
 
 }  // namespace
 
-std::vector<std::string> supported_isas() {
-  std::vector<std::string> names{"scalar"};
-  if (isa_supported(kAvx2)) names.push_back("avx2");
-  if (isa_supported(kAvx512)) names.push_back("avx512");
-  return names;
-}
+std::vector<std::string> supported_isas() { return llmopt_isa::supported_names(true); }
 
 // A weight packed by cpu_linear.py: data [tiles, Kp / VPL, 16] int32; scale (and offset)
 // [tiles, groups, 16] float32; wsum [tiles * 16] int32 (w8a8). Checked once, here.
@@ -164,9 +143,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
   const int vpl = lin::values_per_lane(static_cast<int>(format));
   const int64_t M = x.size(0), K = w.k, tiles = (n + 15) / 16, Kp = (K + vpl - 1) / vpl * vpl;
   const int64_t groups = w.scale.size(1);
-  static const int64_t best = best_isa();
-  if (isa < 0) isa = best;
-  check(isa == best || isa_supported(isa), "this CPU lacks the requested instruction set");
+  check(llmopt_isa::resolve(isa, true), "this CPU lacks the requested instruction set");
 
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = n;
