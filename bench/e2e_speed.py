@@ -1,7 +1,7 @@
 """End-to-end speed of the demo model's variants in llmopt's runtime, in one run.
 
-For float32, W8A16, W4A16 (groups of 32 and 64; g32 also with the int8 output head,
-``--lm-head int8``) and FP8 (weights quantized by RTN: the method does not change the speed),
+For float32, W8A16, W4A16 (groups of 32 and 64; g32 also with its output head in bfloat16 or
+int8, ``--lm-head bf16|int8``) and FP8 (weights quantized by RTN: the method does not change the speed),
 ``llmopt bench`` measures single-stream prompt processing (pp512)
 and generation (tg128), median of 5, with the C++ kernels (``--kernels auto``: quantized and float
 GEMVs, decode attention, fused float32 steps) and with the plain-torch path (``--kernels
@@ -43,11 +43,12 @@ VARIANTS: dict[str, tuple[str | None, int | None]] = {
     "W4A16 g32": ("W4A16", 32),
     "W4A16 g64": ("W4A16", 64),
     "FP8": ("FP8", None),
+    "W4A16 g32 + bf16 head": ("W4A16", 32),
     "W4A16 g32 + int8 head": ("W4A16", 32),
 }
 # variants that run another variant's checkpoint with extra ``llmopt bench`` options
-SAME_CHECKPOINT = {"W4A16 g32 + int8 head": "W4A16 g32"}
-BENCH_OPTIONS = {"W4A16 g32 + int8 head": ["--lm-head", "int8"]}
+SAME_CHECKPOINT = {"W4A16 g32 + bf16 head": "W4A16 g32", "W4A16 g32 + int8 head": "W4A16 g32"}
+BENCH_OPTIONS = {"W4A16 g32 + bf16 head": ["--lm-head", "bf16"], "W4A16 g32 + int8 head": ["--lm-head", "int8"]}
 TARGETS = {"w4a16_vs_float32_decode": 2.5, "w4a16_vs_llamacpp_q4_0_decode": 0.8, "ttft_p50_ms": 150, "tpot_p50_ms": 50}
 
 
@@ -159,10 +160,11 @@ def render(result: dict) -> str:
         lines.append(f"| {label} | | {r['tg128_tok_s']:.1f} | {r['tg128_tok_s'] / base:.2f}× | | |")
     w4 = rows["W4A16 g32"]["kernels"]["tg128_tok_s"]
     lines += ["", f"- W4A16 g32 decode vs float32: **{w4 / base:.2f}×** (target ≥ {TARGETS['w4a16_vs_float32_decode']}×)."]
-    if "W4A16 g32 + int8 head" in rows:
-        w4h = rows["W4A16 g32 + int8 head"]["kernels"]["tg128_tok_s"]
-        lines.append(f"- W4A16 g32 with the int8 output head (`--lm-head int8`, bench/results/lm_head_int8.md): "
-                     f"**{w4h / base:.2f}×** float32, {w4h / w4:.2f}× the float head.")
+    for head in ("bf16", "int8"):
+        if f"W4A16 g32 + {head} head" in rows:
+            w4h = rows[f"W4A16 g32 + {head} head"]["kernels"]["tg128_tok_s"]
+            lines.append(f"- W4A16 g32 with the {head} output head (`--lm-head {head}`; accuracy cost in "
+                         f"bench/results/lm_head.md): **{w4h / base:.2f}×** float32, {w4h / w4:.2f}× the float32 head.")
     if "llama.cpp Q4_0" in peers:
         q4 = peers["llama.cpp Q4_0"]["tg128_tok_s"]
         lines.append(f"- W4A16 g32 decode vs llama.cpp Q4_0: **{w4 / q4:.2f}×** (target ≥ {TARGETS['w4a16_vs_llamacpp_q4_0_decode']}×).")
@@ -170,7 +172,10 @@ def render(result: dict) -> str:
         anchor = _anchor_tg()
         lines.append("- llama-cpp-python is not installed here, so llama.cpp was not measured in this run"
                      + (f"; its recorded Q4_0 tg128 on this machine is {anchor:.0f} tok/s (../shared/anchors), "
-                        f"against which W4A16 g32 is {w4 / anchor:.2f}× (not the same run)." if anchor else "."))
+                        f"against which W4A16 g32 is {w4 / anchor:.2f}×"
+                        + "".join(f", with the {h} head {rows[f'W4A16 g32 + {h} head']['kernels']['tg128_tok_s'] / anchor:.2f}×"
+                                  for h in ("bf16", "int8") if f"W4A16 g32 + {h} head" in rows)
+                        + f" (not the same run; target ≥ {TARGETS['w4a16_vs_llamacpp_q4_0_decode']}×)." if anchor else "."))
     for label in ("float32", "W4A16 g32"):
         s = rows[label].get("serving")
         if s:

@@ -73,8 +73,8 @@ class DenseLinear(Linear):
             self.weight_t, self.weight = self.weight.t().contiguous(), None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_t is not None:
-            return reference.dense_linear_t(x, self.weight_t, self.bias)
+        if self.weight_t is not None:  # a narrower weight (bf16 head) is widened per call, as the GEMV does in registers
+            return reference.dense_linear_t(x, self.weight_t.to(x.dtype), self.bias)
         return cpu_dense.linear(x, self.weight, self.bias)
 
     def nbytes(self) -> int:

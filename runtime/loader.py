@@ -36,13 +36,14 @@ class LayerWeights:
 class ModelWeights:
     """``embed`` is ``[vocab, hidden]``, or ``None`` when tied to a dense head: the lookup then
     reads the head's weight, so the matrix is held once. A tied head quantized at load
-    (``lm_head="int8"``) keeps the float table in ``embed`` for lookups."""
+    (``lm_head`` ``bf16`` / ``int8``) keeps the float table in ``embed`` for lookups."""
 
     embed: torch.Tensor | None
     layers: list[LayerWeights]
     norm: torch.Tensor
     lm_head: Linear
     quantization: str | None  # e.g. "compressed-tensors W4A16", None when dense
+    head_kind: str = "float"  # how the output head runs: float (as stored), bf16, int8, or quantized (by the checkpoint)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
@@ -99,8 +100,9 @@ def _quantized(path: Path, config: dict) -> tuple[dict, dict[str, torch.Tensor],
 
 def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, kernels: str = "auto", lm_head: str = "auto") -> ModelWeights:
     """Load the decoder's weights from ``path`` for ``arch``; ``kernels`` as in :func:`use_kernels`.
-    ``lm_head``: ``auto`` keeps the output head as the checkpoint stores it; ``int8`` quantizes a
-    float head per output channel (symmetric round-to-nearest) for the int8 kernels."""
+    ``lm_head``: ``auto`` keeps the output head as the checkpoint stores it; ``bf16`` rounds a
+    float head to bfloat16 (the float GEMV widens it in registers); ``int8`` quantizes it per
+    output channel (symmetric round-to-nearest) for the int8 kernels."""
     config = json.loads((path / "config.json").read_text())
     quantized, dense, description = _quantized(path, config)
 
@@ -144,11 +146,12 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, kernels: str =
         head, embed = DenseLinear.from_weight(embed), None
     else:
         head = DenseLinear.from_weight(tensor("lm_head.weight"))
-    if lm_head == "int8" and isinstance(head, DenseLinear):
+    head_kind = "quantized" if not isinstance(head, DenseLinear) else "float" if lm_head == "auto" else lm_head
+    if head_kind in ("int8", "bf16"):
         if embed is None:  # tied: lookups keep reading the float table
             embed = head.full_weight()
-        head = int8_rows(head)
-    weights = ModelWeights(embed, layers, tensor("model.norm.weight"), head, description)
+        head = int8_rows(head) if head_kind == "int8" else DenseLinear.from_weight(head.full_weight().to(torch.bfloat16), head.bias)
+    weights = ModelWeights(embed, layers, tensor("model.norm.weight"), head, description, head_kind)
     _check_shapes(weights, arch, path)
     use_kernels(weights, kernels)
     return weights

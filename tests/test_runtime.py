@@ -228,42 +228,53 @@ def test_quantized_checkpoints_stay_quantized_and_match(tmp_path, preset, group)
         h.remove()
 
 
+def _rounded_head(w: torch.Tensor, head: str) -> torch.Tensor:
+    """What ``lm_head=head`` makes of the float head ``w``, computed independently."""
+    if head == "bf16":
+        return w.to(torch.bfloat16).float()
+    scale = w.abs().amax(1, keepdim=True) / 127
+    return torch.round(w / scale).clamp(-128, 127) * scale
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])  # tied and untied heads
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
-def test_int8_head_matches_a_dequantized_reference_head(models, tmp_path, kind, kernels):
-    """``lm_head="int8"``: the head quantized per output channel (scale = max|w| / 127, codes
-    rounded to nearest) gives transformers' tokens for the model whose head is that dequantized
-    int8 matrix, while embedding lookups keep the float table."""
+@pytest.mark.parametrize("head", ["bf16", "int8"])
+def test_smaller_head_matches_a_reference_with_that_head(models, tmp_path, kind, kernels, head):
+    """``lm_head="bf16"`` (the head rounded to bfloat16) and ``"int8"`` (quantized per output
+    channel, scale = max|w| / 127, codes rounded to nearest) give transformers' tokens for the
+    model whose head is that rounded matrix, while embedding lookups keep the float table."""
     import copy
 
     model, path = models(kind)
     ref = copy.deepcopy(model)
     with torch.no_grad():
-        if ref.config.tie_word_embeddings:  # untie: the reference head alone becomes int8
+        if ref.config.tie_word_embeddings:  # untie: the reference head alone is rounded
             ref.config.tie_word_embeddings = False
             ref.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
-        w = ref.lm_head.weight
-        scale = w.abs().amax(1, keepdim=True) / 127
-        w.copy_(torch.round(w / scale).clamp(-128, 127) * scale)
+        ref.lm_head.weight.copy_(_rounded_head(ref.lm_head.weight, head))
     assert not torch.equal(ref.lm_head.weight, model.lm_head.weight)
     assert torch.equal(ref.get_input_embeddings().weight, model.get_input_embeddings().weight)
-    llm = LLM(path, lm_head="int8", kernels=kernels)
-    head = llm.engine.weights.lm_head
-    assert isinstance(head, QuantLinear) and head.codes.dtype == torch.int8
-    assert (head.packed is not None) == (kernels == "auto")
-    assert llm.engine.weights.embed.dtype == torch.float32
+    llm = LLM(path, lm_head=head, kernels=kernels)
+    weights = llm.engine.weights
+    assert weights.head_kind == head
+    if head == "int8":
+        assert isinstance(weights.lm_head, QuantLinear) and weights.lm_head.codes.dtype == torch.int8
+        assert (weights.lm_head.packed is not None) == (kernels == "auto")
+    else:
+        assert weights.lm_head.full_weight().dtype == torch.bfloat16
+    assert weights.embed.dtype == torch.float32
     float_bytes = LLMEngine(path, kernels=kernels).weights.nbytes()
-    if kind == "qwen3":  # untied: the head's bytes shrink about 4x (the tied float table stays for lookups)
-        assert llm.engine.weights.nbytes() < float_bytes
+    if kind == "qwen3":  # untied: the head's bytes shrink (the tied float table stays for lookups)
+        assert weights.nbytes() < float_bytes
     prompts = random_prompts(3)
     for prompt, out in zip(prompts, llm.generate(prompts, greedy(12))):
         want, scores = reference(ref, prompt, 12)
-        assert_greedy_match(out.token_ids, want, scores, f"{kind} int8 head")
+        assert_greedy_match(out.token_ids, want, scores, f"{kind} {head} head")
 
 
 def test_lm_head_setting_is_validated(models):
     _, path = models("llama")
-    with pytest.raises(LlmoptError, match="lm_head must be one of auto, int8"):
+    with pytest.raises(LlmoptError, match="lm_head must be one of auto, bf16, int8"):
         LLMEngine(path, lm_head="int4")
     result = CliRunner().invoke(main, ["generate", str(path), "hi", "--lm-head", "int4"])
     assert result.exit_code == 2 and "int4" in result.output
