@@ -28,11 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-# On a shared machine, OpenMP threads spinning at every barrier while the other cores are busy
-# make each parallel op wait for a time slice; sleeping waiters keep both systems measurable.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -163,7 +159,7 @@ def markdown(report: dict) -> str:
         f"# Runtime vs transformers ({report['model']})",
         "",
         f"Machine: {report['machine']}, {report['threads']} threads (1-minute load average {report['load_average_before_after'][0]:.1f} "
-        f"before, {report['load_average_before_after'][1]:.1f} after; OMP_WAIT_POLICY={report['omp_wait_policy']}); torch {report['torch']}, transformers "
+        f"before, {report['load_average_before_after'][1]:.1f} after; OMP_WAIT_POLICY={report['omp_wait_policy'] or 'unset'}); torch {report['torch']}, transformers "
         f"{report['transformers']}; {report['workload']['requests']} requests, prompt {report['workload']['prompt_len']} "
         f"and output {report['workload']['output_len']} tokens (uniform, seed {report['workload']['seed']}), all arriving at once.",
         "",
