@@ -152,7 +152,7 @@ def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_l
     engine = LLMEngine(model, **settings)
     result = {"model": model, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
               "torch": torch.__version__, "seed": seed, "kv_cache_dtype": kv_cache_dtype,
-              "kernels": kernels, "lm_head": lm_head}
+              "kernels": kernels, "lm_head": lm_head, "lm_head_runs_as": engine.weights.head_kind}
     with make_progress() as progress:
         if not no_single:
             task = progress.add_task(f"single stream pp{pp}/tg{tg}", total=repetitions)
@@ -173,6 +173,7 @@ def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_l
         table = Table(title=f"llmopt bench {model} ({result['threads']} threads)", title_justify="left")
         table.add_column("figure")
         table.add_column("value", justify="right")
+        table.add_row("output head", result["lm_head_runs_as"])
         if not no_single:
             table.add_row(f"pp{pp} (prompt tok/s)", f"{result[f'pp{pp}_tok_s']:.1f}")
             table.add_row(f"tg{tg} (generation tok/s)", f"{result[f'tg{tg}_tok_s']:.1f}")

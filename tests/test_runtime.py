@@ -593,7 +593,7 @@ def test_cli_generate_and_bench(models):
                                   "--prompt-len", "4:20", "--output-len", "2:5", "--lm-head", "int8", "--json"])
     assert result.exit_code == 0, result.output
     bench = json.loads(result.stdout)
-    assert bench["pp16_tok_s"] > 0 and bench["tg4_tok_s"] > 0 and bench["lm_head"] == "int8"
+    assert bench["pp16_tok_s"] > 0 and bench["tg4_tok_s"] > 0 and bench["lm_head"] == bench["lm_head_runs_as"] == "int8"
     assert bench["serving"]["requests"] == 3 and bench["serving"]["ttft_p50_s"] > 0
     for args, message in ((["generate", str(path), "hi", "--chat"], "no chat template"),
                           (["generate", str(path), "hi", "--top-p", "2"], "top_p"),
