@@ -23,7 +23,10 @@ from llmopt.errors import LlmoptError
 from llmopt.runtime.kernels import build, cpu_dense, cpu_fused, reference
 from llmopt.runtime.rope import apply_rotary
 
-pytestmark = pytest.mark.skipif(not build.compiler_available(), reason="no C++ compiler: the kernels fall back to torch")
+pytestmark = [
+    pytest.mark.skipif(not build.compiler_available(), reason="no C++ compiler: the kernels fall back to torch"),
+    pytest.mark.usefixtures("one_thread"),  # quick on a shared machine; tests that want more threads set them
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,13 +41,6 @@ def shared_kernel_cache():
         assert cpu_dense.available() and cpu_fused.available(), "a C++ compiler is present but the kernels did not build"
         yield
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def expected(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,10 @@ from llmopt.quant.formats import (
 )
 from llmopt.runtime.kernels import build, cpu_linear, reference
 
-pytestmark = pytest.mark.skipif(not build.compiler_available(), reason="no C++ compiler: the kernels fall back to torch")
+pytestmark = [
+    pytest.mark.skipif(not build.compiler_available(), reason="no C++ compiler: the kernels fall back to torch"),
+    pytest.mark.usefixtures("one_thread"),  # quick on a shared machine; tests that want more threads set them
+]
 
 ROWS = (1, 2, 3, 7, 16, 33, 300)
 N = 37  # two full tiles and a partial one
@@ -68,14 +71,6 @@ def tolerance(x: torch.Tensor, weight: torch.Tensor, activations: str | None) ->
         tol = tol + step * w.abs().amax(1)
     return tol.reshape(*x.shape[:-1], -1)
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One thread unless a test asks for more: quick on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def paths(isa: str, lanes: bool = True) -> list[str | None]:
