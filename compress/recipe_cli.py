@@ -66,7 +66,7 @@ def recipes_group():
 
 
 @recipes_group.command("list")
-@click.option("--json", "as_json", is_flag=True, help="Print the run record as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the recipes as JSON.")
 @user_errors
 def recipes_list(as_json):
     """The bundled recipes, with what each is for."""

@@ -85,14 +85,13 @@ def load_extension(name: str, sources: list[str]) -> ModuleType | None:
 ISAS = ("scalar", "avx2", "avx512")  # the codes the C++ sources use (0, 1, 2); -1 = the best supported
 
 
-class IsaExtension:
-    """An extension whose kernels come in per-instruction-set variants chosen at run time; it
-    exports ``supported_isas()`` and takes an ISA code (:meth:`isa_code`) with every call."""
+class Extension:
+    """A C++ extension built at first use (:func:`load_extension`); ``module()`` is None when it
+    cannot be built here, and callers keep plain torch."""
 
     def __init__(self, name: str, sources: list[str]) -> None:
         self.name = name
         self.sources = sources
-        self._env_code: int | None = None  # LLMOPT_CPU_ISA's code, read once (a lookup costs as much as a small GEMV)
 
     def module(self) -> ModuleType | None:
         return load_extension(self.name, self.sources)
@@ -100,6 +99,15 @@ class IsaExtension:
     def available(self) -> bool:
         """True when the extension is built (or can be) and not disabled by ``LLMOPT_KERNELS=reference``."""
         return self.module() is not None
+
+
+class IsaExtension(Extension):
+    """An extension whose kernels come in per-instruction-set variants chosen at run time; it
+    exports ``supported_isas()`` and takes an ISA code (:meth:`isa_code`) with every call."""
+
+    def __init__(self, name: str, sources: list[str]) -> None:
+        super().__init__(name, sources)
+        self._env_code: int | None = None  # LLMOPT_CPU_ISA's code, read once (a lookup costs as much as a small GEMV)
 
     def supported_isas(self) -> list[str]:
         """Instruction sets this CPU runs, slowest first (``scalar`` always)."""

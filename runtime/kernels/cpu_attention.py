@@ -7,22 +7,14 @@ the plain-torch reference.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from llmopt.errors import LlmoptError
 
-from .build import load_extension
+from .build import Extension
 
-NAME = "llmopt_attention"
-
-
-def extension() -> ModuleType | None:
-    return load_extension(NAME, ["attention.cpp"])
-
-
-def available() -> bool:
-    return extension() is not None
+EXTENSION = Extension("llmopt_attention", ["attention.cpp"])
+extension = EXTENSION.module
+available = EXTENSION.available
 
 
 def use_cpu_attention(kernels: str) -> bool:

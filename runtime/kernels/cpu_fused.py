@@ -11,20 +11,13 @@ keeps the plain-torch forward.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
-from .build import load_extension
+from .build import Extension
 
-
-def extension() -> ModuleType | None:
-    """The compiled module (its functions are the ones below, without the Python call in between)."""
-    return load_extension("cpu_fused", ["fused.cpp"])
-
-
-def available() -> bool:
-    return extension() is not None
+EXTENSION = Extension("cpu_fused", ["fused.cpp"])
+extension = EXTENSION.module  # the compiled module: the functions below without the Python call in between
+available = EXTENSION.available
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
