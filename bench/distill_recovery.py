@@ -59,7 +59,7 @@ def request(out: Path, dropped: list[int], train_settings, seq_len: int, **kwarg
 
 def pick_threads() -> int:
     """1 or 2 intra-op threads, whichever runs a demo-sized forward faster right now (the CPU is shared)."""
-    from llmopt.models import load_model
+    from llmopt.checkpoints.models import load_model
 
     model, _ = load_model(TEACHER)
     ids = torch.randint(0, 49152, (1, 256))
@@ -78,8 +78,8 @@ def pick_threads() -> int:
 
 
 def rank(work: Path) -> dict:
-    from llmopt.data import calibration_ids
-    from llmopt.models import load_model
+    from llmopt.core.data import calibration_ids
+    from llmopt.checkpoints.models import load_model
     from llmopt.prune.depth import block_influence
 
     model, tokenizer = load_model(TEACHER)
@@ -93,8 +93,8 @@ def rank(work: Path) -> dict:
 
 def perplexity(model_or_path, windows: int) -> dict:
     """WikiText-2 perplexity in float32, ``windows`` non-overlapping windows of 2048 tokens."""
-    from llmopt.evaluate import eval_data, evaluate
-    from llmopt.models import load_model
+    from llmopt.accuracy import eval_data, evaluate
+    from llmopt.checkpoints.models import load_model
 
     if isinstance(model_or_path, (str, Path)):
         model, tokenizer = load_model(model_or_path)
@@ -107,7 +107,7 @@ def perplexity(model_or_path, windows: int) -> dict:
 
 
 def pruned_perplexity(dropped: list[int], windows: int) -> dict:
-    from llmopt.models import load_model
+    from llmopt.checkpoints.models import load_model
     from llmopt.prune.depth import drop_layers
 
     model, tokenizer = load_model(TEACHER)

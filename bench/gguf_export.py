@@ -105,17 +105,17 @@ def main() -> None:
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args()
 
-    from llmopt.data import load_text
-    from llmopt.evaluate import (
+    from llmopt.core.data import load_text
+    from llmopt.accuracy import (
         BaselineCache,
         eval_data,
         evaluate,
         fill_baseline,
         model_fingerprint,
     )
-    from llmopt.export_gguf import export_gguf
-    from llmopt.models import load_model, resolve_model
-    from llmopt.paths import cache_dir
+    from llmopt.formats.gguf_export import export_gguf
+    from llmopt.checkpoints.models import load_model, resolve_model
+    from llmopt.core.paths import cache_dir
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     work = cache_dir("bench", "gguf_export")  # checkpoints and GGUF files stay out of the repository

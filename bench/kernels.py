@@ -72,7 +72,7 @@ def copy_bandwidth(min_time: float) -> float:
 
 def our_variant(name: str, w: torch.Tensor):
     """(weights, bytes read, call(x, xb, weights)) for one of ``OURS``, or None when the group does not fit."""
-    from llmopt.quant.formats import compute_qparams, get_scheme, quantize
+    from llmopt.formats.schemes import compute_qparams, get_scheme, quantize
     from llmopt.runtime.kernels import cpu_linear
 
     kind, _, group = name.partition(" g")

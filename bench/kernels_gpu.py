@@ -339,7 +339,7 @@ def time_linears(torch, kernels, device, shapes, rows, clock: Clock, copy_gbps: 
     import torch.nn.functional as F
 
     tlin = kernels.triton_linear
-    from llmopt.quant.formats import effective_group_size
+    from llmopt.formats.schemes import effective_group_size
 
     dtype = torch.float16
     results = []

@@ -279,7 +279,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from llmopt.data import load_text, tokenize_documents
+    from llmopt.core.data import load_text, tokenize_documents
     from llmopt.runtime.kernels import cpu_attention
 
     start = time.perf_counter()

@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from llmopt.data import load_text, tokenize_documents
+    from llmopt.core.data import load_text, tokenize_documents
     from llmopt.runtime import LLMEngine
 
     tokenizer = LLMEngine("demo", max_num_seqs=1, kv_cache_gib=0.01).tokenizer

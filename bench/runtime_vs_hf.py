@@ -218,7 +218,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     import transformers
-    from llmopt.models import load_model
+    from llmopt.checkpoints.models import load_model
     from llmopt.runtime import LLMEngine
     from llmopt.runtime.bench import make_workload
 

@@ -7,14 +7,14 @@ __version__ = "0.1.0"
 
 def resolve_model(spec):
     """The local Hugging Face directory for a model spec (``demo``, a directory, a .gguf, a Hub id)."""
-    from .models import resolve_model as resolve
+    from llmopt.checkpoints.models import resolve_model as resolve
 
     return resolve(spec)
 
 
 def load_model(spec, dtype: str = "float32"):
     """``(model, tokenizer)`` for a model spec, on the CPU in eval mode."""
-    from .models import load_model as load
+    from llmopt.checkpoints.models import load_model as load
 
     return load(spec, dtype)
 

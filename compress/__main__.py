@@ -1,4 +1,4 @@
 """python -m llmopt"""
-from .cli import main
+from llmopt.cli.main import main
 
 main()

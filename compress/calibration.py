@@ -327,7 +327,7 @@ def run_sequential(
                 return nullcontext(lambda: progress.advance(task))
             if not show_progress:
                 return nullcontext(None)
-            from llmopt.console import progress_task
+            from llmopt.core.console import progress_task
 
             return progress_task(description, len(layers))
 

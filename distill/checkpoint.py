@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 PREFIX = "step-"
 

@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass
 
 import torch
-from llmopt.data import load_text, tokenize_documents
-from llmopt.errors import LlmoptError
-from llmopt.paths import cache_dir
+from llmopt.core.data import load_text, tokenize_documents
+from llmopt.core.errors import LlmoptError
+from llmopt.core.paths import cache_dir
 
 DEFAULT_TRAIN = "gutenberg"
 DEFAULT_VALIDATION = "heldout"

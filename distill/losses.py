@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 KINDS = ("fkl", "rkl", "jsd")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 CHOICES = ("auto", "bf16", "fp16", "no")
 

@@ -14,15 +14,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from llmopt.atomic import atomic_dir, check_output
-from llmopt.errors import LlmoptError
+from llmopt.core.atomic import atomic_dir, check_output
+from llmopt.core.errors import LlmoptError
 
-from . import checkpoint
-from .data import DEFAULT_TRAIN, DEFAULT_VALIDATION, pack_text, spread
-from .display import TrainDisplay
-from .precision import resolve_precision
-from .student import Student, StudentRequest, build_student
-from .trainer import Trainer, TrainResult, TrainSettings
+from llmopt.distill import checkpoint
+from llmopt.distill.data import DEFAULT_TRAIN, DEFAULT_VALIDATION, pack_text, spread
+from llmopt.distill.display import TrainDisplay
+from llmopt.distill.precision import resolve_precision
+from llmopt.distill.student import Student, StudentRequest, build_student
+from llmopt.distill.trainer import Trainer, TrainResult, TrainSettings
 
 
 @dataclass
@@ -104,10 +104,10 @@ def resolve_hidden_weight(settings: TrainSettings, student: Student) -> None:
 def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
     """Distil and save; returns the record written to ``OUTPUT/llmopt.json``."""
     from accelerate import PartialState
-    from llmopt.console import err
-    from llmopt.evaluate import check_seq_len, model_fingerprint
-    from llmopt.models import load_model, resolve_model
-    from llmopt.quantize_run import versions
+    from llmopt.core.console import err
+    from llmopt.accuracy import check_seq_len, model_fingerprint
+    from llmopt.checkpoints.models import load_model, resolve_model
+    from llmopt.pipeline.stages.quantize import versions
 
     _check_request(request)
     cpu = not torch.cuda.is_available()
@@ -127,7 +127,7 @@ def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
     val_ids = spread(val, request.settings.val_samples) if val is not None else None
     cache = None
     if request.settings.teacher_top_k:
-        from .teacher_cache import TeacherCache
+        from llmopt.distill.teacher_cache import TeacherCache
 
         cache = TeacherCache.for_run(model_fingerprint(teacher_path), train.ids, request.settings.teacher_top_k,
                                      request.settings.temperature, resolve_precision(request.settings.precision, cpu))

@@ -13,7 +13,7 @@ import importlib.util
 from dataclasses import dataclass, field
 
 import torch
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 from llmopt.prune.depth import (
     METHODS,
     DepthPruneResult,
@@ -25,7 +25,7 @@ from llmopt.prune.depth import (
 )
 from torch import nn
 
-from .hidden import layer_map_from_kept, uniform_layer_map
+from llmopt.distill.hidden import layer_map_from_kept, uniform_layer_map
 
 
 @dataclass
@@ -123,7 +123,7 @@ def build_student(request: StudentRequest, teacher: nn.Module, teacher_tokenizer
 
     ``bf16`` ranks blocks under bfloat16 autocast (much faster on CPUs with native bf16).
     """
-    from llmopt.models import load_model
+    from llmopt.checkpoints.models import load_model
 
     request.validate()
     n_teacher = len(decoder_layers(teacher))
@@ -145,7 +145,7 @@ def build_student(request: StudentRequest, teacher: nn.Module, teacher_tokenizer
 
 
 def _width(request: StudentRequest, model: nn.Module, tokenizer, n_teacher: int, bf16: bool) -> Student:
-    from llmopt.data import calibration_ids
+    from llmopt.core.data import calibration_ids
 
     ids, calib_record = calibration_ids(tokenizer, request.calib, request.calib_samples, request.calib_seq_len, request.seed)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -158,7 +158,7 @@ def _width(request: StudentRequest, model: nn.Module, tokenizer, n_teacher: int,
 
 
 def _drop_layers(request: StudentRequest, model: nn.Module, tokenizer, n_teacher: int, bf16: bool) -> Student:
-    from llmopt.data import calibration_ids
+    from llmopt.core.data import calibration_ids
 
     n_layers = len(decoder_layers(model))
     if request.drop_layers >= n_layers:

@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 
 import torch
-from llmopt.paths import cache_dir
+from llmopt.core.paths import cache_dir
 
-from .losses import TopK
+from llmopt.distill.losses import TopK
 
 
 class TeacherCache:

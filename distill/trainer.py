@@ -21,15 +21,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
-from . import checkpoint
-from .data import DataOrder, PackedText
-from .display import Progress, TrainDisplay
-from .hidden import capture_hidden
-from .losses import KINDS, cross_entropy, hidden_mse, kd_loss
-from .precision import resolve_precision
-from .teacher_cache import TeacherCache
+from llmopt.distill import checkpoint
+from llmopt.distill.data import DataOrder, PackedText
+from llmopt.distill.display import Progress, TrainDisplay
+from llmopt.distill.hidden import capture_hidden
+from llmopt.distill.losses import KINDS, cross_entropy, hidden_mse, kd_loss
+from llmopt.distill.precision import resolve_precision
+from llmopt.distill.teacher_cache import TeacherCache
 
 
 @dataclass

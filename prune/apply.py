@@ -4,7 +4,7 @@ Methods: ``magnitude``, ``wanda``, ``sparsegpt`` (unstructured ``sparsity`` per 
 ``pattern``; ``uniform`` or ``owl`` per-layer profile), ``drop-layers`` (remove ``num`` decoder
 blocks ranked by ``block-influence`` or ``perplexity``), ``width`` (remove ``ffn_ratio`` of MLP
 channels and ``heads_ratio`` of attention heads). :func:`PruneSettings.validate` refuses bad
-requests with one-line :class:`~llmopt.errors.LlmoptError`s; :func:`prune_model` modifies the
+requests with one-line :class:`~llmopt.core.errors.LlmoptError`s; :func:`prune_model` modifies the
 model in place and returns a JSON-ready record of what it did.
 """
 
@@ -15,20 +15,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 from torch import nn
 
-from .depth import METHODS as RANKINGS
-from .depth import LayerRanking, check_drop_count, drop_layers, kept_layers, rank_layers
-from .masks import Pattern, parse_pattern
-from .sparsify import (
+from llmopt.prune.depth import METHODS as RANKINGS
+from llmopt.prune.depth import LayerRanking, check_drop_count, drop_layers, kept_layers, rank_layers
+from llmopt.prune.masks import Pattern, parse_pattern
+from llmopt.prune.sparsify import (
     MASK_METHODS,
     PROFILES,
     SparsifyOptions,
     sparsify_model,
     sparsity_report,
 )
-from .width import HEAD_MODES, check_ffn_ratio, plan_heads, prune_width
+from llmopt.prune.width import HEAD_MODES, check_ffn_ratio, plan_heads, prune_width
 
 METHODS = (*MASK_METHODS, "drop-layers", "width")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 from llmopt.calibration import decoder_layers as engine_decoder_layers
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 from torch import nn
 
 METHODS = ("block-influence", "perplexity")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from llmopt.quant.gptq import _inverse_hessian_factor
 
-from .masks import Pattern, pruned_per_row
+from llmopt.prune.masks import Pattern, pruned_per_row
 
 
 @torch.no_grad()

@@ -23,10 +23,10 @@ from llmopt.calibration import (
 )
 from torch import nn
 
-from .magnitude import magnitude_mask
-from .masks import Pattern, nm_valid, outlier_ratio, owl_sparsities
-from .sparsegpt import sparsegpt_prune_weight
-from .wanda import wanda_mask, wanda_scores
+from llmopt.prune.magnitude import magnitude_mask
+from llmopt.prune.masks import Pattern, nm_valid, outlier_ratio, owl_sparsities
+from llmopt.prune.sparsegpt import sparsegpt_prune_weight
+from llmopt.prune.wanda import wanda_mask, wanda_scores
 
 MASK_METHODS = ("magnitude", "wanda", "sparsegpt")
 PROFILES = ("uniform", "owl")

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from llmopt.calibration import LinearStats, decoder_layers, run_sequential
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 from torch import nn
 
 HEAD_MODES = ("auto", "kv-groups", "query-heads")

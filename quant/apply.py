@@ -25,8 +25,8 @@ from llmopt.calibration import (
 )
 from torch import nn
 
-from .awq import AwqMappingResult, awq_apply_layer, awq_clip_layer
-from .formats import (
+from llmopt.quant.awq import AwqMappingResult, awq_apply_layer, awq_clip_layer
+from llmopt.formats.schemes import (
     GROUPED_SCHEMES,
     PRESETS,
     QuantizedWeight,
@@ -35,10 +35,10 @@ from .formats import (
     fake_quantize_activations,
     get_scheme,
 )
-from .gptq import gptq_quantize_weight, split_rows
-from .mappings import layer_mappings
-from .rtn import rtn_quantize_modules
-from .smoothquant import SmoothResult, smoothquant_apply_layer
+from llmopt.quant.gptq import gptq_quantize_weight, split_rows
+from llmopt.quant.mappings import layer_mappings
+from llmopt.quant.rtn import rtn_quantize_modules
+from llmopt.quant.smoothquant import SmoothResult, smoothquant_apply_layer
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq")
 DEFAULT_IGNORE = ("lm_head",)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from llmopt.calibration import LinearStats
 
-from .clipping import clamp_to_ratio, search_clip_ratio
-from .formats import QuantScheme, compute_qparams, fake_quantize
-from .mappings import ScaleMapping
+from llmopt.quant.clipping import clamp_to_ratio, search_clip_ratio
+from llmopt.formats.schemes import QuantScheme, compute_qparams, fake_quantize
+from llmopt.quant.mappings import ScaleMapping
 
 
 @dataclass

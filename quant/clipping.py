@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import QuantScheme, _grouped, compute_qparams, fake_quantize
+from llmopt.formats.schemes import QuantScheme, _grouped, compute_qparams, fake_quantize
 
 
 def _hessian_blocks(hessian: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import (
+from llmopt.formats.schemes import (
     FP8_MAX,
     QuantizedWeight,
     QuantScheme,

@@ -8,8 +8,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .clipping import search_qparams_hessian
-from .formats import QuantizedWeight, QuantScheme, compute_qparams, search_qparams
+from llmopt.quant.clipping import search_qparams_hessian
+from llmopt.formats.schemes import QuantizedWeight, QuantScheme, compute_qparams, search_qparams
 
 ClipMode = Literal["minmax", "mse"]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from llmopt.calibration import LinearStats
 
-from .mappings import ScaleMapping
+from llmopt.quant.mappings import ScaleMapping
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 from .block_manager import BlockManager
 from .config import GIB, EngineConfig, read_arch, resolve_max_model_len
@@ -28,13 +28,13 @@ from .sequence import Sequence, Status
 class LLMEngine:
     """The serving loop: ``add_request``, then ``step`` until ``has_unfinished`` is False.
 
-    ``model`` is anything ``llmopt.models.resolve_model`` accepts (``demo``, a directory, a
+    ``model`` is anything ``llmopt.checkpoints.models.resolve_model`` accepts (``demo``, a directory, a
     ``.gguf`` file, a Hub id). Settings come from ``config`` and/or keyword overrides of
     :class:`EngineConfig` fields.
     """
 
     def __init__(self, model: str | os.PathLike, config: EngineConfig | None = None, *, tokenizer=None, **overrides) -> None:
-        from llmopt.models import resolve_model
+        from llmopt.checkpoints.models import resolve_model
 
         try:
             config = replace(config or EngineConfig(), **overrides)

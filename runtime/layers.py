@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from llmopt.quant.formats import QuantizedWeight, compute_qparams, get_scheme, quantize
+from llmopt.formats.schemes import QuantizedWeight, compute_qparams, get_scheme, quantize
 
 from .kernels import cpu_dense, cpu_linear, reference
 

@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 from .engine import LLMEngine
 from .outputs import RequestOutput
@@ -38,7 +38,7 @@ class LLM:
         ids = self._add_all(batch, params)
         done: dict[str, RequestOutput] = {}
         if progress:
-            from llmopt.console import progress_task
+            from llmopt.core.console import progress_task
 
             with progress_task("generating", total=len(ids)) as advance:
                 self._run(done, advance)

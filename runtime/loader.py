@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 from safetensors import safe_open
 
 from .config import ModelArch
@@ -84,7 +84,7 @@ def _quantized(path: Path, config: dict) -> tuple[dict, dict[str, torch.Tensor],
     if not method:
         return {}, _dense_tensors(path), None
     if method == "compressed-tensors":
-        from llmopt.quant.compressed import read_compressed
+        from llmopt.formats.compressed import read_compressed
 
         weights, _ = read_compressed(path)
         dense = {k: v for k, v in _dense_tensors(path).items()
@@ -92,7 +92,7 @@ def _quantized(path: Path, config: dict) -> tuple[dict, dict[str, torch.Tensor],
         names = sorted({qw.scheme.name for qw in weights.values()})
         return weights, dense, f"compressed-tensors {'/'.join(names)}"
     if method == "bitsandbytes":
-        from llmopt.quant.compressed import nf4_dequantized_state
+        from llmopt.formats.compressed import nf4_dequantized_state
 
         return {}, nf4_dequantized_state(path), "bitsandbytes NF4 (dequantized at load)"
     raise LlmoptError(f"the runtime cannot read '{method}' checkpoints", "use a dense or compressed-tensors checkpoint (llmopt quantize writes those)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 
 @dataclass

@@ -7,8 +7,8 @@ import json
 from click.testing import CliRunner
 
 from conftest import SHARED_DATA, save_model, tiny_llama
-from llmopt.cli import main
-from llmopt.compare import pareto_front
+from llmopt.cli.main import main
+from llmopt.evaluation.compare import pareto_front
 
 WIKI = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
 
@@ -54,8 +54,8 @@ def test_compare_tiny_variants(tmp_path):
 def test_demo_builds_every_variant_and_reports(tmp_path):
     """The whole ``llmopt demo`` pipeline on a tiny model: every variant built by its recipe,
     compared in one run, the report written; a second run reuses every variant."""
-    from llmopt.compare import CompareSettings
-    from llmopt.demo import VARIANTS, run_demo
+    from llmopt.evaluation.compare import CompareSettings
+    from llmopt.evaluation.demo import VARIANTS, run_demo
 
     base = save_model(tiny_llama(num_hidden_layers=8, max_position_embeddings=1024), tmp_path / "base")
 

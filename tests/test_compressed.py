@@ -16,15 +16,15 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from llmopt.quant import compressed
-from llmopt.quant.compressed import (
+from llmopt.formats import compressed
+from llmopt.formats.compressed import (
     load_dequantized,
     nf4_dequantized_state,
     read_compressed,
     save_compressed,
     save_nf4,
 )
-from llmopt.quant.formats import (
+from llmopt.formats.schemes import (
     QuantizedWeight,
     compute_qparams,
     effective_group_size,

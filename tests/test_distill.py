@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 from conftest import save_model, tiny_llama
-from llmopt.cli import main
+from llmopt.cli.main import main
 from llmopt.distill.data import DataOrder
 from llmopt.distill.hidden import layer_map_from_kept, uniform_layer_map
 from llmopt.distill.losses import (
@@ -29,7 +29,7 @@ from llmopt.distill.losses import (
     kd_loss,
     reverse_kl,
 )
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 from llmopt.prune.depth import (
     block_influence,
     drop_layers,

@@ -18,16 +18,16 @@ from conftest import tiny_llama
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
-from llmopt.cli import main
-from llmopt.errors import LlmoptError
-from llmopt.export import export_compressed_tensors, export_hf
-from llmopt.export_gguf import (
+from llmopt.cli.main import main
+from llmopt.core.errors import LlmoptError
+from llmopt.formats.export import export_compressed_tensors, export_hf
+from llmopt.formats.gguf_export import (
     UnmappableTypeError,
     UnsupportedArchitectureError,
     export_gguf,
 )
-from llmopt.quant.compressed import read_compressed, save_compressed
-from llmopt.quant.formats import (
+from llmopt.formats.compressed import read_compressed, save_compressed
+from llmopt.formats.schemes import (
     QuantizedWeight,
     QuantScheme,
     compute_qparams,
@@ -457,7 +457,7 @@ def test_cli_export_json_and_errors(tmp_path, dense_dir):
 
 
 def test_no_partial_file_when_writing_fails(tmp_path, dense_dir, monkeypatch):
-    from llmopt import export_gguf as module
+    from llmopt.formats import gguf_export as module
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")

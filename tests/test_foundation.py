@@ -11,10 +11,10 @@ import torch
 from click.testing import CliRunner
 
 from conftest import SHARED_DATA, byte_tokenizer, save_model, tiny_llama
-from llmopt.cli import main
-from llmopt.errors import LlmoptError
-from llmopt.evaluate import BaselineCache, eval_data, evaluate, kl_from_top_k
-from llmopt.models import load_model, resolve_model
+from llmopt.cli.main import main
+from llmopt.core.errors import LlmoptError
+from llmopt.accuracy import BaselineCache, eval_data, evaluate, kl_from_top_k
+from llmopt.checkpoints.models import load_model, resolve_model
 
 WIKI = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
 
@@ -162,7 +162,7 @@ def test_top_k_kld_exact_at_full_vocab_and_lower_bound_below():
 def test_baseline_is_computed_once_and_reused(tmp_path, wiki_data):
     model = tiny_llama()
     cache = BaselineCache(tmp_path / "base", top_k=16)
-    from llmopt.evaluate import fill_baseline
+    from llmopt.accuracy import fill_baseline
 
     fill_baseline(model, wiki_data, cache)
     assert cache.missing(4) == []
@@ -273,7 +273,7 @@ def test_demo_self_baseline_and_inspect(demo_cache):
 
 
 def test_self_baseline_from_cache_matches_computed(tiny_model_dir):
-    from llmopt.evaluate import run_eval
+    from llmopt.accuracy import run_eval
 
     first = run_eval(str(tiny_model_dir), str(tiny_model_dir), str(WIKI), seq_len=64, max_windows=3, top_k=8)
     again = run_eval(str(tiny_model_dir), str(tiny_model_dir), str(WIKI), seq_len=64, max_windows=3, top_k=8)

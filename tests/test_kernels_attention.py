@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import save_model, tiny_llama
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 from llmopt.runtime import LLMEngine
 from llmopt.runtime.config import EngineConfig
 from llmopt.runtime.kernels import build, cpu_attention, kv_quant
@@ -328,7 +328,7 @@ def test_quantized_kv_logits_stay_close(tiny_path, kind, max_kld, max_error, min
 
 
 def test_cli_kv_cache_dtype(tiny_path):
-    from llmopt.cli import main
+    from llmopt.cli.main import main
 
     result = CliRunner().invoke(main, ["generate", str(tiny_path), "hello", "--max-tokens", "5", "--ignore-eos",
                                        "--kv-cache-dtype", "int8", "--json"])

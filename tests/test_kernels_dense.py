@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 from llmopt.runtime.kernels import build, cpu_dense, cpu_fused, reference
 from llmopt.runtime.rope import apply_rotary
 

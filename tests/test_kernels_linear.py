@@ -22,8 +22,8 @@ import os
 import pytest
 import torch
 from conftest import byte_tokenizer, tiny_llama
-from llmopt.errors import LlmoptError
-from llmopt.quant.formats import (
+from llmopt.core.errors import LlmoptError
+from llmopt.formats.schemes import (
     compute_qparams,
     dequantize,
     fake_quantize_activations,
@@ -199,8 +199,8 @@ def test_fp8_special_values():
 
 
 def quantized_checkpoint(path, preset: str, group: int | None):
-    from llmopt.quant.compressed import save_compressed
-    from llmopt.quant.formats import QuantizedWeight, effective_group_size
+    from llmopt.formats.compressed import save_compressed
+    from llmopt.formats.schemes import QuantizedWeight, effective_group_size
 
     model = tiny_llama(seed=3, tie_word_embeddings=False)
     scheme = get_scheme(preset, group if group is not None else 0)
@@ -239,7 +239,7 @@ def test_engine_kernels_setting_is_validated(tmp_path):
 
 def test_cli_kernels_option(tmp_path):
     from click.testing import CliRunner
-    from llmopt.cli import main
+    from llmopt.cli.main import main
 
     path = quantized_checkpoint(tmp_path / "q", "W4A16", 32)
     ids = {}

@@ -11,9 +11,9 @@ import torch
 from click.testing import CliRunner
 from conftest import SHARED_DATA, correlated_inputs, out_err, save_model, tiny_llama
 from llmopt.calibration import LinearStats, linear_modules
-from llmopt.cli import main
-from llmopt.errors import LlmoptError
-from llmopt.models import load_model
+from llmopt.cli.main import main
+from llmopt.core.errors import LlmoptError
+from llmopt.checkpoints.models import load_model
 from llmopt.prune.apply import PruneSettings, prune_model
 from llmopt.prune.magnitude import magnitude_mask
 from llmopt.prune.masks import (

@@ -11,7 +11,7 @@ import torch
 from llmopt.calibration import LinearStats, linear_modules, run_sequential
 from llmopt.quant.apply import quantize_model
 from llmopt.quant.awq import awq_apply_layer, awq_search_scale
-from llmopt.quant.formats import FP8_MAX, compute_qparams, get_scheme
+from llmopt.formats.schemes import FP8_MAX, compute_qparams, get_scheme
 from llmopt.quant.gptq import gptq_quantize_weight
 from llmopt.quant.mappings import layer_mappings
 from llmopt.quant.rtn import rtn_quantize_modules, rtn_quantize_weight

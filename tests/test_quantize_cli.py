@@ -9,9 +9,9 @@ import torch
 from click.testing import CliRunner
 
 from conftest import SHARED_DATA, save_model, tiny_llama
-from llmopt.cli import main
-from llmopt.models import load_model
-from llmopt.quant.compressed import read_compressed
+from llmopt.cli.main import main
+from llmopt.checkpoints.models import load_model
+from llmopt.formats.compressed import read_compressed
 from transformers import AutoModelForCausalLM
 
 CALIB = SHARED_DATA / "gutenberg" / "persuasion.txt"

@@ -9,11 +9,11 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import SHARED_DATA
-from llmopt.cli import main
-from llmopt.errors import LlmoptError
-from llmopt.quant.compressed import read_compressed
-from llmopt.recipe import RecipeError, bundled_recipes, load_recipe
-from llmopt.recipe_run import plan, run_recipe
+from llmopt.cli.main import main
+from llmopt.core.errors import LlmoptError
+from llmopt.formats.compressed import read_compressed
+from llmopt.pipeline.recipe import RecipeError, bundled_recipes, load_recipe
+from llmopt.pipeline.runner import plan, run_recipe
 
 CALIB = SHARED_DATA / "gutenberg" / "persuasion.txt"
 
@@ -191,7 +191,7 @@ def test_cli_run_and_recipes_commands(tmp_path, tiny_model_dir):
 
 
 def test_demo_variants_validate(tmp_path):
-    from llmopt.demo import VARIANTS, variant_recipes
+    from llmopt.evaluation.demo import VARIANTS, variant_recipes
 
     recipes = variant_recipes("demo", tmp_path)
     assert list(recipes) == list(VARIANTS)

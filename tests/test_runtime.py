@@ -12,10 +12,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import byte_tokenizer, save_model, tiny_llama
-from llmopt.cli import main
-from llmopt.errors import LlmoptError
-from llmopt.quant.compressed import save_compressed
-from llmopt.quant.formats import (
+from llmopt.cli.main import main
+from llmopt.core.errors import LlmoptError
+from llmopt.formats.compressed import save_compressed
+from llmopt.formats.schemes import (
     QuantizedWeight,
     compute_qparams,
     effective_group_size,
@@ -608,7 +608,7 @@ def test_cli_generate_and_bench(models):
 
 @pytest.mark.demo
 def test_demo_greedy_matches_transformers(demo_cache):
-    from llmopt.models import load_model
+    from llmopt.checkpoints.models import load_model
 
     model, tokenizer = load_model("demo")
     texts = ["The capital of France is", "def quicksort(arr):", "Once upon a time, a fox", "Water boils at",

@@ -57,8 +57,8 @@ def load_extension(name: str, sources: list[str]) -> ModuleType | None:
         warnings.warn(f"no C++ compiler found: llmopt's {name} kernels fall back to plain torch (slower); "
                       "install g++ or clang++ to enable them", RuntimeWarning, stacklevel=2)
     else:
-        from llmopt.console import notice
-        from llmopt.paths import cache_dir
+        from llmopt.core.console import notice
+        from llmopt.core.paths import cache_dir
         from torch.utils import cpp_extension
 
         paths = [SOURCES / s for s in sources]
@@ -116,7 +116,7 @@ class IsaExtension(Extension):
 
     def isa_code(self, isa: str | None) -> int:
         """The code of ``isa`` (None: ``LLMOPT_CPU_ISA``, read once; ``auto``: -1, the best one)."""
-        from llmopt.errors import LlmoptError
+        from llmopt.core.errors import LlmoptError
 
         if isa is None:
             if self._env_code is None:

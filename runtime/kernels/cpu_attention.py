@@ -8,7 +8,7 @@ the plain-torch reference.
 from __future__ import annotations
 
 import torch
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 from .build import Extension
 

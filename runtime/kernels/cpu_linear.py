@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
-from llmopt.errors import LlmoptError
-from llmopt.quant.formats import fake_quantize_activations
+from llmopt.core.errors import LlmoptError
+from llmopt.formats.schemes import fake_quantize_activations
 
 from .build import IsaExtension
 

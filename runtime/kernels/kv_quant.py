@@ -9,7 +9,7 @@ do not take float8 tensors; ``dequantize`` reinterprets them.
 from __future__ import annotations
 
 import torch
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 QMAX = {"int8": 127.0, "fp8": 448.0}

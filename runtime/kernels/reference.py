@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from llmopt.quant.formats import dequantize, fake_quantize_activations
+from llmopt.formats.schemes import dequantize, fake_quantize_activations
 
 from . import kv_quant
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from llmopt.quant.formats import fake_quantize_activations
+from llmopt.formats.schemes import fake_quantize_activations
 
 from . import reference
 from .triton_common import dot_dtype_is_f32, multiprocessors, tl, triton, use_triton
@@ -100,7 +100,7 @@ def pack_weight(
     group_size: int | None,
     num_bits: int | None = None,
 ) -> PackedWeight:
-    """Repack a quantized weight (layout of :class:`llmopt.quant.formats.QuantizedWeight`)
+    """Repack a quantized weight (layout of :class:`llmopt.formats.schemes.QuantizedWeight`)
     for :func:`triton_quant_linear`; done once per weight, on the device it will run on."""
     out_features, in_features = codes.shape
     groups = 1 if group_size is None else in_features // group_size

@@ -42,12 +42,12 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
-from . import gguf_blocks as blocks
-from .atomic import atomic_file, check_output
-from .errors import LlmoptError
-from .export import USER_TYPES
-from .gguf_vocab import Vocab, build_vocab, write_vocab
-from .models import read_config, resolve_model
+from llmopt.formats import gguf_blocks as blocks
+from llmopt.core.atomic import atomic_file, check_output
+from llmopt.core.errors import LlmoptError
+from llmopt.formats.export import USER_TYPES
+from llmopt.formats.gguf_vocab import Vocab, build_vocab, write_vocab
+from llmopt.checkpoints.models import read_config, resolve_model
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
 CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q8_0}
@@ -160,7 +160,7 @@ def read_source(path: Path) -> Source:
     if method is None:
         return Source(path, config, _safetensors(path), {}, "dense")
     if method == "compressed-tensors":
-        from llmopt.quant.compressed import read_compressed
+        from llmopt.formats.compressed import read_compressed
 
         try:
             quantized, _ = read_compressed(path)
@@ -170,7 +170,7 @@ def read_source(path: Path) -> Source:
                   if not (k.rpartition(".")[0] in quantized and k.rpartition(".")[2].startswith("weight"))}
         return Source(path, config, floats, quantized, "compressed-tensors")
     if method == "bitsandbytes":
-        from llmopt.quant.compressed import nf4_dequantized_state
+        from llmopt.formats.compressed import nf4_dequantized_state
 
         return Source(path, config, nf4_dequantized_state(path), {}, "bitsandbytes")
     raise UnmappableTypeError(
@@ -781,7 +781,7 @@ def source_model(source: Source) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if source.kind == "compressed-tensors":
-        from llmopt.quant.compressed import load_dequantized
+        from llmopt.formats.compressed import load_dequantized
 
         return load_dequantized(source.path, torch.float32)
     if source.kind == "bitsandbytes":

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .data import DEFAULT_EVAL, load_text, tokenize_documents
-from .errors import LlmoptError
-from .paths import cache_dir
+from llmopt.core.data import DEFAULT_EVAL, load_text, tokenize_documents
+from llmopt.core.errors import LlmoptError
+from llmopt.core.paths import cache_dir
 
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_MAX_WINDOWS = 16
@@ -221,7 +221,7 @@ def check_seq_len(model, seq_len: int) -> None:
 
 
 def save_json(path: Path, payload: dict) -> None:
-    from .atomic import atomic_file
+    from llmopt.core.atomic import atomic_file
 
     with atomic_file(Path(path)) as tmp:
         tmp.write_text(json.dumps(payload, indent=2) + "\n")
@@ -236,8 +236,8 @@ def run_eval(
     top_k: int = DEFAULT_TOP_K,
 ) -> EvalResult:
     """Evaluate a model spec, optionally against a baseline spec (whose distributions are cached)."""
-    from .console import progress_task
-    from .models import load_model, resolve_model
+    from llmopt.core.console import progress_task
+    from llmopt.checkpoints.models import load_model, resolve_model
 
     path = resolve_model(model_spec)
     model, tokenizer = load_model(path)
@@ -276,6 +276,6 @@ def cached_self_result(data: EvalData, cache: BaselineCache) -> EvalResult:
 
 
 def _vocab(path: Path) -> int:
-    from .models import read_config
+    from llmopt.checkpoints.models import read_config
 
     return int(read_config(path).get("vocab_size", 0))

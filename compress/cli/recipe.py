@@ -6,7 +6,7 @@ import click
 from rich.syntax import Syntax
 from rich.table import Table
 
-from .cli import emit_json, user_errors
+from llmopt.cli.main import emit_json, user_errors
 
 
 @click.command("run")
@@ -26,9 +26,9 @@ def run_command(recipe, overrides, model, output, from_stage, dry_run, as_json):
     Accepts llm-compressor recipes too (QuantizationModifier, GPTQModifier, AWQModifier,
     SmoothQuantModifier, SparseGPTModifier, WandaPruningModifier).
     """
-    from .console import out
-    from .recipe import load_recipe
-    from .recipe_run import plan, run_recipe
+    from llmopt.core.console import out
+    from llmopt.pipeline.recipe import load_recipe
+    from llmopt.pipeline.runner import plan, run_recipe
 
     extra = list(overrides) + ([f"model={model}"] if model else []) + ([f"output={output}"] if output else [])
     loaded = load_recipe(recipe, extra)
@@ -55,7 +55,7 @@ def run_command(recipe, overrides, model, output, from_stage, dry_run, as_json):
         return
     out.print(f"[green]done[/green]: final checkpoint {record['final']} (record: {loaded.output}/run.json)")
     if "evaluation" in record:
-        from .reports import eval_table
+        from llmopt.cli.tables import eval_table
 
         out.print(eval_table(f"{record['final']} vs {loaded.model}", record["evaluation"]))
 
@@ -72,8 +72,8 @@ def recipes_list(as_json):
     """The bundled recipes, with what each is for."""
     import yaml
 
-    from .console import out
-    from .recipe import bundled_recipes
+    from llmopt.core.console import out
+    from llmopt.pipeline.recipe import bundled_recipes
 
     rows = []
     for name, path in sorted(bundled_recipes().items()):
@@ -96,9 +96,9 @@ def recipes_list(as_json):
 @user_errors
 def recipes_show(name):
     """Print a bundled recipe's YAML."""
-    from .console import out
-    from .errors import LlmoptError
-    from .recipe import bundled_recipes
+    from llmopt.core.console import out
+    from llmopt.core.errors import LlmoptError
+    from llmopt.pipeline.recipe import bundled_recipes
 
     recipes = bundled_recipes()
     if name not in recipes:

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .atomic import atomic_dir, check_output
-from .models import float_source, load_model
-from .quantize_run import _finish, versions
+from llmopt.core.atomic import atomic_dir, check_output
+from llmopt.checkpoints.models import float_source, load_model
+from llmopt.pipeline.stages.quantize import _finish, versions
 
 DEFAULT_SAMPLES = 128
 DEFAULT_SAMPLES_DEPTH = 16  # ranking blocks needs far less data (and perplexity ranking runs once per block)
@@ -70,7 +70,7 @@ def prune_checkpoint(request: PruneRequest, progress=None) -> dict:
     """Run one pruning and save the result; returns the provenance record written to ``llmopt.json``."""
     from llmopt.prune.apply import prune_model
 
-    from .data import calibration_ids
+    from llmopt.core.data import calibration_ids
 
     validate(request)
     source, config = float_source(request.model, "pruned", "prune the float checkpoint, then quantize the result")
@@ -107,9 +107,9 @@ def _cached_ranking(source: Path, calibration: dict, settings, model, calib):
     """
     from llmopt.prune.depth import LayerRanking, rank_layers
 
-    from .atomic import atomic_file
-    from .evaluate import model_fingerprint
-    from .paths import cache_dir
+    from llmopt.core.atomic import atomic_file
+    from llmopt.accuracy import model_fingerprint
+    from llmopt.core.paths import cache_dir
 
     method = settings.ranking or "block-influence"
     key = hashlib.sha256(json.dumps([model_fingerprint(source), calibration, method]).encode()).hexdigest()[:20]

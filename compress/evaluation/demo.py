@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .compare import CompareSettings, compare, write_report
-from .recipe import Recipe, validate
-from .recipe_run import plan, run_recipe
+from llmopt.evaluation.compare import CompareSettings, compare, write_report
+from llmopt.pipeline.recipe import Recipe, validate
+from llmopt.pipeline.runner import plan, run_recipe
 
 CALIBRATION = {"dataset": "austen", "samples": 64, "seq_len": 512, "seed": 0}
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 
 class OutputExistsError(LlmoptError, FileExistsError):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .evaluate import (
+from llmopt.accuracy import (
     DEFAULT_TOP_K,
     BaselineCache,
     EvalData,
@@ -27,8 +27,8 @@ from .evaluate import (
     fill_baseline,
     model_fingerprint,
 )
-from .models import load_model, resolve_model
-from .paths import cache_dir
+from llmopt.checkpoints.models import load_model, resolve_model
+from llmopt.core.paths import cache_dir
 
 
 @dataclass
@@ -131,7 +131,7 @@ def compare(baseline: str, variants: list[str], settings: CompareSettings, advan
 def _versions() -> dict:
     import transformers
 
-    from . import __version__
+    from llmopt import __version__
 
     return {"llmopt": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
@@ -205,7 +205,7 @@ def markdown(report: dict) -> str:
 
 def write_report(report: dict, directory: Path, plot: Path | None = None) -> dict[str, Path]:
     """``report.json``, ``report.md`` and the Pareto plot, each written whole or not at all."""
-    from .atomic import atomic_file
+    from llmopt.core.atomic import atomic_file
 
     directory.mkdir(parents=True, exist_ok=True)
     files = {"json": directory / "report.json", "md": directory / "report.md", "plot": plot or directory / "pareto.png"}

@@ -8,7 +8,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .models import read_config
+from llmopt.checkpoints.models import read_config
 
 LAYER = re.compile(r"^(.*layers)\.(\d+)\.(.+)$")
 # Tensors that describe a quantized weight rather than being parameters of their own.
@@ -220,7 +220,7 @@ def _apply_config_schemes(modules: list[ModuleInfo], qconfig: dict) -> None:
     quantized = [m for m in modules if m.format in ("int4", "int8", "fp8")]
     if qconfig.get("quant_method") != "compressed-tensors" or not quantized:
         return
-    from llmopt.quant.compressed import module_schemes
+    from llmopt.formats.compressed import module_schemes
 
     try:
         schemes = module_schemes(qconfig, [m.name for m in quantized])

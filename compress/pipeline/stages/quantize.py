@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .atomic import check_output
-from .errors import LlmoptError
-from .models import float_source, load_model
+from llmopt.core.atomic import check_output
+from llmopt.core.errors import LlmoptError
+from llmopt.checkpoints.models import float_source, load_model
 
 NF4 = "NF4"
 
@@ -66,7 +66,7 @@ def versions() -> dict:
     import torch
     import transformers
 
-    from . import __version__
+    from llmopt import __version__
 
     return {"llmopt": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "compressed_tensors": compressed_tensors.__version__, "python": platform.python_version()}
@@ -75,10 +75,10 @@ def versions() -> dict:
 def quantize_checkpoint(request: QuantizeRequest, progress=None) -> dict:
     """Run one quantization and save it; returns the provenance record written to ``llmopt.json``."""
     from llmopt.quant.apply import quantize_model
-    from llmopt.quant.compressed import save_compressed, save_nf4
+    from llmopt.formats.compressed import save_compressed, save_nf4
 
-    from .console import notice
-    from .data import calibration_ids
+    from llmopt.core.console import notice
+    from llmopt.core.data import calibration_ids
 
     validate(request)
     source, _ = float_source(request.model, "quantized again", "quantize the original float checkpoint instead")
@@ -136,7 +136,7 @@ def _group_size_summary(sizes: dict[str, int | None]) -> dict[str, int]:
 
 def add_evaluation(output: Path, figures: dict) -> None:
     """Record evaluation figures in the checkpoint's ``llmopt.json``."""
-    from .atomic import atomic_file
+    from llmopt.core.atomic import atomic_file
 
     path = output / "llmopt.json"
     record = json.loads(path.read_text()) if path.is_file() else {}

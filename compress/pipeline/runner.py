@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .atomic import atomic_file
-from .recipe import Recipe, Stage, stage_commands, stage_settings
+from llmopt.core.atomic import atomic_file
+from llmopt.pipeline.recipe import Recipe, Stage, stage_commands, stage_settings
 
 MARKER = "llmopt-stage.json"
 
@@ -33,8 +33,8 @@ def _hash(*parts) -> str:
 
 
 def _source_key(spec: str) -> str:
-    from .evaluate import model_fingerprint
-    from .models import resolve_model
+    from llmopt.accuracy import model_fingerprint
+    from llmopt.checkpoints.models import resolve_model
 
     return model_fingerprint(resolve_model(spec))
 
@@ -112,7 +112,7 @@ def run_recipe(recipe: Recipe, from_stage: int | None = None, on_stage=None) -> 
             current = str(item.directory)
     record["final"] = current
     if recipe.evaluate is not None:
-        from .evaluate import run_eval
+        from llmopt.accuracy import run_eval
 
         settings = dict(recipe.evaluate)
         record["evaluation"] = run_eval(

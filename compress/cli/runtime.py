@@ -7,9 +7,9 @@ import sys
 
 import click
 
-from .cli import MODEL_HELP, emit_json, user_errors
-from .errors import LlmoptError
-from .runtime.config import LM_HEAD_CHOICES
+from llmopt.cli.main import MODEL_HELP, emit_json, user_errors
+from llmopt.core.errors import LlmoptError
+from llmopt.runtime.config import LM_HEAD_CHOICES
 
 
 LM_HEAD_HELP = ("Output head: as the checkpoint stores it (auto), rounded to bfloat16 (bf16, half the bytes per "
@@ -74,7 +74,7 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
     """
     from llmopt.runtime import LLM, SamplingParams
 
-    from .console import err, out
+    from llmopt.core.console import err, out
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos)
@@ -142,7 +142,7 @@ def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_l
     from llmopt.runtime import LLMEngine
     from llmopt.runtime.bench import make_workload, serving, single_stream
 
-    from .console import make_progress, out
+    from llmopt.core.console import make_progress, out
 
     prompt_range, output_range = _range(prompt_len, "prompt-len"), _range(output_len, "output-len")
     settings = _engine_settings(threads, None, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -168,7 +168,7 @@ def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_l
     else:
         from rich.table import Table
 
-        from .reports import _fmt
+        from llmopt.cli.tables import _fmt
 
         table = Table(title=f"llmopt bench {model} ({result['threads']} threads)", title_justify="left")
         table.add_column("figure")

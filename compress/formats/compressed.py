@@ -46,9 +46,9 @@ from compressed_tensors.utils.match import match_name
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from llmopt.atomic import atomic_dir
+from llmopt.core.atomic import atomic_dir
 
-from .formats import PRESETS, QuantizedWeight, QuantScheme
+from llmopt.formats.schemes import PRESETS, QuantizedWeight, QuantScheme
 
 PROVENANCE_FILE = "llmopt.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -464,7 +464,7 @@ def load_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
 def _add_activation_quantization(model: Any, weights: dict[str, QuantizedWeight]) -> None:
     """Quantize the inputs of W8A8 / FP8_DYNAMIC Linears per token at run time, as inference
     engines do (int8 with absmax / 127, fp8 with absmax / 448)."""
-    from .formats import fake_quantize_activations
+    from llmopt.formats.schemes import fake_quantize_activations
 
     for name, qw in weights.items():
         kind = qw.scheme.activations

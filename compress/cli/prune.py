@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .cli import finish_stage, user_errors
-from .reports import calibration_text, record_table
+from llmopt.cli.main import finish_stage, user_errors
+from llmopt.cli.tables import calibration_text, record_table
 
 
 def prune_table(record: dict) -> Table:
@@ -77,7 +77,7 @@ def prune_command(model, method, sparsity, pattern, profile, num, ranking, ffn_r
 
     MODEL is 'demo' (bundled SmolLM2-135M-Instruct), a Hugging Face directory, a .gguf file or a Hub id.
     """
-    from .prune_run import PruneRequest, prune_checkpoint
+    from llmopt.pipeline.stages.prune import PruneRequest, prune_checkpoint
 
     request = PruneRequest(
         model=model, output=Path(output), method=method.lower(), sparsity=sparsity, pattern=pattern,

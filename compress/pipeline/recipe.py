@@ -14,7 +14,7 @@ evaluation / benchmark / runtime settings::
 A stage's options are exactly its CLI command's options (``llmopt quantize --group-size 32`` is
 ``group_size: 32``), checked with the same types, so a recipe and the CLI share one code path.
 Errors name the file, the line and the key. llm-compressor recipes (``*_stage`` →
-``*_modifiers``) are mapped onto these stages (see :mod:`llmopt.recipe_llmc`).
+``*_modifiers``) are mapped onto these stages (see :mod:`llmopt.pipeline.llmcompressor`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import click
 import yaml
 
-from .errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 TOP_KEYS = {"model", "output", "calibration", "stages", "evaluate", "benchmark", "runtime", "description"}
 CALIBRATION_KEYS = {"dataset": "calib", "samples": "calib_samples", "seq_len": "calib_seq_len", "seed": "seed"}
@@ -86,7 +86,7 @@ def _jsonable(options: dict) -> dict:
 
 
 def stage_commands() -> dict[str, click.Command]:
-    from .cli import main
+    from llmopt.cli.main import main
 
     return {kind: main.commands[kind] for kind in ("quantize", "prune", "distill", "export") if kind in main.commands}
 
@@ -179,7 +179,7 @@ def load_recipe(spec: str, overrides: list[str] | None = None) -> Recipe:
     lines = _line_index(node)
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a mapping with 'model' and 'stages'", "see `llmopt recipes show w4a16-gptq`")
-    from .recipe_llmc import is_llmcompressor_recipe, map_llmcompressor
+    from llmopt.pipeline.llmcompressor import is_llmcompressor_recipe, map_llmcompressor
 
     if is_llmcompressor_recipe(data):
         data = map_llmcompressor(data, str(path), lines)

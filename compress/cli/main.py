@@ -12,8 +12,8 @@ import click
 # Libraries' own tqdm bars (ours are rich); tqdm reads this when it is first imported.
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-from . import __version__
-from .errors import LlmoptError
+from llmopt import __version__
+from llmopt.core.errors import LlmoptError
 
 MODEL_HELP = "MODEL is 'demo' (bundled SmolLM2-135M-Instruct), a Hugging Face directory, a .gguf file or a Hub id."
 
@@ -54,11 +54,11 @@ def finish_stage(record: dict, output: str, baseline: str, run_evaluation: bool,
     its ``llmopt.json``), then print the record as JSON or as the table ``table()`` builds."""
     from pathlib import Path
 
-    from .console import out
+    from llmopt.core.console import out
 
     if run_evaluation:
-        from .evaluate import run_eval
-        from .quantize_run import add_evaluation
+        from llmopt.accuracy import run_eval
+        from llmopt.pipeline.stages.quantize import add_evaluation
 
         record["evaluation"] = run_eval(output, baseline).to_dict()
         add_evaluation(Path(output), record["evaluation"])
@@ -102,9 +102,9 @@ def eval_command(model, baseline, dataset, seq_len, max_windows, top_k, as_json,
     are cached, so evaluating several variants against it computes them once.
 
     """
-    from .console import out
-    from .evaluate import run_eval, save_json
-    from .reports import eval_table
+    from llmopt.core.console import out
+    from llmopt.accuracy import run_eval, save_json
+    from llmopt.cli.tables import eval_table
 
     result = run_eval(model, baseline, dataset, seq_len, max_windows or None, top_k)
     payload = {"model": model, "baseline": baseline, **result.to_dict()}
@@ -125,10 +125,10 @@ def eval_command(model, baseline, dataset, seq_len, max_windows, top_k, as_json,
 def inspect_command(model, no_sparsity, as_json):
     """Architecture, parameters, per-module format (dense / int4 / int8 / fp8 / nf4, group size,
     sparsity) and bytes on disk and in memory of MODEL."""
-    from .console import out
-    from .model_info import inspect_checkpoint
-    from .models import resolve_model
-    from .reports import info_tables
+    from llmopt.core.console import out
+    from llmopt.checkpoints.info import inspect_checkpoint
+    from llmopt.checkpoints.models import resolve_model
+    from llmopt.cli.tables import info_tables
 
     info = inspect_checkpoint(resolve_model(model), sparsity=not no_sparsity)
     if as_json:
@@ -169,8 +169,8 @@ def quantize_command(model, scheme, method, group_size, strict_groups, calib, ca
     """
     from pathlib import Path
 
-    from .quantize_run import QuantizeRequest, quantize_checkpoint
-    from .reports import quantize_table
+    from llmopt.pipeline.stages.quantize import QuantizeRequest, quantize_checkpoint
+    from llmopt.cli.tables import quantize_table
 
     request = QuantizeRequest(
         model=model, output=Path(output), scheme=scheme, method=method.lower(), group_size=group_size,
@@ -185,21 +185,21 @@ def quantize_command(model, scheme, method, group_size, strict_groups, calib, ca
 main.__doc__ = (main.__doc__ or "") + "\n\n" + MODEL_HELP
 
 
-from .export_cli import export_command
+from llmopt.cli.export import export_command
 
 main.add_command(export_command)
 
-from .distill_cli import distill_command
+from llmopt.cli.distill import distill_command
 
 main.add_command(distill_command)
 
 
-from .runtime_cli import bench_command, generate_command
+from llmopt.cli.runtime import bench_command, generate_command
 
 main.add_command(generate_command)
 main.add_command(bench_command)
-from .compare_cli import compare_command, demo_command
-from .recipe_cli import recipes_group, run_command
+from llmopt.cli.compare import compare_command, demo_command
+from llmopt.cli.recipe import recipes_group, run_command
 
 main.add_command(compare_command)
 main.add_command(demo_command)
@@ -208,6 +208,6 @@ main.add_command(run_command)
 main.add_command(recipes_group)
 
 
-from .prune_cli import prune_command
+from llmopt.cli.prune import prune_command
 
 main.add_command(prune_command)

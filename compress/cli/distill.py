@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .cli import emit_json, user_errors
+from llmopt.cli.main import emit_json, user_errors
 
 
 def _table(outcome) -> object:
@@ -94,7 +94,7 @@ def distill_command(teacher, student, student_from, drop_layers, width, layer_me
     from llmopt.distill.student import StudentRequest
     from llmopt.distill.trainer import TrainSettings
 
-    from .console import err, out
+    from llmopt.core.console import err, out
 
     if warmup is None:
         warmup = min(100, max(steps, 0) // 20)

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .cli import emit_json, user_errors
+from llmopt.cli.main import emit_json, user_errors
 
 
 def compare_table(report: dict) -> Table:
@@ -43,9 +43,9 @@ def compare_table(report: dict) -> Table:
 @user_errors
 def compare_command(baseline, variants, labels, dataset, seq_len, max_windows, speed, repetitions, serving_requests, output, plot, as_json):
     """Accuracy (perplexity, KLD, top-1 vs BASELINE), speed (our runtime) and size of every VARIANT."""
-    from .compare import CompareSettings, compare, write_report
-    from .console import out, progress_task
-    from .errors import LlmoptError
+    from llmopt.evaluation.compare import CompareSettings, compare, write_report
+    from llmopt.core.console import out, progress_task
+    from llmopt.core.errors import LlmoptError
 
     if labels and len(labels) != len(variants) + 1:
         raise LlmoptError(f"{len(labels)} labels for {len(variants) + 1} models", "give one --label per model, baseline first")
@@ -77,9 +77,9 @@ def demo_command(model, output, max_windows, speed, as_json):
     fewer layers recovered by distillation. Each is a recipe run (a second run reuses
     finished variants); then `compare` writes report.md, report.json and pareto.png.
     """
-    from .compare import CompareSettings
-    from .console import out, progress_task
-    from .demo import VARIANTS, run_demo
+    from llmopt.evaluation.compare import CompareSettings
+    from llmopt.core.console import out, progress_task
+    from llmopt.evaluation.demo import VARIANTS, run_demo
 
     settings = CompareSettings(max_windows=max_windows, repetitions=3, serving_requests=8, speed=speed)
     with progress_task("llmopt demo", len(VARIANTS) + 1) as advance:

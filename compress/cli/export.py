@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .cli import emit_json, user_errors
-from .export import FORMATS, USER_TYPES
+from llmopt.cli.main import emit_json, user_errors
+from llmopt.formats.export import FORMATS, USER_TYPES
 
 TYPE_CHOICE = click.Choice(USER_TYPES, case_sensitive=False)
 
@@ -85,8 +85,8 @@ def export_command(model, output, fmt, gguf_type, dense_type, requantize, verify
       llmopt export out/w4-gptq -o w4.gguf --verify          # int4 g32 → Q4_0, codes carried
       llmopt export out/w4-gptq --format hf -o out/w4-dense   # dequantized float checkpoint
     """
-    from .console import notice, out
-    from .export import export_model
+    from llmopt.core.console import notice, out
+    from llmopt.formats.export import export_model
 
     fmt = fmt or ("gguf" if str(output).lower().endswith(".gguf") else "hf")
     if fmt == "gguf":

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 QUANT_MODIFIERS = {"QuantizationModifier": "rtn", "GPTQModifier": "gptq"}
 PRUNE_MODIFIERS = {"SparseGPTModifier": "sparsegpt", "WandaPruningModifier": "wanda"}

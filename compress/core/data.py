@@ -1,6 +1,6 @@
 """Text for evaluation, calibration and training: named corpora, files, or ``datasets`` names.
 
-Named corpora (files under the data directory, see :mod:`llmopt.paths`):
+Named corpora (files under the data directory, see :mod:`llmopt.core.paths`):
 
 | name        | files                                   | use                              |
 |-------------|-----------------------------------------|----------------------------------|
@@ -19,8 +19,8 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import LlmoptError
-from .paths import data_dir, data_dir_candidates
+from llmopt.core.errors import LlmoptError
+from llmopt.core.paths import data_dir, data_dir_candidates
 
 AUSTEN = ["emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility"]
 HELDOUT = "war-of-the-worlds"

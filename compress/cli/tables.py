@@ -70,7 +70,7 @@ def pruning_summary(pruning: dict | None) -> str | None:
 
 def info_tables(info) -> list[Table]:
     """A summary table and a per-module table (consecutive layers with one format collapsed)."""
-    from .model_info import grouped_rows
+    from llmopt.checkpoints.info import grouped_rows
 
     summary = Table(title=f"{info.path}", title_justify="left", show_header=False)
     summary.add_column("field")
