@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,45 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LLMOPT_KERNEL_CACHE", os.path.join(
     os.environ.get("LLMOPT_TEST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmopt"), "kernels"))
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# The suite must pass on a clone with nothing beside it: every open of a path under the
+# workspace's ``../shared`` folder fails (an audit hook sees every open from Python code), and
+# ``LLMOPT_DATA`` points at an empty folder, so named corpora come from the bundled copies.
+SHARED = os.path.realpath(Path(__file__).resolve().parents[1].parent / "shared")
+
+
+class SharedFolderRead(AssertionError):
+    """Something read ``../shared``, which a user's clone does not have."""
+
+
+def forbid_shared(event: str, args: tuple) -> None:
+    if event not in ("open", "os.listdir", "os.scandir") or not args:
+        return
+    path = args[0]
+    if isinstance(path, (str, bytes, os.PathLike)):
+        full = os.path.realpath(os.fsdecode(path))
+        if full == SHARED or full.startswith(SHARED + os.sep):
+            raise SharedFolderRead(f"{event} {full}: tests may not read {SHARED} (use the bundled corpora)")
+
+
+sys.addaudithook(forbid_shared)
+_EMPTY_DATA = tempfile.mkdtemp(prefix="llmopt-empty-data-")
+os.environ["LLMOPT_DATA"] = _EMPTY_DATA
+atexit.register(shutil.rmtree, _EMPTY_DATA, True)
+
+# The bundled corpora as plain files, at the data folder's relative paths, for tests that pass files
+CORPORA = Path(tempfile.mkdtemp(prefix="llmopt-test-corpora-"))
+atexit.register(shutil.rmtree, CORPORA, True)
+
+
+def _write_corpora() -> None:
+    from llmopt import corpora
+
+    for rel in corpora.SHA256:
+        (CORPORA / rel).parent.mkdir(parents=True, exist_ok=True)
+        (CORPORA / rel).write_text(corpora.read(rel), encoding="utf-8")
+
+
+_write_corpora()
 
 
 def byte_tokenizer():

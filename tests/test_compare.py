@@ -6,11 +6,11 @@ import json
 
 from click.testing import CliRunner
 
-from conftest import SHARED_DATA, save_model, tiny_llama
+from conftest import CORPORA, save_model, tiny_llama
 from llmopt.cli.main import main
 from llmopt.evaluation.compare import pareto_front
 
-WIKI = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
+WIKI = CORPORA / "wikitext-2-raw" / "wiki.test.raw"
 
 
 def test_pareto_front_matches_brute_force():

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
-from conftest import save_model, tiny_llama
+from conftest import CORPORA, save_model, tiny_llama
 from llmopt.cli.main import main
 from llmopt.distill.data import DataOrder
 from llmopt.distill.hidden import layer_map_from_kept, uniform_layer_map
@@ -38,7 +38,7 @@ from llmopt.prune.depth import (
     removal_perplexity,
 )
 
-GUTENBERG = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gutenberg" / "persuasion.txt"
+GUTENBERG = CORPORA / "gutenberg" / "persuasion.txt"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -48,7 +48,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def texts(tmp_path_factory) -> dict[str, Path]:
     """A small training text and a separate validation text (real English, bytes as tokens)."""
     root = tmp_path_factory.mktemp("texts")
-    text = GUTENBERG.read_text() if GUTENBERG.is_file() else ("It is a truth universally acknowledged. " * 2000)
+    text = GUTENBERG.read_text()
     body = text[5000:45000]
     (root / "train.txt").write_text(body[:32000])
     (root / "val.txt").write_text(body[32000:])

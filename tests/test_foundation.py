@@ -10,13 +10,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import SHARED_DATA, byte_tokenizer, save_model, tiny_llama
+from conftest import CORPORA, byte_tokenizer, save_model, tiny_llama
 from llmopt.cli.main import main
 from llmopt.core.errors import LlmoptError
 from llmopt.accuracy import BaselineCache, eval_data, evaluate, kl_from_top_k
 from llmopt.checkpoints.models import load_model, resolve_model
 
-WIKI = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
+WIKI = CORPORA / "wikitext-2-raw" / "wiki.test.raw"
 
 
 def run_cli(*args: str):

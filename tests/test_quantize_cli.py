@@ -8,13 +8,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import SHARED_DATA, save_model, tiny_llama
+from conftest import CORPORA, save_model, tiny_llama
 from llmopt.cli.main import main
 from llmopt.checkpoints.models import load_model
 from llmopt.formats.compressed import read_compressed
 from transformers import AutoModelForCausalLM
 
-CALIB = SHARED_DATA / "gutenberg" / "persuasion.txt"
+CALIB = CORPORA / "gutenberg" / "persuasion.txt"
 
 
 def run_cli(*args: str):

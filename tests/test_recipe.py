@@ -8,14 +8,14 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
-from conftest import SHARED_DATA
+from conftest import CORPORA
 from llmopt.cli.main import main
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.compressed import read_compressed
 from llmopt.pipeline.recipe import RecipeError, bundled_recipes, load_recipe
 from llmopt.pipeline.runner import plan, run_recipe
 
-CALIB = SHARED_DATA / "gutenberg" / "persuasion.txt"
+CALIB = CORPORA / "gutenberg" / "persuasion.txt"
 
 
 def write(tmp_path, text: str, name: str = "r.yaml"):

@@ -1,6 +1,7 @@
 """Text for evaluation, calibration and training: named corpora, files, or ``datasets`` names.
 
-Named corpora (files under the data directory, see :mod:`llmopt.core.paths`):
+Named corpora are bundled with llmopt (:mod:`llmopt.corpora`); a folder in ``$LLMOPT_DATA``
+holding the same relative paths overrides them, file by file:
 
 | name        | files                                   | use                              |
 |-------------|-----------------------------------------|----------------------------------|
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmopt.core.errors import LlmoptError
-from llmopt.core.paths import data_dir, data_dir_candidates
+from llmopt.core.paths import data_dir
 
 AUSTEN = ["emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility"]
 HELDOUT = "war-of-the-worlds"
@@ -30,8 +31,6 @@ NAMED: dict[str, list[str]] = {
     "gutenberg": [f"gutenberg/{name}.txt" for name in AUSTEN + ["great-expectations", "twenty-thousand-leagues"]],
     "heldout": [f"gutenberg/{HELDOUT}.txt"],
 }
-# What ``datasets`` offers for a named corpus when the data folder is missing.
-HF_FALLBACK = {"wikitext2": ("wikitext", "wikitext-2-raw-v1", "test")}
 DEFAULT_EVAL = "wikitext2"
 DEFAULT_CALIB = "austen"
 
@@ -83,14 +82,20 @@ def _read(path: Path) -> str:
 
 
 def _load_named(name: str) -> TextSource:
+    """A named corpus: each file from ``$LLMOPT_DATA`` when it is there, else the bundled copy."""
+    from llmopt import corpora
+
     root = data_dir()
-    if root is not None and all((root / rel).is_file() for rel in NAMED[name]):
-        files = [root / rel for rel in NAMED[name]]
-        return TextSource(name, [_read(f) for f in files], [str(f) for f in files])
-    if name in HF_FALLBACK:
-        return _load_hf(":".join(HF_FALLBACK[name]), name=name)
-    tried = ", ".join(str(p) for p in data_dir_candidates())
-    raise LlmoptError(f"corpus '{name}' not found (looked in {tried})", "set LLMOPT_DATA to the folder holding the data")
+    documents, files = [], []
+    for rel in NAMED[name]:
+        override = root / rel if root is not None else None
+        if override is not None and override.is_file():
+            documents.append(_read(override))
+            files.append(str(override))
+        else:
+            documents.append(corpora.read(rel))
+            files.append(f"llmopt.corpora:{rel}")
+    return TextSource(name, documents, files)
 
 
 def _load_hf(spec: str, name: str | None = None) -> TextSource:

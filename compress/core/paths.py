@@ -16,19 +16,7 @@ def cache_dir(*parts: str) -> Path:
     return path
 
 
-def data_dir_candidates() -> list[Path]:
-    """Data folders tried in order: ``LLMOPT_DATA``, then ``shared/data`` beside the checkout or cwd."""
-    candidates = []
-    if os.environ.get("LLMOPT_DATA"):
-        candidates.append(Path(os.environ["LLMOPT_DATA"]).expanduser())
-    checkout = Path(__file__).resolve().parents[1]
-    candidates += [checkout.parent / "shared" / "data", Path.cwd().parent / "shared" / "data", Path.cwd() / "data"]
-    return candidates
-
-
 def data_dir() -> Path | None:
-    """The first existing data folder, or None (datasets are then fetched with ``datasets``)."""
-    for path in data_dir_candidates():
-        if path.is_dir():
-            return path
-    return None
+    """The optional data folder ``$LLMOPT_DATA`` overriding the bundled corpora, or None."""
+    value = os.environ.get("LLMOPT_DATA")
+    return Path(value).expanduser() if value else None
