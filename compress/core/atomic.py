@@ -41,7 +41,27 @@ def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
         raise
 
 
+def umask() -> int:
+    """The process's file-creation mask (read without changing it, where /proc allows)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _public_mode(path: Path, directory: bool) -> None:
+    """Give ``path`` the mode a plain ``mkdir`` / ``open`` would have (mkdtemp / mkstemp make
+    them private), so that finished outputs carry the user's umask like any other tool's."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~umask())
+
+
 def _move_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
+    _public_mode(tmp, directory=True)
     if not target.exists():
         os.rename(tmp, target)
         return
@@ -67,6 +87,7 @@ def atomic_file(target: Path, overwrite: bool = True) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
+        _public_mode(tmp, directory=False)
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
