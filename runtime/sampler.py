@@ -28,6 +28,17 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty
     return logits
 
 
+def apply_openai_penalties(logits: torch.Tensor, output_ids: list[int], presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's presence / frequency penalties over the generated tokens:
+    ``logit - presence * (count > 0) - frequency * count``."""
+    if not output_ids:
+        return logits
+    ids, counts = torch.tensor(output_ids, dtype=torch.long).unique(return_counts=True)
+    logits = logits.clone()
+    logits.index_add_(0, ids, -(presence + frequency * counts.to(logits.dtype)))
+    return logits
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Scale by temperature and mask (-inf) tokens excluded by top-k, top-p and min-p."""
     logits = logits / params.temperature
@@ -73,6 +84,8 @@ class Sampler:
         logits = row
         if params.repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, seq.token_ids, params.repetition_penalty)
+        if params.presence_penalty or params.frequency_penalty:
+            logits = apply_openai_penalties(logits, seq.output_token_ids, params.presence_penalty, params.frequency_penalty)
         if params.is_greedy:
             token = int(logits.argmax())
         else:

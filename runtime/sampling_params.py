@@ -18,7 +18,8 @@ class SamplingParams:
     before them unless ``include_stop_str_in_output``); ``stop_token_ids`` end it on those
     tokens, as the model's EOS does unless ``ignore_eos``. ``logprobs`` N returns, per generated
     token, the log-probabilities (of the model's raw distribution) of the sampled token and the
-    N most likely ones.
+    N most likely ones. ``presence_penalty`` / ``frequency_penalty`` (OpenAI's rule, -2..2)
+    subtract, from the logits of tokens already generated, the penalty once / once per occurrence.
     """
 
     max_tokens: int | None = 16
@@ -34,6 +35,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,7 +56,8 @@ class SamplingParams:
     @property
     def needs_row_processing(self) -> bool:
         """Whether this request cannot take the batched greedy argmax fast path."""
-        return not self.is_greedy or self.repetition_penalty != 1.0 or self.logprobs is not None
+        return (not self.is_greedy or self.repetition_penalty != 1.0 or self.logprobs is not None
+                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
 
     def _validate(self) -> None:
         rules = [
@@ -67,11 +71,14 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
         ]
         values = {
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty, "logprobs": self.logprobs,
             "stop": self.stop, "stop_token_ids": self.stop_token_ids, "seed": self.seed,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
         }
         for ok, rule in rules:
             if not ok:

@@ -211,3 +211,7 @@ main.add_command(recipes_group)
 from llmopt.cli.prune import prune_command
 
 main.add_command(prune_command)
+
+from llmopt.cli.serve import serve_command  # noqa: E402
+
+main.add_command(serve_command)

@@ -1,0 +1,457 @@
+"""The FastAPI app: OpenAI-compatible completions and chat completions (JSON or server-sent
+events), models, health, Prometheus metrics; bearer-token auth, admission control and draining.
+
+Admission: a request needs one engine sequence per choice (``n``); while ``max_num_seqs +
+max_waiting`` sequences are already admitted and unfinished, new requests get 429 at once
+instead of queueing without bound. While the model loads or the server drains (SIGTERM) they
+get 503. Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from llmopt.core.errors import LlmoptError
+from llmopt.runtime import LLMEngine, SamplingParams
+
+from .engine_loop import Chunk, EngineLoop
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage
+
+log = logging.getLogger("llmopt.serve")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.status, self.message, self.param, self.code), status_code=self.status)
+
+
+@dataclass
+class ServeSettings:
+    model_name: str
+    api_key: str | None = None
+    max_waiting: int = 128
+    chat_template: str | None = None  # overrides the tokenizer's
+
+
+@dataclass
+class ServerState:
+    settings: ServeSettings
+    loader: Callable[[], LLMEngine]
+    loop: EngineLoop | None = None
+    load_error: str | None = None
+    draining: bool = False
+    in_flight: int = 0  # engine sequences admitted and not finished (event-loop thread only)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+
+    @property
+    def ready(self) -> bool:
+        return self.loop is not None and not self.draining
+
+    @property
+    def capacity(self) -> int:
+        return self.loop.engine.config.max_num_seqs + self.settings.max_waiting
+
+    def load(self) -> None:
+        try:
+            engine = self.loader()
+            if self.settings.chat_template:
+                engine.tokenizer.chat_template = self.settings.chat_template
+            loop = EngineLoop(engine)
+            loop.start()
+            self.loop = loop
+        except Exception as exc:  # noqa: BLE001 - reported by /health
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("loading the model failed: %s", self.load_error)
+
+
+class Gate:
+    """ASGI middleware: bearer-token check (every path but /health), 503 while draining, and
+    request counting by endpoint and status."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+        key = state.settings.api_key
+        self.expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in ENDPOINTS else "other"
+        status = {"code": 500}
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if path != "/health" and self.expected is not None:
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.expected):
+                    await ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                   code="invalid_api_key").response()(scope, receive, counting_send)
+                    return
+            if self.state.draining and path not in ("/health", "/metrics"):
+                await ApiError(503, "the server is shutting down", code="shutting_down").response()(scope, receive, counting_send)
+                return
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.state.metrics.count_request(endpoint, status["code"])
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The app around ``state``; its lifespan loads the model in a thread and stops the engine."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = threading.Thread(target=state.load, name="llmopt-load", daemon=True)
+        loader.start()
+        yield
+        state.draining = True
+        loader.join(timeout=1)
+        if state.loop is not None:
+            await asyncio.to_thread(state.loop.stop)
+
+    app = FastAPI(title="llmopt", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = first.get("msg", "invalid request")
+        return ApiError(400, f"{where}: {message}" if where else message, where, "invalid_request").response()
+
+    @app.get("/health")
+    async def health():
+        if state.loop is not None and not state.draining:
+            return {"status": "ok"}
+        status = "draining" if state.draining else ("failed: " + state.load_error if state.load_error else "loading")
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        snapshot = state.loop.snapshot if state.loop is not None else {}
+        return PlainTextResponse(state.metrics.render(snapshot, state.in_flight), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        loop = _require_loop(state)
+        return {"object": "list", "data": [{"id": state.settings.model_name, "object": "model", "created": now(),
+                                            "owned_by": "llmopt", "max_model_len": loop.engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) else body.prompt
+        run = await _admit(state, body, lambda engine: _prompt_ids(engine, prompt), body.logprobs, "prompt")
+        if body.stream:
+            return _sse(state, run, _completion_stream(state, body, run, request))
+        return await _completion_json(state, body, run, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        if body.max_completion_tokens is not None and body.max_tokens is None:
+            body.max_tokens = body.max_completion_tokens
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_request")
+        run = await _admit(state, body, lambda engine: _chat_ids(engine, messages), top, "messages")
+        if body.stream:
+            return _sse(state, run, _chat_stream(state, body, run, request))
+        return await _chat_json(state, body, run, request)
+
+    return Gate(app, state)
+
+
+# -- admission and submission -----------------------------------------------------------------
+
+@dataclass
+class Run:
+    """One HTTP request's engine sequences and their shared output queue."""
+
+    request_id: str
+    queue: asyncio.Queue
+    ids: list[str]
+    num_prompt_tokens: int
+    open: set[str] = field(default_factory=set)
+
+
+def _require_loop(state: ServerState) -> EngineLoop:
+    if state.loop is None:
+        message = f"the model failed to load ({state.load_error})" if state.load_error else "the model is still loading"
+        raise ApiError(503, message, code="not_ready")
+    if state.draining:
+        raise ApiError(503, "the server is shutting down", code="shutting_down")
+    return state.loop
+
+
+async def _admit(state: ServerState, body, prompt_fn, logprobs: int | None, prompt_param: str) -> Run:
+    """Check the request, reserve ``n`` sequences (429 when full) and queue them in the engine."""
+    loop = _require_loop(state)
+    if body.model != state.settings.model_name:
+        raise ApiError(404, f"the model '{body.model}' does not exist: this server serves '{state.settings.model_name}'",
+                       "model", "model_not_found")
+    params = []
+    for i in range(body.n):
+        try:
+            params.append(SamplingParams(
+                max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty, seed=None if body.seed is None else body.seed + i,
+                stop=list(body.stop or []), ignore_eos=body.ignore_eos, logprobs=logprobs))
+        except LlmoptError as exc:
+            raise ApiError(400, exc.problem, code="invalid_request") from exc
+    if state.in_flight + body.n > state.capacity:
+        raise ApiError(429, f"the server is at capacity ({state.in_flight} sequences admitted, limit {state.capacity} = "
+                            f"max_num_seqs + max_waiting): retry later", code="queue_full")
+    state.in_flight += body.n
+    run = Run(new_id("cmpl"), asyncio.Queue(), [], 0)
+    run.ids = [f"{run.request_id}-{i}" for i in range(body.n)]
+    engine_max = loop.engine.max_model_len
+
+    def add(engine: LLMEngine) -> int:
+        ids = prompt_fn(engine)
+        n = len(ids)
+        if n >= engine_max:
+            raise ApiError(400, f"this model's maximum context length is {engine_max} tokens, but the prompt has {n} tokens: "
+                                "shorten the prompt", prompt_param, "context_length_exceeded")
+        if body.max_tokens is not None and n + body.max_tokens > engine_max:
+            raise ApiError(400, f"this model's maximum context length is {engine_max} tokens, but the prompt ({n}) plus "
+                                f"max_tokens ({body.max_tokens}) need {n + body.max_tokens}: lower max_tokens or shorten the prompt",
+                           "max_tokens", "context_length_exceeded")
+        added = []
+        try:
+            for rid, p in zip(run.ids, params):
+                engine.add_request(ids, p, request_id=rid)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                engine.abort(rid, report=False)
+            raise
+        return n
+
+    try:
+        run.num_prompt_tokens = await loop.submit_many(add, run.ids, run.queue, params)
+    except ApiError:
+        state.in_flight -= body.n
+        raise
+    except LlmoptError as exc:
+        state.in_flight -= body.n
+        raise ApiError(400, exc.problem, prompt_param, "invalid_request") from exc
+    except BaseException:
+        state.in_flight -= body.n
+        raise
+    run.open = set(run.ids)
+    return run
+
+
+def _prompt_ids(engine: LLMEngine, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return list(engine.tokenizer(prompt).input_ids)
+    return list(prompt)
+
+
+def _chat_ids(engine: LLMEngine, messages: list[dict]) -> list[int]:
+    tokenizer = engine.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "this model has no chat template: use /v1/completions, or start the server with --chat-template FILE",
+                       "messages", "no_chat_template")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # noqa: BLE001 - a template that rejects these messages
+        raise ApiError(400, f"the chat template rejected the messages: {exc}", "messages", "invalid_request") from exc
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+async def _next(state: ServerState, run: Run, request: Request | None) -> tuple[int, Chunk]:
+    """The next chunk of any of the run's sequences; for non-streaming requests a client that
+    went away aborts the run (streaming ones are cancelled by the server)."""
+    while True:
+        try:
+            rid, chunk = await asyncio.wait_for(run.queue.get(), timeout=1.0 if request is not None else None)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise asyncio.CancelledError("client disconnected") from None
+            continue
+        if chunk.finished:
+            run.open.discard(rid)
+            state.in_flight -= 1
+            m = chunk.metrics
+            state.metrics.record_finished(chunk.finish_reason or "error", chunk.num_prompt_tokens, chunk.num_output_tokens,
+                                          m.ttft if m else None, m.tpot if m else None, m.e2e if m else None)
+        return run.ids.index(rid), chunk
+
+
+def _release(state: ServerState, run: Run) -> None:
+    """Abort what is still running (client gone, error, shutdown) and return its admission."""
+    for rid in run.open:
+        state.loop.abort(rid)
+        state.in_flight -= 1
+    run.open.clear()
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+def _completion_logprobs(entries: list[dict], offset: int) -> dict:
+    tokens = [e["token"] for e in entries]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [dict(e["top"]) for e in entries], "text_offset": offsets}
+
+
+def _chat_logprobs(entries: list[dict]) -> dict:
+    def item(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]} for e in entries]}
+
+
+def _finish_reason(chunk: Chunk) -> str:
+    if chunk.finish_reason == "error":
+        raise ApiError(500, chunk.error or "generation failed", code="engine_error")
+    return chunk.finish_reason
+
+
+async def _collect(state: ServerState, run: Run, n: int, request: Request) -> tuple[list[str], list[list[dict]], list[str], int]:
+    texts, logprobs, reasons, completion = [""] * n, [[] for _ in range(n)], [""] * n, 0
+    try:
+        while run.open:
+            i, chunk = await _next(state, run, request)
+            texts[i] += chunk.delta_text
+            logprobs[i] += chunk.logprobs or []
+            if chunk.finished:
+                reasons[i] = _finish_reason(chunk)
+                completion += chunk.num_output_tokens
+    finally:
+        _release(state, run)
+    return texts, logprobs, reasons, completion
+
+
+async def _completion_json(state: ServerState, body: CompletionRequest, run: Run, request: Request) -> dict:
+    texts, logprobs, reasons, completion = await _collect(state, run, body.n, request)
+    choices = [{"index": i, "text": texts[i], "finish_reason": reasons[i],
+                "logprobs": _completion_logprobs(logprobs[i], 0) if body.logprobs is not None else None} for i in range(body.n)]
+    return {"id": run.request_id, "object": "text_completion", "created": now(), "model": state.settings.model_name,
+            "choices": choices, "usage": usage(run.num_prompt_tokens, completion)}
+
+
+async def _chat_json(state: ServerState, body: ChatCompletionRequest, run: Run, request: Request) -> dict:
+    texts, logprobs, reasons, completion = await _collect(state, run, body.n, request)
+    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "finish_reason": reasons[i],
+                "logprobs": _chat_logprobs(logprobs[i]) if body.logprobs else None} for i in range(body.n)]
+    return {"id": run.request_id.replace("cmpl", "chatcmpl", 1), "object": "chat.completion", "created": now(),
+            "model": state.settings.model_name, "choices": choices, "usage": usage(run.num_prompt_tokens, completion)}
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose run is released however the response ends, even when the
+    client leaves before the first event (the body generator then never starts)."""
+
+    def __init__(self, events: AsyncIterator[dict], on_close: Callable[[], None]) -> None:
+        async def body():
+            async for event in events:
+                yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        super().__init__(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def _sse(state: ServerState, run: Run, events: AsyncIterator[dict]) -> StreamingResponse:
+    return _EventStream(events, lambda: _release(state, run))
+
+
+async def _stream(state: ServerState, body, run: Run, make_choice, head: dict) -> AsyncIterator[dict]:
+    """Chunks as events; the run is aborted if the client goes away (the generator is closed)."""
+    completion = 0
+    try:
+        while run.open:
+            i, chunk = await _next(state, run, None)
+            reason = None
+            if chunk.finished:
+                completion += chunk.num_output_tokens
+                if chunk.finish_reason == "error":
+                    yield error_body(500, chunk.error or "generation failed", code="engine_error")
+                    return
+                reason = chunk.finish_reason
+            if chunk.delta_text or chunk.logprobs or reason:
+                yield {**head, "created": now(), "choices": [make_choice(i, chunk, reason)]}
+        if body.include_usage:
+            yield {**head, "created": now(), "choices": [], "usage": usage(run.num_prompt_tokens, completion)}
+    finally:
+        _release(state, run)
+
+
+def _completion_stream(state: ServerState, body: CompletionRequest, run: Run, request: Request) -> AsyncIterator[dict]:
+    offsets = [0] * body.n
+
+    def choice(i: int, chunk: Chunk, reason: str | None) -> dict:
+        lp = None
+        if body.logprobs is not None:
+            lp = _completion_logprobs(chunk.logprobs or [], offsets[i])
+            offsets[i] += sum(len(t) for t in lp["tokens"])
+        return {"index": i, "text": chunk.delta_text, "logprobs": lp, "finish_reason": reason}
+
+    head = {"id": run.request_id, "object": "text_completion", "model": state.settings.model_name}
+    return _stream(state, body, run, choice, head)
+
+
+def _chat_stream(state: ServerState, body: ChatCompletionRequest, run: Run, request: Request) -> AsyncIterator[dict]:
+    head = {"id": run.request_id.replace("cmpl", "chatcmpl", 1), "object": "chat.completion.chunk", "model": state.settings.model_name}
+    started = [False] * body.n
+
+    def choice(i: int, chunk: Chunk, reason: str | None) -> dict:
+        delta = {"content": chunk.delta_text} if chunk.delta_text or not reason else {}
+        if not started[i]:
+            delta = {"role": "assistant", **delta}
+            started[i] = True
+        out = {"index": i, "delta": delta, "logprobs": _chat_logprobs(chunk.logprobs or []) if body.logprobs else None,
+               "finish_reason": reason}
+        return out
+
+    async def events():
+        for i in range(body.n):  # the role first, as OpenAI sends it, before any token
+            started[i] = True
+            yield {**head, "created": now(), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                          "logprobs": None, "finish_reason": None}]}
+        async for event in _stream(state, body, run, choice, head):
+            yield event
+
+    return events()
+
+
+__all__ = ["ApiError", "ServeSettings", "ServerState", "create_app"]

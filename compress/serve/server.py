@@ -1,0 +1,40 @@
+"""Run the app under uvicorn with a graceful SIGTERM: stop admitting (503), let in-flight
+requests finish for up to ``shutdown_timeout`` seconds, abort the rest, exit normally."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+
+from llmopt.runtime import LLMEngine
+
+from .app import ServerState, ServeSettings, create_app
+
+
+class _Server:
+    """A uvicorn server whose exit signals start draining and are not re-raised afterwards
+    (uvicorn re-raises them, which would end the process with the signal instead of status 0)."""
+
+    def __new__(cls, config, state: ServerState):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:
+                state.draining = True
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True
+                else:
+                    self.should_exit = True
+
+        return Server(config)
+
+
+def build(loader: Callable[[], LLMEngine], settings: ServeSettings, host: str, port: int,
+          shutdown_timeout: float = 30.0, log_level: str = "warning"):
+    """``(uvicorn server, state)``; ``server.run()`` serves until SIGTERM / SIGINT or ``should_exit``."""
+    import uvicorn
+
+    state = ServerState(settings, loader)
+    config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
+    return _Server(config, state), state
