@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .engine import LLMEngine
 from .metrics import percentiles
+from .outputs import RequestFailedError, RequestOutput, raise_if_failed
 from .sampling_params import SamplingParams
 
 
@@ -41,43 +42,70 @@ def _random_prompt(engine: LLMEngine, n: int, rng: random.Random) -> list[int]:
     return [rng.randint(min(100, vocab - 1), vocab - 1) for _ in range(n)]
 
 
-def _run_one(engine: LLMEngine, prompt: list[int], max_tokens: int) -> float:
-    """Seconds from adding the request to its end."""
+def _run_one(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[float, RequestOutput]:
+    """Seconds from adding the request to its end, and its checked final output."""
     start = time.perf_counter()
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    final = None
     while engine.has_unfinished():
-        engine.step()
-    return time.perf_counter() - start
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                final = out
+    seconds = time.perf_counter() - start
+    return seconds, check_measured(final, "benchmark request")
 
 
-def time_prompt(engine: LLMEngine, pp: int, rng: random.Random) -> float:
-    """Seconds to process a fresh random ``pp``-token prompt (and emit one token)."""
-    return _run_one(engine, _random_prompt(engine, pp, rng), 1)
+def check_measured(output: RequestOutput | None, what: str = "request") -> RequestOutput:
+    """``output`` when its figures can be used: it did not error, produced at least one token and
+    has its latencies; otherwise a ``RequestFailedError`` (a broken kernel must not look fast)."""
+    output = raise_if_failed(output, what)
+    if not output.token_ids:
+        raise RequestFailedError(f"{what} produced no token", "report this as a bug (llmopt --debug shows more)")
+    m = output.metrics
+    if m.ttft is None or m.e2e is None or (len(output.token_ids) > 1 and m.tpot is None):
+        raise RequestFailedError(f"{what} finished without its latencies (TTFT {m.ttft}, TPOT {m.tpot}, end-to-end {m.e2e})",
+                                 "report this as a bug")
+    return output
 
 
-def time_generation(engine: LLMEngine, tg: int, rng: random.Random) -> float:
-    """Seconds to generate ``tg`` tokens from a one-token prompt."""
-    return _run_one(engine, _random_prompt(engine, 1, rng), tg)
+def time_prompt(engine: LLMEngine, pp: int, rng: random.Random) -> tuple[float, int]:
+    """Seconds to process a fresh random ``pp``-token prompt (and emit one token), and the prompt
+    tokens actually processed."""
+    seconds, out = _run_one(engine, _random_prompt(engine, pp, rng), 1)
+    return seconds, len(out.prompt_token_ids)
+
+
+def time_generation(engine: LLMEngine, tg: int, rng: random.Random) -> tuple[float, int]:
+    """Seconds to generate ``tg`` tokens from a one-token prompt, and the tokens actually produced."""
+    seconds, out = _run_one(engine, _random_prompt(engine, 1, rng), tg)
+    return seconds, len(out.token_ids)
 
 
 def single_stream(engine: LLMEngine, pp: int = 512, tg: int = 128, repetitions: int = 5, seed: int = 0,
                   advance: Callable[[int], None] | None = None) -> dict:
     """Prompt processing of ``pp`` tokens (one token generated) and generation of ``tg`` tokens
-    from a one-token prompt, one request at a time; the median of ``repetitions`` after a warm-up.
-    Every prompt is fresh random tokens, so the prefix cache never helps."""
+    from a one-token prompt, one request at a time; the median of ``repetitions`` rates (tokens
+    actually processed or produced / seconds) after a warm-up. Every prompt is fresh random
+    tokens, so the prefix cache never helps. A request that errors raises ``RequestFailedError``."""
     rng = random.Random(seed)
     _run_one(engine, _random_prompt(engine, min(pp, 32), rng), 4)  # warm-up
-    pp_s, tg_s = [], []
+    pp_s, tg_s, pp_tokens, tg_tokens = [], [], [], []
     for _ in range(repetitions):
-        pp_s.append(time_prompt(engine, pp, rng))
-        tg_s.append(time_generation(engine, tg, rng))
+        seconds, tokens = time_prompt(engine, pp, rng)
+        pp_s.append(seconds)
+        pp_tokens.append(tokens)
+        seconds, tokens = time_generation(engine, tg, rng)
+        tg_s.append(seconds)
+        tg_tokens.append(tokens)
         if advance:
             advance(1)
     return {
-        f"pp{pp}_tok_s": pp / statistics.median(pp_s),
-        f"tg{tg}_tok_s": tg / statistics.median(tg_s),
+        f"pp{pp}_tok_s": statistics.median(n / t for n, t in zip(pp_tokens, pp_s)),
+        f"tg{tg}_tok_s": statistics.median(n / t for n, t in zip(tg_tokens, tg_s)),
         "pp_seconds": pp_s,
         "tg_seconds": tg_s,
+        "pp_tokens": pp_tokens,
+        "tg_tokens": tg_tokens,
         "repetitions": repetitions,
     }
 
@@ -101,10 +129,12 @@ def serving(engine: LLMEngine, workload: list[WorkItem], advance: Callable[[int]
             continue
         for out in engine.step():
             if out.finished:
-                finished.append(out)
+                finished.append(check_measured(out, f"serving request {out.request_id}"))
                 if advance:
                     advance(1)
     duration = time.perf_counter() - start
+    if len(finished) != len(workload):
+        raise RequestFailedError(f"serving finished {len(finished)} of {len(workload)} requests", "report this as a bug")
     out_tokens = sum(len(o.token_ids) for o in finished)
     in_tokens = sum(len(o.prompt_token_ids) for o in finished)
     ttft = [o.metrics.ttft for o in finished]

@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmopt.core.errors import LlmoptError
+
 from .metrics import RequestMetrics
+
+
+class RequestFailedError(LlmoptError):
+    """A request finished with ``finish_reason="error"`` (a failed forward or sampling step).
+    Not the user's input, so the CLI exits with 1, still with one line."""
+
+    exit_code = 1
 
 
 @dataclass
@@ -36,3 +45,14 @@ class RequestOutput:
         if self._text is None:
             self._text = self._decode() if self._decode is not None else ""
         return self._text
+
+
+def raise_if_failed(output: RequestOutput | None, what: str = "request") -> RequestOutput:
+    """``output`` unchanged, or a ``RequestFailedError`` naming the failure when the request
+    errored or no output came back (figures from it would be meaningless)."""
+    if output is None:
+        raise RequestFailedError(f"{what} produced no output", "report this as a bug (llmopt --debug shows more)")
+    if output.finish_reason == "error":
+        raise RequestFailedError(f"{what} failed: {output.error or 'unknown error'}",
+                                 "try --kernels reference to rule out the compiled kernels, and report the bug")
+    return output

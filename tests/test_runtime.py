@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from llmopt.formats.schemes import (
     get_scheme,
 )
 from llmopt.runtime import LLM, LLMEngine, SamplingParams
+from llmopt.runtime.bench import make_workload
 from llmopt.runtime.layers import QuantLinear
 from llmopt.runtime.sampler import filter_logits
 from llmopt.runtime.sequence import Sequence
@@ -593,13 +595,62 @@ def test_cli_generate_and_bench(models):
                                   "--prompt-len", "4:20", "--output-len", "2:5", "--lm-head", "int8", "--json"])
     assert result.exit_code == 0, result.output
     bench = json.loads(result.stdout)
-    assert bench["pp16_tok_s"] > 0 and bench["tg4_tok_s"] > 0 and bench["lm_head"] == bench["lm_head_runs_as"] == "int8"
-    assert bench["serving"]["requests"] == 3 and bench["serving"]["ttft_p50_s"] > 0
+    assert bench["lm_head"] == bench["lm_head_runs_as"] == "int8"
+    # the figures are the tokens actually processed / produced over the measured seconds
+    assert bench["pp_tokens"] == [16, 16] and bench["tg_tokens"] == [4, 4]
+    assert len(bench["pp_seconds"]) == len(bench["tg_seconds"]) == 2 and min(bench["pp_seconds"] + bench["tg_seconds"]) > 0
+    assert bench["pp16_tok_s"] == pytest.approx(statistics.median(16 / t for t in bench["pp_seconds"]))
+    assert bench["tg4_tok_s"] == pytest.approx(statistics.median(4 / t for t in bench["tg_seconds"]))
+    serving = bench["serving"]
+    expected = make_workload(3, (4, 20), (2, 5), VOCAB, seed=0)
+    assert serving["requests"] == 3 and serving["output_tokens"] == sum(w.max_tokens for w in expected)
+    assert serving["prompt_tokens"] == sum(len(w.prompt_token_ids) for w in expected)
+    assert serving["output_tok_s"] == pytest.approx(serving["output_tokens"] / serving["duration_s"])
+    assert 0 < serving["ttft_p50_s"] <= serving["ttft_p99_s"] <= serving["e2e_p99_s"] <= serving["duration_s"]
     for args, message in ((["generate", str(path), "hi", "--chat"], "no chat template"),
                           (["generate", str(path), "hi", "--top-p", "2"], "top_p"),
                           (["bench", str(path), "--prompt-len", "9:3"], "not a valid range")):
         result = runner.invoke(main, args)
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+def _failing_forward(monkeypatch):
+    from llmopt.runtime.model_runner import ModelRunner
+
+    def broken(self, items):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(ModelRunner, "run", broken)
+
+
+@pytest.mark.parametrize("args", [["bench", "--pp", "8", "--tg", "2", "-r", "1", "-n", "2", "--json"],
+                                  ["bench", "--pp", "8", "--tg", "2", "-r", "1", "-n", "2", "--no-single", "--json"],
+                                  ["generate", "hi", "--max-tokens", "3", "--json"],
+                                  ["generate", "hi", "--max-tokens", "3"],
+                                  ["generate", "hi", "--max-tokens", "3", "--stream"]])
+def test_failed_forward_fails_the_command_with_one_line(models, monkeypatch, args):
+    """A failing forward turns requests into finish_reason="error"; bench must not report a speed
+    from them, and generate must not print empty text with exit 0."""
+    _, path = models("llama")
+    _failing_forward(monkeypatch)
+    result = CliRunner().invoke(main, [args[0], str(path), *args[1:]])
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "failed: forward failed: RuntimeError: kernel exploded" in lines[0], result.stderr
+    assert "Traceback" not in result.output and "{" not in result.stdout
+
+
+def test_bench_functions_raise_on_a_failed_request(models, monkeypatch):
+    from llmopt.runtime.bench import make_workload, serving, single_stream
+    from llmopt.runtime.outputs import RequestFailedError
+
+    _, path = models("llama")
+    engine = LLMEngine(path)
+    _failing_forward(monkeypatch)
+    with pytest.raises(RequestFailedError, match="kernel exploded"):
+        single_stream(engine, pp=8, tg=2, repetitions=1)
+    with pytest.raises(RequestFailedError, match="kernel exploded"):
+        serving(engine, make_workload(2, (4, 8), (2, 3), VOCAB))
 
 
 # ---------------------------------------------------------------------------------------------

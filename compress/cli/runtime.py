@@ -89,8 +89,11 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
         sys.stdout.write("\n")
     else:
         final = llm.generate(request, params)[0]
-        if not as_json:
+        if not as_json and final.finish_reason != "error":
             out.print(final.text, highlight=False, markup=False)
+    from llmopt.runtime.outputs import raise_if_failed
+
+    raise_if_failed(final, "generation")
     m = final.metrics
     if as_json:
         emit_json({
@@ -100,8 +103,9 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
         })
     else:
         speed = f", {1 / m.tpot:.1f} tok/s" if m.tpot else ""
+        ttft = "" if m.ttft is None else f"; TTFT {m.ttft * 1000:.0f} ms"
         err.print(f"[dim]{len(final.prompt_token_ids)} prompt + {len(final.token_ids)} generated tokens "
-                  f"({final.finish_reason}); TTFT {m.ttft * 1000:.0f} ms{speed}[/dim]", highlight=False)
+                  f"({final.finish_reason}){ttft}{speed}[/dim]", highlight=False)
 
 
 @click.command("bench", epilog=MODEL_HELP)
