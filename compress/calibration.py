@@ -15,6 +15,7 @@ in memory at a time. Used by GPTQ, AWQ, SmoothQuant and the pruning algorithms::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -282,6 +283,103 @@ def _call_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) 
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+class LayerLifecycle:
+    """How the engine gets and releases each decoder layer (a no-op for an in-memory model).
+
+    The streaming path (:mod:`llmopt.checkpoints.streaming`) materializes a layer from the
+    memory-mapped checkpoint in :meth:`before` and writes / frees it in :meth:`after`;
+    :meth:`open_embeddings` / :meth:`close_embeddings` bracket the capture of layer 0's inputs.
+    """
+
+    def open_embeddings(self) -> None:
+        pass
+
+    def close_embeddings(self) -> None:
+        pass
+
+    def before(self, index: int, layer: nn.Module) -> None:
+        pass
+
+    def after(self, index: int, layer: nn.Module) -> None:
+        pass
+
+
+IN_MEMORY = LayerLifecycle()
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device | None:
+    """``cpu`` / ``cuda`` / ``auto`` (the GPU when there is one) → a device; None stays None."""
+    if device is None:
+        return None
+    text = str(device)
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(text)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        from llmopt.core.errors import LlmoptError
+
+        raise LlmoptError("--device cuda was asked for but torch sees no CUDA GPU", "use --device cpu or auto")
+    return dev
+
+
+def _to_device(obj: Any, device: torch.device, memo: dict[int, Any]) -> Any:
+    """``obj`` (tensors, tuples, lists, dicts of them) on ``device``; shared objects stay shared."""
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, torch.Tensor):
+        out: Any = obj.to(device)
+    elif isinstance(obj, (tuple, list)):
+        out = type(obj)(_to_device(x, device, memo) for x in obj)
+    elif isinstance(obj, dict):
+        out = {k: _to_device(v, device, memo) for k, v in obj.items()}
+    else:
+        out = obj
+    memo[id(obj)] = out
+    return out
+
+
+@dataclass
+class EngineTimings:
+    """Seconds spent per phase of :func:`run_sequential` (filled when passed in)."""
+
+    capture: float = 0.0
+    observe: float = 0.0  # layer_fn: calibration forwards + statistics + solves
+    forward: float = 0.0  # re-running each compressed layer to produce the next inputs
+    load: float = 0.0  # lifecycle.before / after (materialize, write, free)
+    layers: int = 0
+    first_layer: float = 0.0  # wall seconds of layer 0 (all phases), for estimates
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.__dict__.items()}
+
+
+def for_each_layer(
+    model: nn.Module,
+    layer_fn: Callable[[int, nn.Module], None],
+    *,
+    lifecycle: LayerLifecycle = IN_MEMORY,
+    device: str | torch.device | None = None,
+) -> None:
+    """``layer_fn(index, layer)`` on every decoder layer in turn, without calibration data
+    (RTN, magnitude pruning), through the same lifecycle and onloading as the engine."""
+    target = resolve_device(device)
+    with torch.no_grad():
+        for index, layer in enumerate(decoder_layers(model)):
+            lifecycle.before(index, layer)
+            home = _module_device(layer)
+            if target is not None:
+                layer.to(target)
+            layer_fn(index, layer)
+            if target is not None:
+                layer.to(home)
+            lifecycle.after(index, layer)
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
 def run_sequential(
     model: nn.Module,
     calib_ids: torch.Tensor,
@@ -293,9 +391,12 @@ def run_sequential(
     show_progress: bool = True,
     compute_dtype: torch.dtype | None = None,
     return_hidden: bool = True,
+    lifecycle: LayerLifecycle = IN_MEMORY,
+    device: str | torch.device | None = None,
+    timings: EngineTimings | None = None,
 ) -> torch.Tensor | None:
     """Calibrate ``model`` layer by layer; returns the last layer's outputs [n, seq, hidden]
-    (before the final norm), or None with ``return_hidden=False``.
+    (before the final norm, on the CPU), or None with ``return_hidden=False``.
 
     ``layer_fn(index, layer, run_layer)`` observes and compresses one decoder layer;
     ``run_layer()`` runs it over all stored calibration inputs (outputs discarded; any hooks
@@ -305,21 +406,33 @@ def run_sequential(
     transient bar is shown unless ``show_progress`` is False. ``compute_dtype`` (e.g.
     ``torch.bfloat16``) runs the layers under autocast to that dtype — about twice as fast on
     CPUs with bf16 support; stored activations keep the model's dtype and
-    :class:`LinearStats` still accumulates in float32.
+    :class:`LinearStats` still accumulates in float32. ``lifecycle`` gets and releases each
+    layer (streaming from a checkpoint); ``device`` (cpu / cuda / auto) moves each layer there
+    for its calibration and back afterwards, with the activations kept there (sequential
+    onloading). ``timings`` is filled with the seconds spent per phase.
     """
     layers = decoder_layers(model)
-    device = model.model.embed_tokens.weight.device
-    model_dtype = model.model.embed_tokens.weight.dtype
-    use_autocast = compute_dtype is not None and compute_dtype != model_dtype
-
-    def call(layer: nn.Module, h: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=compute_dtype, enabled=use_autocast):
-            return _call_layer(layer, h, kw).to(model_dtype)
+    target = resolve_device(device)
+    timings = timings if timings is not None else EngineTimings()
 
     was_training = model.training
     model.eval()
     with torch.no_grad():
+        t0 = time.perf_counter()
+        lifecycle.open_embeddings()
+        model_dtype = model.model.embed_tokens.weight.dtype
         inputs = capture_layer_inputs(model, calib_ids, batch_size)
+        lifecycle.close_embeddings()
+        run_device = target or inputs.hidden[0].device
+        if target is not None:
+            memo: dict[int, Any] = {}
+            inputs = LayerInputs([h.to(target) for h in inputs.hidden], [_to_device(kw, target, memo) for kw in inputs.kwargs])
+        use_autocast = compute_dtype is not None and compute_dtype != model_dtype
+        timings.capture += time.perf_counter() - t0
+
+        def call(layer: nn.Module, h: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor:
+            with torch.autocast(run_device.type, dtype=compute_dtype, enabled=use_autocast):
+                return _call_layer(layer, h, kw).to(model_dtype)
 
         def bar_context() -> Any:
             if progress is not None:
@@ -333,6 +446,13 @@ def run_sequential(
 
         with bar_context() as advance:
             for index, layer in enumerate(layers):
+                t_layer = time.perf_counter()
+                lifecycle.before(index, layer)
+                home = _module_device(layer)
+                if target is not None:
+                    layer.to(target)
+                t1 = time.perf_counter()
+                timings.load += t1 - t_layer
 
                 def run_layer(layer: nn.Module = layer) -> None:
                     for h, kw in zip(inputs.hidden, inputs.kwargs):
@@ -342,10 +462,21 @@ def run_sequential(
                             pass
 
                 layer_fn(index, layer, run_layer)
+                t2 = time.perf_counter()
                 for b, (h, kw) in enumerate(zip(inputs.hidden, inputs.kwargs)):
                     inputs.hidden[b] = call(layer, h, kw)
+                t3 = time.perf_counter()
+                if target is not None:
+                    layer.to(home)
+                lifecycle.after(index, layer)
+                t4 = time.perf_counter()
+                timings.observe += t2 - t1
+                timings.forward += t3 - t2
+                timings.load += t4 - t3
+                timings.layers += 1
+                if index == 0:
+                    timings.first_layer = t4 - t_layer
                 if advance is not None:
                     advance()
     model.train(was_training)
-    return torch.cat(inputs.hidden, dim=0) if return_hidden else None
-
+    return torch.cat(inputs.hidden, dim=0).cpu() if return_hidden else None

@@ -53,13 +53,13 @@ def sparsegpt_prune_weight(
 
     wt = weight.detach().float().T.contiguous()  # [in, out]: a column of W is a contiguous row
     wt[dead] = 0.0
-    keep_t = torch.ones(n, out_f, dtype=torch.bool)
+    keep_t = torch.ones(n, out_f, dtype=torch.bool, device=wt.device)
     for i1 in range(0, n, block_size):
         i2 = min(i1 + block_size, n)
         w1 = wt[i1:i2]  # view, updated in place
         k1 = keep_t[i1:i2]
         u1 = u[i1:i2, i1:i2]
-        err1 = torch.zeros(i2 - i1, out_f)
+        err1 = torch.zeros(i2 - i1, out_f, device=wt.device)
         if sparsity is not None:  # each row's share of this block, so the totals come out exact
             k = pruned_per_row(i2, sparsity) - pruned_per_row(i1, sparsity)
             _drop_lowest(w1, d[i1:i2], k, k1)

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from llmopt.calibration import (
+    IN_MEMORY,
+    EngineTimings,
+    LayerLifecycle,
     LinearStats,
     decoder_layers,
+    for_each_layer,
     linear_modules,
     run_sequential,
 )
@@ -56,6 +60,26 @@ class QuantizeResult:
     notices: list[str] = field(default_factory=list)
     seconds: float = 0.0
     mappings: list[AwqMappingResult | SmoothResult] = field(default_factory=list)
+    timings: EngineTimings = field(default_factory=EngineTimings)
+    sink: Callable[[dict[str, QuantizedWeight]], None] | None = None
+
+    def store(self, weights: dict[str, QuantizedWeight]) -> None:
+        """Keep one layer's quantized weights (on the CPU); with a ``sink`` (streaming) hand
+        them to it and keep only their scheme and group size."""
+        weights = {n: _on_cpu(qw) for n, qw in weights.items()}
+        if self.sink is None:
+            self.weights.update(weights)
+            return
+        self.sink(weights)
+        empty = torch.empty(0, dtype=torch.int8)
+        self.weights.update({n: QuantizedWeight(empty, empty, None, qw.scheme, qw.group_size) for n, qw in weights.items()})
+
+
+def _on_cpu(qw: QuantizedWeight) -> QuantizedWeight:
+    if qw.codes.device.type == "cpu":
+        return qw
+    zp = None if qw.zero_point is None else qw.zero_point.cpu()
+    return QuantizedWeight(qw.codes.cpu(), qw.scale.cpu(), zp, qw.scheme, qw.group_size)
 
 
 def validate_request(
@@ -68,8 +92,6 @@ def validate_request(
     """The scheme for a request, or ``ValueError`` for impossible combinations."""
     if scheme_name.upper() not in PRESETS:
         raise ValueError(f"unknown scheme {scheme_name!r}: choose one of {', '.join(PRESETS)}")
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
     key = scheme_name.upper()
     if group_size is not None and group_size < 0:
         raise ValueError(f"group size must be positive (or 0 for per-channel), got {group_size}")
@@ -78,7 +100,14 @@ def validate_request(
             f"scheme {key} is per-channel and takes no group size (got {group_size}); "
             f"group sizes apply to {', '.join(sorted(GROUPED_SCHEMES))}"
         )
-    scheme = get_scheme(key, group_size)
+    return check_method(get_scheme(key, group_size), method, has_calibration, act_order)
+
+
+def check_method(scheme: QuantScheme, method: str, has_calibration: bool, act_order: bool = False) -> QuantScheme:
+    """``scheme`` if ``method`` can produce it, else ``ValueError`` saying why and what to use."""
+    key = scheme.name
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
     if method.startswith("smoothquant") and scheme.activations != "int8":
         raise ValueError(
             f"SmoothQuant prepares int8 activation quantization and needs scheme W8A8, not {key}; "
@@ -150,7 +179,7 @@ def resolve_group_sizes(
 
 def quantize_model(
     model: nn.Module,
-    scheme_name: str,
+    scheme: QuantScheme | str,
     method: str = "rtn",
     group_size: int | None = None,
     calib_ids: torch.Tensor | None = None,
@@ -169,10 +198,14 @@ def quantize_model(
     compute_dtype: torch.dtype | None = torch.bfloat16,
     progress: Any = None,
     show_progress: bool = True,
+    lifecycle: LayerLifecycle = IN_MEMORY,
+    device: str | torch.device | None = None,
+    sink: Callable[[dict[str, QuantizedWeight]], None] | None = None,
 ) -> QuantizeResult:
     """Quantize the decoder-layer Linears of ``model`` in place.
 
-    ``group_size``: None for the scheme's default, 0 for per-channel (grouped schemes only).
+    ``scheme``: a parsed :class:`QuantScheme` (its group size is used as it is) or a preset
+    name with ``group_size`` (None for the scheme's default, 0 for per-channel).
     ``ignore``: regexes of Linear names to keep in float (``lm_head`` and embeddings are never
     quantized). ``clip_search``: range search per (row, group) — RTN weighs the weight error,
     calibrated methods the output error (default: on for calibrated methods, off for RTN).
@@ -188,10 +221,17 @@ def quantize_model(
     default bfloat16, about 2× faster on CPU; None: the model's dtype), also used for the
     ``xᵀx`` products of the Hessians (accumulated in float64); GPTQ and the written weights
     stay in float32 / the model's dtype. ``progress``: an optional ``rich.progress.Progress``
-    to report layers to (``show_progress=False``: no bar at all).
+    to report layers to (``show_progress=False``: no bar at all). ``lifecycle``: how each
+    decoder layer is got and released (:class:`~llmopt.checkpoints.streaming.StreamedModel`
+    streams them from a checkpoint); ``device``: cpu / cuda / auto, where each layer is
+    calibrated (moved there and back); ``sink``: receives each layer's quantized weights as
+    soon as they exist (the result then keeps only their schemes).
     """
     start = time.perf_counter()
-    scheme = validate_request(scheme_name, method, group_size, calib_ids is not None, bool(act_order))
+    if isinstance(scheme, QuantScheme):  # parsed once by the caller (group size included)
+        scheme = check_method(scheme, method, calib_ids is not None, bool(act_order))
+    else:
+        scheme = validate_request(scheme, method, group_size, calib_ids is not None, bool(act_order))
     if act_order is None:
         act_order = "gptq" in method
     if clip_search is None:
@@ -201,11 +241,17 @@ def quantize_model(
     if not targets:
         raise ValueError("no Linear layers left to quantize: the ignore patterns match all of them")
     group_sizes, notices = resolve_group_sizes(targets, scheme, strict_groups)
-    result = QuantizeResult(scheme, method, {}, group_sizes, notices)
+    result = QuantizeResult(scheme, method, {}, group_sizes, notices, sink=sink)
 
     if method == "rtn":
         clip = "mse" if clip_search else "minmax"
-        result.weights = rtn_quantize_modules(targets, scheme, group_sizes, clip)
+        prefixes = _layer_prefixes(model)
+
+        def rtn_layer(index: int, layer: nn.Module) -> None:
+            mods = {n: m for n, m in targets.items() if n.startswith(prefixes[index][1])}
+            result.store(rtn_quantize_modules(mods, scheme, group_sizes, clip))
+
+        for_each_layer(model, rtn_layer, lifecycle=lifecycle, device=device)
     else:
         opts = _Options(
             scheme, method, clip_search, act_order, damp, block_size, awq_grid, awq_clip,
@@ -213,7 +259,8 @@ def quantize_model(
         )
         _quantize_calibrated(model, calib_ids, targets, group_sizes, opts, result,
                              dict(batch_size=batch_size, compute_dtype=compute_dtype,
-                                  progress=progress, show_progress=show_progress))
+                                  progress=progress, show_progress=show_progress,
+                                  lifecycle=lifecycle, device=device, timings=result.timings))
     result.seconds = time.perf_counter() - start
     return result
 
@@ -274,11 +321,11 @@ def _quantize_calibrated(
                 r.name = f"{prefix}{r.name}"
             result.mappings.extend(found)
         if use_gptq:
-            result.weights.update(_gptq_layer(mods, stats, group_sizes, opts))
+            result.store(_gptq_layer(mods, stats, group_sizes, opts))
         else:
             hessians = {n: stats.hessian(n) for n in mods} if opts.clip_search and need_hessian else None
             clip = "mse" if opts.clip_search else "minmax"
-            result.weights.update(rtn_quantize_modules(mods, opts.scheme, group_sizes, clip, hessians))
+            result.store(rtn_quantize_modules(mods, opts.scheme, group_sizes, clip, hessians))
         if opts.scheme.activations is not None:
             kind = opts.scheme.activations
             for m in mods.values():  # later layers calibrate on activation-quantized inputs

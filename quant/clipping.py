@@ -12,7 +12,7 @@ def _hessian_blocks(hessian: torch.Tensor, group_size: int) -> torch.Tensor:
     """Diagonal ``[group, group]`` blocks of ``hessian`` as ``[n_groups, group, group]``."""
     n = hessian.shape[0] // group_size
     h = hessian.float().reshape(n, group_size, n, group_size)
-    idx = torch.arange(n)
+    idx = torch.arange(n, device=hessian.device)
     return h[idx, :, idx, :]
 
 

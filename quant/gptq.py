@@ -93,8 +93,8 @@ def gptq_quantize_weight(
         raise ValueError(f"group size {gs} does not divide {n} input features")
     dynamic = group_size is not None and not static_groups
     if dynamic:
-        scale = torch.zeros(out_f, n_groups)
-        zp = None if scheme.symmetric or scheme.is_float else torch.zeros(out_f, n_groups, dtype=torch.int32)
+        scale = torch.zeros(out_f, n_groups, device=w.device)
+        zp = None if scheme.symmetric or scheme.is_float else torch.zeros(out_f, n_groups, dtype=torch.int32, device=w.device)
     else:
         scale, zp = _qparams(w, scheme, group_size, clip, diag)
 
@@ -103,7 +103,7 @@ def gptq_quantize_weight(
         w = w[:, perm]
         h = h[perm][:, perm]
         keep = None if keep is None else keep[:, perm]
-    col_group = (perm if perm is not None else torch.arange(n)) // gs
+    col_group = (perm if perm is not None else torch.arange(n, device=w.device)) // gs
 
     u = _inverse_hessian_factor(h, damp).float()
     if dynamic:
@@ -119,7 +119,7 @@ def gptq_quantize_weight(
     for i1 in range(0, n, block_size):
         i2 = min(i1 + block_size, n)
         w1 = wt[i1:i2]  # view, updated in place
-        err1 = torch.zeros(i2 - i1, out_f)
+        err1 = torch.zeros(i2 - i1, out_f, device=w.device)
         u1 = u[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i

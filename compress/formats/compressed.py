@@ -43,14 +43,13 @@ from compressed_tensors.quantization import (
     QuantizationType,
 )
 from compressed_tensors.utils.match import match_name
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from llmopt.core.atomic import atomic_dir
 
 from llmopt.formats.schemes import PRESETS, QuantizedWeight, QuantScheme
+from llmopt.checkpoints.provenance import write_provenance
 
-PROVENANCE_FILE = "llmopt.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
@@ -299,7 +298,7 @@ def _write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_byte
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
-def _write_side_files(model: Any, tokenizer: Any, out: Path, qconfig: dict, provenance: dict | None) -> None:
+def write_side_files(model: Any, tokenizer: Any, out: Path, qconfig: dict, provenance: dict | None) -> None:
     """config.json (with ``quantization_config``), generation config, tokenizer, llmopt.json."""
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
@@ -317,7 +316,7 @@ def _write_extras(model: Any, tokenizer: Any, out: Path, provenance: dict | None
         gen.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    (out / PROVENANCE_FILE).write_text(json.dumps(provenance or {}, indent=2, default=str) + "\n")
+    write_provenance(out, provenance or {})
 
 
 def save_compressed(
@@ -341,6 +340,18 @@ def save_compressed(
     if Path(out_dir).exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists (pass overwrite=True to replace it)")
     _check_layers(model, weights)
+    qconfig = final_quantization_config(model, weights, ignore)
+    state = _dense_state(model, {f"{name}.weight" for name in weights})
+    state.update(quantized_tensors(weights))
+    with atomic_dir(Path(out_dir), overwrite) as tmp:
+        _write_safetensors(state, tmp, max_shard_bytes)
+        write_side_files(model, tokenizer, tmp, qconfig, provenance)
+
+
+def final_quantization_config(model: Any, weights: dict[str, QuantizedWeight], ignore: list[str]) -> dict:
+    """The ``quantization_config`` for config.json: the quantized Linears' groups, and ``ignore``
+    plus every other Linear of ``model`` (so a ``"Linear"`` target never claims them). Only
+    the schemes and group sizes of ``weights`` are used (the streaming path keeps no codes)."""
     ignore = list(ignore)
     clash = [n for n in weights if any(match_name(n, pattern) for pattern in ignore)]
     if clash:
@@ -348,21 +359,18 @@ def save_compressed(
     for name in _unquantized_linears(model, weights):
         if not any(match_name(name, pattern) for pattern in ignore):
             ignore.append(name)
-    qconfig = build_quantization_config(weights, ignore)
-    formats = {name: g.format for g in qconfig.config_groups.values() for name in _group_members(g, weights)}
-    state = _dense_state(model, {f"{name}.weight" for name in weights})
+    return build_quantization_config(weights, ignore).model_dump(mode="json")
+
+
+def quantized_tensors(weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
+    """The serialized tensors (full names) of quantized Linears, each in the compression format
+    its config group gets (which depends on its scheme only)."""
+    out: dict[str, torch.Tensor] = {}
     for name, qw in weights.items():
-        for local, tensor in compress_weight(qw, _fmt(formats[name])).items():
-            state[f"{name}.{local}"] = tensor
-    with atomic_dir(Path(out_dir), overwrite) as tmp:
-        _write_safetensors(state, tmp, max_shard_bytes)
-        _write_side_files(model, tokenizer, tmp, qconfig.model_dump(mode="json"), provenance)
-
-
-def _group_members(group: QuantizationScheme, weights: dict[str, QuantizedWeight]) -> list[str]:
-    if group.targets == ["Linear"]:
-        return list(weights)
-    return list(group.targets)
+        fmt = _fmt(_ct_scheme(qw.scheme, qw.group_size, ["Linear"]).format)
+        for local, tensor in compress_weight(qw, fmt).items():
+            out[f"{name}.{local}"] = tensor
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,16 +379,9 @@ def _group_members(group: QuantizationScheme, weights: dict[str, QuantizedWeight
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory (single file or sharded with an index)."""
-    index = path / INDEX_NAME
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else None
-    if files is None:
-        files = [WEIGHTS_NAME] if (path / WEIGHTS_NAME).exists() else sorted(p.name for p in path.glob("*.safetensors"))
-    out = {}
-    for fname in files:
-        with safe_open(str(path / fname), framework="pt") as f:
-            for key in f.keys():
-                out[key] = f.get_tensor(key)
-    return out
+    from llmopt.checkpoints.lazy import read_tensors, safetensors_files
+
+    return read_tensors(path) if safetensors_files(path) else {}
 
 
 _LINEAR_CLASSES = ("Linear", "torch.nn.Linear", "nn.Linear")
@@ -445,7 +446,9 @@ def load_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     weights, _ = read_compressed(path)
-    state = {k: v for k, v in _load_tensors(path).items() if k.rpartition(".")[0] not in weights}
+    # a quantized Linear's packed tensors are replaced by its dequantized weight; its bias stays
+    state = {k: v for k, v in _load_tensors(path).items()
+             if k.rpartition(".")[0] not in weights or k.rpartition(".")[2] == "bias"}
     model = AutoModelForCausalLM.from_config(config, dtype=dtype or config.dtype)
     target = model.dtype
     for name, qw in weights.items():

@@ -29,7 +29,6 @@ through transformers' GGUF loader and compares logits with the source model.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections import Counter
@@ -45,7 +44,6 @@ from gguf import LlamaFileType
 from llmopt.formats import gguf_blocks as blocks
 from llmopt.core.atomic import atomic_file, check_output
 from llmopt.core.errors import LlmoptError
-from llmopt.formats.export import USER_TYPES
 from llmopt.formats.gguf_vocab import Vocab, build_vocab, write_vocab
 from llmopt.checkpoints.models import read_config, resolve_model
 
@@ -112,7 +110,7 @@ def parse_type(name: str) -> T | None:
     try:
         return T[name.upper()]
     except KeyError:
-        raise LlmoptError(f"unknown GGUF type '{name}'", f"use one of {', '.join(USER_TYPES)}") from None
+        raise LlmoptError(f"unknown GGUF type '{name}'", f"use one of {', '.join(blocks.USER_TYPES)}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,21 +133,11 @@ class Source:
 
 
 def _safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
+    from llmopt.checkpoints.lazy import read_tensors, safetensors_files
 
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
+    if not safetensors_files(path):
         raise LlmoptError(f"{path} has no safetensors weights", "export a checkpoint saved as safetensors")
-    out: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(path / name), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                out[key] = handle.get_tensor(key)
-    return out
+    return read_tensors(path)
 
 
 def read_source(path: Path) -> Source:

@@ -1,0 +1,121 @@
+"""A model whose decoder layers are read from a memory-mapped checkpoint one at a time.
+
+:class:`StreamedModel` builds the transformers model without allocating weights (parameters on
+the ``meta`` device, buffers such as the rotary frequencies real), then, as the calibration
+engine's :class:`~llmopt.calibration.LayerLifecycle`:
+
+- materializes the input embedding in float32 only while layer 0's inputs are captured;
+- materializes each decoder layer in float32 from the mmap just before it is processed, and
+  after it is done hands it to ``sink(index, prefix, layer)`` (which writes it) and frees it.
+
+Everything outside the decoder layers is never materialized in float32: :meth:`outer_tensors`
+returns it as stored (bf16 stays bf16). Peak memory therefore follows one layer, not the model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmopt.calibration import LayerLifecycle, decoder_layers
+from llmopt.checkpoints.lazy import LazyCheckpoint
+from llmopt.core.errors import LlmoptError
+
+Sink = Callable[[int, str, nn.Module], None]
+
+
+class StreamedModel(LayerLifecycle):
+    """The skeleton of the checkpoint at ``source`` plus its layer-by-layer materialization."""
+
+    def __init__(self, source: Path | str, compute_dtype: torch.dtype = torch.float32) -> None:
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        self.source = Path(source)
+        self.ckpt = LazyCheckpoint(self.source)
+        self.stored_dtype = self.ckpt.floating_dtype()
+        self.compute_dtype = compute_dtype
+        config = AutoConfig.from_pretrained(self.source)
+        with init_empty_weights(include_buffers=False):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+        self.model.eval()
+        self.model.config.dtype = self.stored_dtype  # what the written checkpoint holds
+        self._tied = self._head_is_tied()
+        if (self.source / "generation_config.json").is_file():
+            self.model.generation_config = GenerationConfig.from_pretrained(self.source)
+        layers = decoder_layers(self.model)
+        where = {id(m): n for n, m in self.model.named_modules()}
+        self.prefixes = [f"{where[id(layers)]}.{i}." for i in range(len(layers))]
+        self.sink: Sink | None = None
+        self.announce: Callable[[str], None] | None = None  # gets the time estimate after layer 0
+        self._started = 0.0
+
+    # -- the engine's lifecycle ------------------------------------------------------------------
+    def open_embeddings(self) -> None:
+        emb = self.model.get_input_embeddings()
+        key = self._param_key(emb)
+        emb.weight = nn.Parameter(self.ckpt.get(key).to(self.compute_dtype), requires_grad=False)
+
+    def close_embeddings(self) -> None:
+        self.model.get_input_embeddings().to("meta")
+
+    def before(self, index: int, layer: nn.Module) -> None:
+        if index == 0:
+            self._started = time.perf_counter()
+        self.materialize(index, layer)
+
+    def after(self, index: int, layer: nn.Module) -> None:
+        if self.sink is not None:
+            self.sink(index, self.prefixes[index], layer)
+        layer.to("meta")
+        if index == 0 and self.announce is not None:
+            first = time.perf_counter() - self._started
+            n = len(self.prefixes)
+            self.announce(f"first of {n} layers took {first:.1f} s: estimated {first * n:.0f} s in all")
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def materialize(self, index: int, layer: nn.Module) -> None:
+        """Load decoder layer ``index`` from the checkpoint in the compute dtype (float32)."""
+        state = {k: v.to(self.compute_dtype) if v.is_floating_point() else v
+                 for k, v in self.ckpt.subset(self.prefixes[index], strip=True).items()}
+        wanted = set(layer.state_dict())
+        missing = wanted - set(state)
+        if missing:
+            raise LlmoptError(f"{self.source} lacks {self.prefixes[index]}{sorted(missing)[0]}",
+                              "check that the checkpoint is complete")
+        layer.load_state_dict({k: v for k, v in state.items() if k in wanted}, assign=True)
+        for p in layer.parameters():
+            p.requires_grad_(False)
+
+    def _param_key(self, module: nn.Module) -> str:
+        where = {id(m): n for n, m in self.model.named_modules()}
+        return f"{where[id(module)]}.weight"
+
+    def tied_head(self) -> bool:
+        return self._tied
+
+    def _head_is_tied(self) -> bool:
+        head = self.model.get_output_embeddings()
+        text = getattr(self.model.config, "get_text_config", lambda: self.model.config)()
+        return head is not None and bool(getattr(text, "tie_word_embeddings", False))
+
+    def outer_keys(self) -> list[str]:
+        """State-dict keys outside the decoder layers (embeddings, final norm, head unless tied)."""
+        layer_root = self.prefixes[0].rsplit(".", 2)[0] + "." if self.prefixes else "\0"
+        head = self.model.get_output_embeddings()
+        skip = {self._param_key(head)} if head is not None and self.tied_head() else set()
+        return [k for k in self.model.state_dict() if not k.startswith(layer_root) and k not in skip]
+
+    def outer_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors outside the decoder layers, in their stored dtype."""
+        return {k: self.ckpt.get(k) for k in self.outer_keys()}
+
+    def stored_dtype_of(self, key: str) -> torch.dtype:
+        return self.ckpt.dtype(key) if key in self.ckpt else self.stored_dtype
+
+    def close(self) -> None:
+        self.ckpt.close()
