@@ -312,6 +312,7 @@ def _release(state: ServerState, run: Run) -> None:
     for rid in run.open:
         state.loop.abort(rid)
         state.in_flight -= 1
+        state.metrics.record_finished("abort", run.num_prompt_tokens, 0, None, None, None)
     run.open.clear()
 
 
@@ -324,7 +325,7 @@ def _completion_logprobs(entries: list[dict], offset: int) -> dict:
         offsets.append(at)
         at += len(t)
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [dict(e["top"]) for e in entries], "text_offset": offsets}
+            "top_logprobs": [dict(reversed(e["top"])) for e in entries], "text_offset": offsets}
 
 
 def _chat_logprobs(entries: list[dict]) -> dict:
