@@ -1,0 +1,109 @@
+"""Layer-streaming compression: lazy reader, sharded writer, and streamed output identical to the
+in-memory path (quantize_model + save_compressed) tensor for tensor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import save_model, tiny_llama
+from llmopt.checkpoints.lazy import LazyCheckpoint, read_tensors
+from llmopt.checkpoints.models import load_model
+from llmopt.checkpoints.writer import ShardedWriter
+from llmopt.core.errors import LlmoptError
+from llmopt.formats.compressed import save_compressed
+from llmopt.quant.apply import quantize_model
+from llmopt.quant.streaming import quantize_streaming
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _calib() -> torch.Tensor:
+    return torch.randint(0, 259, (4, 32), generator=torch.Generator().manual_seed(1))
+
+
+def _in_memory(src, out, scheme, method, group):
+    model, tok = load_model(src)
+    calib = None if method == "rtn" else _calib()
+    result = quantize_model(model, scheme, method, group, calib, show_progress=False)
+    save_compressed(model, tok, out, result.weights, ["lm_head"], {})
+    return tok
+
+
+def _assert_same(a_dir, b_dir) -> None:
+    a, b = read_tensors(a_dir), read_tensors(b_dir)
+    assert len(a) == len(b) and sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+        assert torch.equal(a[key], b[key]), key
+    assert json.loads((a_dir / "config.json").read_text()) == json.loads((b_dir / "config.json").read_text())
+
+
+@pytest.mark.parametrize("scheme, method, group", [
+    ("W4A16", "rtn", 32), ("W4A16", "gptq", 32), ("W4A16_ASYM", "awq+gptq", 32), ("W8A8", "smoothquant+gptq", None),
+])
+def test_streamed_quantize_is_identical_to_in_memory(tmp_path, scheme, method, group):
+    src = save_model(tiny_llama(seed=0, tie_word_embeddings=method != "rtn"), tmp_path / "src")
+    tok = _in_memory(src, tmp_path / "a", scheme, method, group)
+    calib = None if method == "rtn" else _calib()
+    result = quantize_streaming(src, tmp_path / "b", scheme, method, group, calib, tokenizer=tok, show_progress=False)
+    assert len(result.weights) == 14  # 7 Linears × 2 layers, kept as schemes only
+    assert all(qw.codes.numel() == 0 for qw in result.weights.values())
+    _assert_same(tmp_path / "a", tmp_path / "b")
+
+
+def test_streamed_quantize_keeps_bf16_and_shards(tmp_path):
+    model = tiny_llama(seed=2, tie_word_embeddings=False).to(torch.bfloat16)
+    src = save_model(model, tmp_path / "src")
+    with LazyCheckpoint(src) as ckpt:
+        assert ckpt.floating_dtype() == torch.bfloat16
+        assert ckpt.dtype("lm_head.weight") == torch.bfloat16 and ckpt.shape("lm_head.weight") == (259, 64)
+    _in_memory(src, tmp_path / "a", "W4A16", "gptq", 32)  # loads in float32, writes float32
+    quantize_streaming(src, tmp_path / "b", "W4A16", "gptq", 32, _calib(), show_progress=False, max_shard_bytes=20_000)
+    a, b = read_tensors(tmp_path / "a"), read_tensors(tmp_path / "b")
+    assert sorted(a) == sorted(b)
+    index = json.loads((tmp_path / "b" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and sorted(index["weight_map"]) == sorted(b)
+    for key in a:
+        if b[key].is_floating_point() and key.endswith("weight"):  # dense tensors stay as stored
+            assert b[key].dtype == torch.bfloat16, key
+            assert torch.equal(a[key].to(torch.bfloat16), b[key]), key
+        else:  # codes and scales bit for bit
+            assert torch.equal(a[key], b[key]), key
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_sharded_writer_round_trip(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(10, 10, generator=gen).to(torch.bfloat16) for i in range(5)}
+    writer = ShardedWriter(tmp_path, max_shard_bytes=450)
+    for key, t in tensors.items():
+        writer.add(key, t)
+    with pytest.raises(ValueError):
+        writer.add("t0", tensors["t0"])
+    files = writer.close()
+    assert len(files) == 3  # 200 bytes each, at most two per shard
+    back = read_tensors(tmp_path)
+    assert len(back) == 5 and all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_memory_estimate_refuses_before_writing(tmp_path, monkeypatch):
+    src = save_model(tiny_llama(seed=0), tmp_path / "src")
+    monkeypatch.setattr("llmopt.checkpoints.estimate.available_bytes", lambda device="cpu": -10**12)
+    with pytest.raises(LlmoptError, match="GiB is free") as err:
+        quantize_streaming(src, tmp_path / "b", "W4A16", "gptq", 32, _calib(), show_progress=False)
+    assert "calib-samples" in err.value.fix
+    assert not (tmp_path / "b").exists()
+
+
+def test_estimate_grows_with_layer_not_depth():
+    from llmopt.checkpoints.estimate import estimate_memory
+
+    base = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 32000, "num_hidden_layers": 32}
+    deep = estimate_memory({**base, "num_hidden_layers": 64}, 2, hessian=True, n_samples=16, seq_len=512)
+    shallow = estimate_memory(base, 2, hessian=True, n_samples=16, seq_len=512)
+    assert deep.peak == shallow.peak
+    assert shallow.hessians > 8 * 14336**2  # the down projection's Hessian alone
