@@ -25,8 +25,9 @@ from llmopt.prune.sparsify import (
     MASK_METHODS,
     PROFILES,
     SparsifyOptions,
+    layer_prefixes,
+    report_from_zeros,
     sparsify_model,
-    sparsity_report,
 )
 from llmopt.prune.width import HEAD_MODES, check_ffn_ratio, plan_heads, prune_width
 
@@ -140,10 +141,16 @@ def prune_model(
     ranking: LayerRanking | None = None,
     progress: Any = None,
     show_progress: bool = True,
+    lifecycle: Any = None,
+    observe_lifecycle: Any = None,
+    device: str | torch.device | None = None,
 ) -> dict:
     """Prune ``model`` in place as ``settings`` say; returns a JSON-ready record.
 
     ``ranking`` (drop-layers) reuses an earlier block ranking instead of computing it.
+    ``lifecycle`` / ``observe_lifecycle`` / ``device`` (magnitude, Wanda, SparseGPT): streaming
+    and onloading, as in :func:`~llmopt.prune.sparsify.sparsify_model`; drop-layers and width
+    keep the whole model in memory.
     """
     settings.validate(model.config.to_dict())
     if settings.needs_calibration and calib_ids is None and ranking is None:
@@ -156,8 +163,9 @@ def prune_model(
         pattern = settings.parsed_pattern
         options = SparsifyOptions(settings.method, settings.sparsity, pattern, settings.profile or "uniform",
                                   owl_lambda=settings.owl_lambda, damp=settings.damp, batch_size=settings.batch_size)
-        done = sparsify_model(model, options, calib_ids, **run)
-        report = sparsity_report(model, pattern)
+        streaming = {} if lifecycle is None else {"lifecycle": lifecycle, "observe_lifecycle": observe_lifecycle}
+        done = sparsify_model(model, options, calib_ids, **run, **streaming, device=device)
+        report = report_from_zeros(layer_prefixes(model), done.layer_zeros, pattern)
         record["sparsity"] = {
             "target": settings.sparsity if pattern is None else pattern.sparsity,
             "pattern": None if pattern is None else str(pattern), "profile": options.profile,

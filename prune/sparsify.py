@@ -16,8 +16,11 @@ from typing import Any
 
 import torch
 from llmopt.calibration import (
+    IN_MEMORY,
+    LayerLifecycle,
     LinearStats,
     decoder_layers,
+    for_each_layer,
     linear_modules,
     run_sequential,
 )
@@ -55,6 +58,7 @@ class SparsifyResult:
     outlier_ratios: list[float] | None = None
     seconds: float = 0.0
     notices: list[str] = field(default_factory=list)
+    layer_zeros: list[dict[str, tuple[int, int, bool]]] = field(default_factory=list)  # name: (zeros, size, N:M valid)
 
 
 def layer_prefixes(model: nn.Module) -> list[str]:
@@ -71,9 +75,14 @@ def sparsify_model(
     *,
     progress: Any = None,
     show_progress: bool = True,
+    lifecycle: LayerLifecycle = IN_MEMORY,
+    observe_lifecycle: LayerLifecycle | None = None,
+    device: str | torch.device | None = None,
 ) -> SparsifyResult:
     """Prune every Linear inside the decoder layers of ``model`` in place (weights set to
-    exact zeros; SparseGPT also updates the kept weights)."""
+    exact zeros; SparseGPT also updates the kept weights). ``lifecycle`` / ``device``: as in
+    :func:`~llmopt.calibration.run_sequential` (streaming, onloading); ``observe_lifecycle``
+    serves OWL's read-only first pass (default: ``lifecycle``)."""
     if options.method not in MASK_METHODS:
         raise ValueError(f"unknown method {options.method!r}: choose one of {', '.join(MASK_METHODS)}")
     if options.profile not in PROFILES:
@@ -84,11 +93,12 @@ def sparsify_model(
     start = time.perf_counter()
     n_layers = len(decoder_layers(model))
     result = SparsifyResult([options.sparsity if options.pattern is None else options.pattern.sparsity] * n_layers)
-    run = {"batch_size": options.batch_size, "progress": progress, "show_progress": show_progress}
+    run = {"batch_size": options.batch_size, "progress": progress, "show_progress": show_progress, "device": device}
     if options.profile == "owl":
         if options.pattern is not None:
             raise ValueError("the OWL profile varies sparsity per layer and does not apply to N:M patterns")
-        result.outlier_ratios = owl_outlier_ratios(model, calib_ids, options.owl_m, **run)
+        result.outlier_ratios = owl_outlier_ratios(model, calib_ids, options.owl_m, **run,
+                                                   lifecycle=observe_lifecycle or lifecycle)
         result.layer_targets = owl_sparsities(result.outlier_ratios, options.sparsity, options.owl_lambda)
 
     def prune_layer(index: int, layer: nn.Module, run_layer: Any) -> None:
@@ -97,6 +107,7 @@ def sparsify_model(
         if options.method == "magnitude":
             for module in mods.values():
                 module.weight.data.mul_(magnitude_mask(module.weight, sparsity, options.pattern))
+            result.layer_zeros.append(_zeros(mods, options.pattern))
             return
         wanda = options.method == "wanda"
         with LinearStats(mods, hessian=not wanda, channel=wanda) as stats:
@@ -106,13 +117,13 @@ def sparsify_model(
                 module.weight.data.mul_(wanda_mask(module.weight, stats.l2_norm(name), sparsity, options.pattern))
         else:
             _sparsegpt_layer(mods, stats, sparsity, options)
+        result.layer_zeros.append(_zeros(mods, options.pattern))
 
     if calibrated and options.method != "magnitude":
-        run_sequential(model, calib_ids, prune_layer, description=f"{options.method}", **run)
+        run_sequential(model, calib_ids, prune_layer, description=f"{options.method}", lifecycle=lifecycle, **run)
     else:
-        with torch.no_grad():
-            for index, layer in enumerate(decoder_layers(model)):
-                prune_layer(index, layer, lambda: None)
+        for_each_layer(model, lambda index, layer: prune_layer(index, layer, lambda: None),
+                       lifecycle=lifecycle, device=device)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -141,8 +152,34 @@ def owl_outlier_ratios(
             run_layer()
         ratios.append(outlier_ratio([wanda_scores(mod.weight, stats.l2_norm(n)) for n, mod in mods.items()], m))
 
-    run_sequential(model, calib_ids, observe, description="OWL outlier ratios", **run)
+    run_sequential(model, calib_ids, observe, description="OWL outlier ratios", return_hidden=False, **run)
     return ratios
+
+
+def _zeros(mods: dict[str, nn.Linear], pattern: Pattern | None) -> dict[str, tuple[int, int, bool]]:
+    return {n: (int((m.weight == 0).sum()), m.weight.numel(), pattern is None or nm_valid(m.weight, pattern))
+            for n, m in mods.items()}
+
+
+def report_from_zeros(prefixes: list[str], layer_zeros: list[dict[str, tuple[int, int, bool]]],
+                      pattern: Pattern | None = None) -> dict:
+    """:func:`sparsity_report` from the per-layer counts :func:`sparsify_model` recorded while
+    each layer was in memory (the streaming path has no whole model to inspect afterwards)."""
+    modules: dict[str, float] = {}
+    layers: list[float] = []
+    zeros = total = 0
+    valid = True
+    for prefix, counts in zip(prefixes, layer_zeros):
+        lz = lt = 0
+        for name, (z, n, ok) in counts.items():
+            modules[f"{prefix}{name}"] = round(z / n, 6)
+            lz, lt, valid = lz + z, lt + n, valid and ok
+        layers.append(round(lz / lt, 6) if lt else 0.0)
+        zeros, total = zeros + lz, total + lt
+    report = {"overall": round(zeros / total, 6) if total else 0.0, "layers": layers, "modules": modules}
+    if pattern is not None:
+        report["pattern_valid"] = valid
+    return report
 
 
 @torch.no_grad()

@@ -107,3 +107,22 @@ def test_estimate_grows_with_layer_not_depth():
     shallow = estimate_memory(base, 2, hessian=True, n_samples=16, seq_len=512)
     assert deep.peak == shallow.peak
     assert shallow.hessians > 8 * 14336**2  # the down projection's Hessian alone
+
+
+@pytest.mark.parametrize("method, sparsity, pattern, profile", [
+    ("magnitude", 0.5, None, None), ("wanda", None, "2:4", None), ("sparsegpt", 0.5, None, None), ("wanda", 0.5, None, "owl"),
+])
+def test_streamed_prune_is_identical_to_in_memory(tmp_path, method, sparsity, pattern, profile):
+    from llmopt.prune.apply import PruneSettings, prune_model
+    from llmopt.prune.streaming import prune_streaming
+
+    src = save_model(tiny_llama(seed=3), tmp_path / "src")
+    settings = PruneSettings(method, sparsity=sparsity, pattern=pattern, profile=profile)
+    calib = None if method == "magnitude" else _calib()
+    model, tok = load_model(src)
+    expected = prune_model(model, settings, calib, show_progress=False)
+    model.save_pretrained(tmp_path / "a")
+    record = prune_streaming(src, tmp_path / "b", settings, calib, show_progress=False)
+    assert record["sparsity"] == expected["sparsity"]
+    assert record["parameters"] == expected["parameters"]
+    _assert_same(tmp_path / "a", tmp_path / "b")

@@ -45,6 +45,7 @@ class StreamedModel(LayerLifecycle):
         self.model.eval()
         self.model.config.dtype = self.stored_dtype  # what the written checkpoint holds
         self._tied = self._head_is_tied()
+        self._retie()
         if (self.source / "generation_config.json").is_file():
             self.model.generation_config = GenerationConfig.from_pretrained(self.source)
         layers = decoder_layers(self.model)
@@ -62,6 +63,11 @@ class StreamedModel(LayerLifecycle):
 
     def close_embeddings(self) -> None:
         self.model.get_input_embeddings().to("meta")
+        self._retie()
+
+    def _retie(self) -> None:
+        if self._tied:
+            self.model.get_output_embeddings().weight = self.model.get_input_embeddings().weight
 
     def before(self, index: int, layer: nn.Module) -> None:
         if index == 0:
@@ -72,6 +78,7 @@ class StreamedModel(LayerLifecycle):
         if self.sink is not None:
             self.sink(index, self.prefixes[index], layer)
         layer.to("meta")
+        self.ckpt.close()  # unmap: file pages read for this layer stop counting as our memory
         if index == 0 and self.announce is not None:
             first = time.perf_counter() - self._started
             n = len(self.prefixes)
