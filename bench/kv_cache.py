@@ -32,6 +32,7 @@ import json
 import platform
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -50,9 +51,17 @@ def engine_for(kind: str, cpp: bool, **settings):
     from llmopt.runtime import LLMEngine
 
     engine = LLMEngine("demo", kv_cache_dtype=kind, **settings)
-    if not cpp:
-        engine.runner.cpu_attention = False
+    use_cpp_attention(engine, cpp)
     return engine
+
+
+def use_cpp_attention(engine, cpp: bool) -> None:
+    """Decode attention by the C++ kernel, or by the reference's padded groups (all else the same)."""
+    from llmopt.runtime.backends import Backend
+
+    engine.backend.__dict__.pop("decode_attention", None)
+    if not cpp:
+        engine.backend.decode_attention = partial(Backend.decode_attention, engine.backend)
 
 
 def forced_logits(engine, ids: list[int], chunk: int, decode: int) -> torch.Tensor:
@@ -134,7 +143,7 @@ def speed(text_ids: list[int], args) -> dict:
 
     def engine(config):  # one engine per KV dtype; the attention path is switched per measurement
         kind, cpp = config
-        engines[kind].runner.cpu_attention = cpp
+        use_cpp_attention(engines[kind], cpp)
         return engines[kind]
 
     for c in configs:  # warm-up (first-use page faults)

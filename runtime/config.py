@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from llmopt.core.errors import LlmoptError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 GIB = 1024**3
-KERNEL_CHOICES = ("auto", "cpu", "reference")
+# the backends are the modules of runtime/backends (named, not imported, here)
+KERNEL_CHOICES = ("auto", *sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent / "backends")]) if m.name != "base"))
 LM_HEAD_CHOICES = ("auto", "bf16", "int8")
 
 
@@ -23,8 +26,11 @@ class EngineConfig:
     budget, trimmed to what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use.
     ``kv_cache_dtype``: ``auto`` stores K/V in the model's dtype; ``fp8`` (e4m3) and ``int8``
     store one byte per value plus a float32 scale per token and KV head.
-    ``kernels`` (quantized linears and decode attention): ``auto`` uses the C++ CPU kernels when
-    they build here, ``cpu`` requires them, ``reference`` forces the plain-torch path (for comparison).
+    ``device``: ``cpu`` or ``cuda`` (``cuda:N``), where the weights and the KV cache live.
+    ``kernels`` (the backend, chosen once, see ``runtime.backends``): ``auto`` is ``triton`` on
+    CUDA, and on the CPU the C++ kernels when they build here (else the reference); ``cpu``
+    requires the C++ kernels, ``triton`` the Triton ones, ``reference`` forces the plain-torch
+    path (for comparison).
     ``lm_head``: ``auto`` runs the output head as the checkpoint stores it; ``bf16`` rounds a float32
     head to bfloat16 at load and ``int8`` quantizes it per output channel (symmetric round-to-nearest)
     for the int8 kernel: a half / a quarter of the bytes per token (the demo model's float32 head is
@@ -46,6 +52,7 @@ class EngineConfig:
     seed: int = 0
     kernels: str = "auto"
     lm_head: str = "auto"
+    device: str = "cpu"
 
     def validate(self) -> None:
         checks = [
@@ -59,11 +66,19 @@ class EngineConfig:
             (self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}"),
             (self.kernels in KERNEL_CHOICES, f"kernels must be one of {', '.join(KERNEL_CHOICES)}, not {self.kernels!r}"),
             (self.lm_head in LM_HEAD_CHOICES, f"lm_head must be one of {', '.join(LM_HEAD_CHOICES)}, not {self.lm_head!r}"),
+            (_is_device(self.device), f"device must be cpu, cuda or cuda:N, not {self.device!r}"),
             (self.kv_cache_dtype in ("auto", "fp8", "int8"), f"kv_cache_dtype must be auto, fp8 or int8, not {self.kv_cache_dtype!r}"),
         ]
         for ok, problem in checks:
             if not ok:
                 raise LlmoptError(f"invalid engine setting: {problem}", "fix the value passed to LLM / LLMEngine")
+
+
+def _is_device(name: str) -> bool:
+    try:
+        return torch.device(name).type in ("cpu", "cuda")
+    except (RuntimeError, TypeError):
+        return False
 
 
 @dataclass

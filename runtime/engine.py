@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from llmopt.core.errors import LlmoptError
 
+from .backends import choose_backend
 from .block_manager import BlockManager
 from .config import GIB, EngineConfig, read_arch, resolve_max_model_len
 from .loader import load_weights
@@ -48,7 +49,12 @@ class LLMEngine:
         self.arch = read_arch(self.path)
         dtype = getattr(torch, config.dtype)
         self.max_model_len = resolve_max_model_len(self.arch, config.max_model_len)
-        self.weights = load_weights(self.path, self.arch, dtype, config.kernels, config.lm_head)
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise LlmoptError(f"device {config.device!r} was asked for but torch sees no CUDA device here",
+                              "use device='cpu', or a CUDA build of torch on a machine with a GPU")
+        self.backend = choose_backend(config.kernels, device, dtype)
+        self.weights = load_weights(self.path, self.arch, dtype, self.backend, config.lm_head)
         bs = config.block_size
         self.bytes_per_block = KVCache.bytes_per_block(self.arch, bs, dtype, config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks
@@ -59,12 +65,11 @@ class LLMEngine:
                     f"a KV cache budget of {config.kv_cache_gib} GiB holds no block ({self.bytes_per_block} bytes each)",
                     "raise kv_cache_gib or lower block_size",
                 )
-        self.cache = KVCache(self.arch, num_blocks, bs, dtype, config.kv_cache_dtype)
+        self.cache = KVCache(self.arch, num_blocks, bs, dtype, config.kv_cache_dtype, device)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.arch, LlamaModel(self.arch, self.weights, config.kernels), self.cache, self.max_model_len, dtype,
-                                  config.kernels)
-        self.sampler = Sampler(config.seed, config.kernels)
+        self.runner = ModelRunner(self.arch, LlamaModel(self.arch, self.weights, self.backend), self.cache, self.max_model_len, dtype)
+        self.sampler = Sampler(config.seed, self.backend.argmax)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(self.path)
         self.eos_token_ids = _eos_ids(self.path, self.tokenizer)
         self.stats = RunStats()

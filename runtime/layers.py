@@ -1,9 +1,8 @@
-"""Linear layers behind one small interface, so faster kernels can replace the reference ones.
+"""Linear layers behind one small interface; the engine's backend lays each weight out and
+binds the kernel that runs it (``Backend.prepare_linear`` sets ``run``).
 
-``DenseLinear`` holds a float weight (run by the C++ GEMV of ``kernels.cpu_dense`` for a few
-rows, torch otherwise); ``QuantLinear`` keeps a quantized weight as stored (int4
-codes in int8, int8, or float8 with scales / zero points) and calls a kernel that dequantizes
-it per call, or, once ``use_kernels`` has packed it, the C++ CPU kernels (``kernels.cpu_linear``).
+``DenseLinear`` holds a float weight; ``QuantLinear`` a quantized one as stored (int4 codes in
+int8, int8, or float8 with scales / zero points), or the backend's packed copy of it.
 Projections that read the same input (q/k/v, gate/up) are merged into one.
 """
 
@@ -11,21 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from llmopt.formats.schemes import QuantizedWeight, compute_qparams, get_scheme, quantize
 
-from .kernels import cpu_dense, cpu_linear, reference
-
 
 class Linear:
-    """``y = x @ W.T + b``."""
+    """``y = x @ W.T + b``, run by the kernel its backend bound (``run``)."""
 
     out_features: int
     bias: torch.Tensor | None
+    run: Callable[[torch.Tensor], torch.Tensor] | None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
-        raise NotImplementedError
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x)
 
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -33,18 +32,13 @@ class Linear:
 
 @dataclass
 class DenseLinear(Linear):
-    """A float weight, held in the layout its kernel streams best (``use_kernels``):
-
-    - C++ kernels (``auto`` / ``cpu``): ``weight`` ``[out, in]`` as stored in checkpoints. Up to
-      ``cpu_dense.GEMV_ROWS`` rows (decode) run our GEMV; more rows run torch's linear on it.
-    - ``reference`` (or no C++ build): ``weight_t`` ``[in, out]``, ``x @ W.T`` through
-      ``torch.mm``, which CPU BLAS runs markedly faster in that layout for one token.
-
-    Exactly one of the two is set. Loading leaves ``weight`` until ``use_kernels`` picks."""
+    """A float weight, ``weight`` ``[out, in]`` as stored in checkpoints or ``weight_t``
+    ``[in, out]``, whichever its backend streams best (``set_layout``); exactly one is set."""
 
     weight: torch.Tensor | None
     bias: torch.Tensor | None = None
     weight_t: torch.Tensor | None = None
+    run: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> DenseLinear:
@@ -64,18 +58,12 @@ class DenseLinear(Linear):
             return torch.nn.functional.embedding(ids, self.weight)
         return self.weight_t.index_select(1, ids).t()
 
-    def use_kernels(self, kernels: str) -> None:
-        """``"auto"`` / ``"cpu"``: rows for the C++ GEMV when it builds; ``"reference"``: transposed for torch."""
-        rows = kernels != "reference" and self.full_weight().device.type == "cpu" and cpu_dense.available()
-        if rows and self.weight is None:
-            self.weight, self.weight_t = self.weight_t.t().contiguous(), None
-        elif not rows and self.weight_t is None:
+    def set_layout(self, transposed: bool) -> None:
+        """Hold the weight as ``weight_t`` (``transposed``) or as ``weight``."""
+        if transposed and self.weight_t is None:
             self.weight_t, self.weight = self.weight.t().contiguous(), None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_t is not None:  # a narrower weight (bf16 head) is widened per call, as the GEMV does in registers
-            return reference.dense_linear_t(x, self.weight_t.to(x.dtype), self.bias)
-        return cpu_dense.linear(x, self.weight, self.bias)
+        elif not transposed and self.weight is None:
+            self.weight, self.weight_t = self.weight_t.t().contiguous(), None
 
     def nbytes(self) -> int:
         return _nbytes(self.weight, self.weight_t, self.bias)
@@ -90,8 +78,8 @@ class QuantLinear(Linear):
     activations: str | None
     scheme_name: str
     bias: torch.Tensor | None = None
-    packed: cpu_linear.PackedLinear | None = field(default=None, repr=False, compare=False)
-    run: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False, compare=False)  # bound kernel
+    packed: Any = field(default=None, repr=False, compare=False)  # the backend's layout (then ``codes`` are emptied)
+    run: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantLinear:
@@ -100,23 +88,6 @@ class QuantLinear(Linear):
     @property
     def out_features(self) -> int:
         return self.codes.shape[0]
-
-    def use_kernels(self, kernels: str) -> None:
-        """``"cpu"`` / ``"auto"``: pack the weight for the C++ CPU kernels when they cover its format
-        (and are built); ``"reference"``: dequantize per call in plain torch."""
-        self.packed = None
-        if kernels != "reference":
-            self.packed = cpu_linear.pack(self.codes, self.scale, self.zero_point, self.group_size, self.activations)
-        self.run = None
-        if self.packed is not None:
-            # the packed copy replaces the codes (int4 codes held one per byte would double the memory)
-            self.codes = self.codes[:, :0]
-            self.run = cpu_linear.bind(self.packed, self.bias)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.run is not None:
-            return self.run(x)
-        return reference.quant_linear(x, self.codes, self.scale, self.zero_point, self.group_size, self.activations, self.bias)
 
     def nbytes(self) -> int:
         if self.packed is not None:

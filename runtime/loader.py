@@ -2,8 +2,8 @@
 
 Dense safetensors (single file or sharded) load directly; compressed-tensors checkpoints keep
 their quantized Linears quantized (``QuantLinear``); bitsandbytes NF4 checkpoints are
-dequantized at load. Q/K/V and gate/up projections are merged so each is one matmul; the
-quantized ones are then packed for the C++ CPU kernels unless ``kernels="reference"``.
+dequantized at load. Weights go to the backend's device; Q/K/V and gate/up projections are
+merged so each is one matmul, then the backend lays every linear out for its kernels.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from llmopt.core.errors import LlmoptError
 from safetensors import safe_open
 
+from .backends import Backend
 from .config import ModelArch
-from .kernels import cpu_dense, cpu_linear
 from .layers import ConcatLinear, DenseLinear, Linear, QuantLinear, int8_rows, merge_linears
 
 
@@ -98,13 +98,14 @@ def _quantized(path: Path, config: dict) -> tuple[dict, dict[str, torch.Tensor],
     raise LlmoptError(f"the runtime cannot read '{method}' checkpoints", "use a dense or compressed-tensors checkpoint (llmopt quantize writes those)")
 
 
-def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, kernels: str = "auto", lm_head: str = "auto") -> ModelWeights:
-    """Load the decoder's weights from ``path`` for ``arch``; ``kernels`` as in :func:`use_kernels`.
-    ``lm_head``: ``auto`` keeps the output head as the checkpoint stores it; ``bf16`` rounds a
+def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backend, lm_head: str = "auto") -> ModelWeights:
+    """Load the decoder's weights from ``path`` for ``arch`` onto ``backend``'s device, laid out
+    for its kernels. ``lm_head``: ``auto`` keeps the output head as the checkpoint stores it; ``bf16`` rounds a
     float head to bfloat16 (the float GEMV widens it in registers); ``int8`` quantizes it per
     output channel (symmetric round-to-nearest) for the int8 kernels."""
     config = json.loads((path / "config.json").read_text())
     quantized, dense, description = _quantized(path, config)
+    device = backend.device
 
     def tensor(name: str, required: bool = True) -> torch.Tensor | None:
         if name not in dense:
@@ -112,12 +113,18 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, kernels: str =
                 raise LlmoptError(f"{path} has no tensor '{name}'", "the checkpoint does not fit its config.json; re-create it")
             return None
         t = dense[name]
-        return t.to(dtype) if t.is_floating_point() else t
+        return t.to(device, dtype) if t.is_floating_point() else t.to(device)
+
+    def quant(module: str, bias: torch.Tensor | None = None) -> QuantLinear:
+        lin = QuantLinear.from_quantized(quantized[module], bias)
+        lin.codes, lin.scale = lin.codes.to(device), lin.scale.to(device)
+        lin.zero_point = None if lin.zero_point is None else lin.zero_point.to(device)
+        return lin
 
     def linear(module: str) -> Linear:
         bias = tensor(f"{module}.bias", required=False)
         if module in quantized:
-            return QuantLinear.from_quantized(quantized[module], bias)
+            return quant(module, bias)
         return DenseLinear.from_weight(tensor(f"{module}.weight"), bias)
 
     layers = []
@@ -139,7 +146,7 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, kernels: str =
         ))
     embed = tensor("model.embed_tokens.weight").contiguous()
     if "lm_head" in quantized:
-        head: Linear = QuantLinear.from_quantized(quantized["lm_head"])
+        head: Linear = quant("lm_head")
     elif arch.tie_word_embeddings or "lm_head.weight" not in dense:
         if not arch.tie_word_embeddings:
             raise LlmoptError(f"{path} has no lm_head.weight and its embeddings are not tied", "re-create the checkpoint")
@@ -153,7 +160,8 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, kernels: str =
         head = int8_rows(head) if head_kind == "int8" else DenseLinear.from_weight(head.full_weight().to(torch.bfloat16), head.bias)
     weights = ModelWeights(embed, layers, tensor("model.norm.weight"), head, description, head_kind)
     _check_shapes(weights, arch, path)
-    use_kernels(weights, kernels)
+    for lin in _linears(weights):
+        backend.prepare_linear(lin)
     return weights
 
 
@@ -169,22 +177,6 @@ def _linears(weights: ModelWeights) -> list[DenseLinear | QuantLinear]:
         elif isinstance(lin, (DenseLinear, QuantLinear)):
             found.append(lin)
     return found
-
-
-def use_kernels(weights: ModelWeights, kernels: str) -> None:
-    """Choose the linears' kernels: ``"auto"`` packs quantized weights for the C++ CPU kernels
-    and lays float weights out for the C++ GEMV when those build here, ``"cpu"`` insists on
-    them, ``"reference"`` keeps plain torch."""
-    linears = _linears(weights)
-    quant = any(isinstance(lin, QuantLinear) for lin in linears)
-    dense = any(isinstance(lin, DenseLinear) for lin in linears)
-    if kernels == "cpu" and ((quant and not cpu_linear.available()) or (dense and not cpu_dense.available())):
-        raise LlmoptError(
-            "the C++ CPU kernels are not available (no C++ compiler, a failed build, or LLMOPT_KERNELS=reference)",
-            "install g++ (or clang++), or use kernels='auto' / 'reference'",
-        )
-    for lin in linears:
-        lin.use_kernels(kernels)
 
 
 def _check_shapes(w: ModelWeights, arch: ModelArch, path: Path) -> None:

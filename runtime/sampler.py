@@ -3,11 +3,11 @@ per-request seeds, and optional log-probabilities."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .kernels import cpu_fused
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
@@ -58,19 +58,17 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 class Sampler:
     """Samples one token per row of logits; requests without a seed share the engine's generator.
-    ``kernels`` other than ``reference`` run greedy rows' argmax in C++ (``cpu_fused.argmax``,
-    the same choice as torch's, ties and NaN included, in a tenth of the time)."""
+    A batch of greedy rows takes ``argmax`` (the backend's: torch's choice, ties and NaN
+    included); other rows are processed one by one on the CPU."""
 
-    def __init__(self, seed: int = 0, kernels: str = "auto") -> None:
+    def __init__(self, seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.generator = torch.Generator().manual_seed(seed)
-        fused = cpu_fused.extension() if kernels != "reference" else None
-        self.argmax = fused.argmax if fused is not None else None
+        self.argmax = argmax or (lambda logits: logits.argmax(-1))
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         if not any(s.params.needs_row_processing for s in seqs):
-            if self.argmax is not None and logits.dtype == torch.float32 and logits.is_contiguous() and logits.is_cpu:
-                return [SampleResult(t) for t in self.argmax(logits).tolist()]
-            return [SampleResult(t) for t in logits.argmax(-1).tolist()]
+            return [SampleResult(t) for t in self.argmax(logits).tolist()]
+        logits = logits.cpu()
         results = []
         for row, seq in zip(logits, seqs):
             try:

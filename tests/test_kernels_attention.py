@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from click.testing import CliRunner
 from conftest import save_model, tiny_llama
 from llmopt.core.errors import LlmoptError
 from llmopt.runtime import LLMEngine
+from llmopt.runtime.backends import Backend, choose_backend
 from llmopt.runtime.config import EngineConfig
 from llmopt.runtime.kernels import build, cpu_attention, kv_quant
 from llmopt.runtime.kernels import reference as ref
@@ -207,7 +209,7 @@ def test_bad_inputs_are_errors():
     with pytest.raises(LlmoptError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp4").validate()
     with pytest.raises(LlmoptError, match="kernels"):
-        cpu_attention.use_cpu_attention("gpu")
+        choose_backend("gpu", torch.device("cpu"), torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,8 +250,9 @@ def make_engine(path, cpp: bool, **settings) -> LLMEngine:
     else runs the same kernels, so a quantized cache sees the same K/V (a float32 rounding
     difference upstream could otherwise move a code by one step)."""
     engine = LLMEngine(path, kernels="auto", **settings)
-    assert engine.runner.cpu_attention  # auto: the C++ kernel wherever it builds
-    engine.runner.cpu_attention = cpp
+    assert engine.backend.name == "cpu"  # auto: the C++ kernels wherever they build
+    if not cpp:  # the reference's decode attention (padded groups), every other kernel the same
+        engine.backend.decode_attention = partial(Backend.decode_attention, engine.backend)
     return engine
 
 
@@ -263,7 +266,7 @@ def forced_logits(engine: LLMEngine, ids: list[int], prefill: int, chunk: int) -
         n = min(chunk, prefill - seq.num_computed) if seq.num_computed < prefill else 1
         batch, _ = engine.runner.prepare([(seq, n)])
         batch.sample_rows = torch.arange(n)
-        assert (batch.paged_decode is not None) == (n == 1 and engine.runner.cpu_attention)
+        assert batch.attn.num_decodes == (n == 1)
         logits.append(engine.runner.model.forward(batch, engine.cache))
         seq.num_computed += n
     engine.block_manager.free(seq)

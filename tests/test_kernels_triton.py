@@ -19,7 +19,6 @@ from llmopt.runtime.kernels import (
     kv_quant,
     reference,
     triton_attention,
-    triton_common,
     triton_linear,
 )
 
@@ -145,24 +144,6 @@ def test_weight_kind() -> None:
     assert triton_linear.weight_kind(small.float().to(torch.float8_e4m3fn)) == "fp8"
 
 
-def test_quant_linear_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    codes, scale, zero = random_weight("int8", None, False, 96)
-    x = torch.randn(3, 96, dtype=torch.float16)
-    ref = reference.quant_linear(x, codes, scale, zero, None, None, None)
-    # CPU tensors stay on the reference unless asked for, interpreting or not.
-    assert not triton_common.use_triton(x, codes)
-    assert torch.equal(triton_linear.quant_linear(x, codes, scale, zero, None, None, None), ref)
-    # Asked for and interpreting, they go to the kernel.
-    monkeypatch.setattr(triton_common, "CPU_INTERPRETER", True)
-    assert triton_common.use_triton(x, codes)
-    out = triton_linear.quant_linear(x, codes, scale, zero, None, None, None)
-    assert_matches(out, ref.float(), torch.float16)
-    # Not interpreting, they stay on the reference.
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert not triton_common.use_triton(x, codes)
-    assert torch.equal(triton_linear.quant_linear(x, codes, scale, zero, None, None, None), ref)
-
-
 def test_split_k_heuristic() -> None:
     codes, scale, _ = random_weight("int4", 128, False, 4096 // 4)
     packed = triton_linear.pack_weight(codes, scale, None, 128)
@@ -207,7 +188,7 @@ def paged_case(lens: list[int], heads: int, kv_heads: int, dim: int, block_size:
         visible = torch.arange(n_table * block_size)[None, :] < torch.tensor(lens)[:, None]
         mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
     q = (torch.randn(len(lens), heads, dim) * 2).to(dtype)
-    return q, k_cache, v_cache, k_scale, v_scale, rows, width, mask
+    return q, k_cache, v_cache, k_scale, v_scale, rows, width, mask, tables
 
 
 def reference_attention(q, k_cache, v_cache, k_scale, v_scale, rows, width, mask, block_size) -> torch.Tensor:
@@ -231,9 +212,8 @@ ATTENTION_CASES = [
 
 def check_attention(case: int, dtype: torch.dtype, kv: str) -> None:
     lens, heads, kv_heads, dim, block_size, parts = ATTENTION_CASES[case]
-    q, k_cache, v_cache, k_scale, v_scale, rows, width, mask = paged_case(lens, heads, kv_heads, dim, block_size, dtype, kv)
-    tables, context_lens = triton_attention.decode_tables(rows, mask, len(lens), kv_heads, width)
-    assert context_lens.tolist() == lens
+    q, k_cache, v_cache, k_scale, v_scale, rows, width, mask, tables = paged_case(lens, heads, kv_heads, dim, block_size, dtype, kv)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
     out = torch.full((len(lens), heads * dim), float("nan"), dtype=dtype)
     triton_attention.triton_paged_decode_attention(
         q, k_cache, v_cache, tables, context_lens, block_size, dim ** -0.5, k_scale, v_scale, out=out, num_parts=parts)
@@ -250,16 +230,3 @@ def test_paged_decode_attention_matches_reference(case: int, dtype: torch.dtype)
 @pytest.mark.parametrize("case", [0, 1, 3])
 def test_paged_decode_attention_quantized_cache(case: int, kv: str) -> None:
     check_attention(case, torch.float16, kv)
-
-
-def test_paged_decode_attention_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(triton_common, "CPU_INTERPRETER", True)
-    lens, heads, kv_heads, dim, block_size = [45, 90, 12], 8, 2, 64, 16
-    for kv in ("auto", "int8"):
-        q, k_cache, v_cache, k_scale, v_scale, rows, width, mask = paged_case(lens, heads, kv_heads, dim, block_size, torch.float16, kv)
-        assert triton_common.use_triton(q, k_cache, v_cache)
-        ws = reference.Workspace(k_cache.dtype)
-        out = triton_attention.paged_decode_attention(
-            q, k_cache, v_cache, rows, width, mask, block_size, dim ** -0.5, ws, ws, k_scale, v_scale)
-        assert out.shape == (len(lens), heads * dim)
-        assert_matches(out, reference_attention(q, k_cache, v_cache, k_scale, v_scale, rows, width, mask, block_size), torch.float16)

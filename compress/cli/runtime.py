@@ -9,7 +9,7 @@ import click
 
 from llmopt.cli.main import MODEL_HELP, emit_json, user_errors
 from llmopt.core.errors import LlmoptError
-from llmopt.runtime.config import LM_HEAD_CHOICES
+from llmopt.runtime.config import KERNEL_CHOICES, LM_HEAD_CHOICES
 
 
 LM_HEAD_HELP = ("Output head: as the checkpoint stores it (auto), rounded to bfloat16 (bf16, half the bytes per "
@@ -17,6 +17,10 @@ LM_HEAD_HELP = ("Output head: as the checkpoint stores it (auto), rounded to bfl
                 "is most of a W4A16 model's weight traffic. Accuracy cost on WikiText-2 (demo model, float32 and W4A16), "
                 "against the float32 head: mean KLD 2.7e-4 (bf16) / 9.5e-4 (int8) nats, top-1 agreement 98% / 97%, "
                 "perplexity unchanged (bench/results/lm_head.md).")
+
+KERNELS_HELP = ("The kernel backend, chosen once: auto is triton on a CUDA device and on the CPU the C++ kernels "
+                "when they build; cpu requires the C++ kernels, triton the Triton ones; reference forces the "
+                "plain-torch path for comparison.")
 
 
 def _range(text: str, what: str) -> tuple[int, int]:
@@ -58,13 +62,13 @@ def _engine_settings(threads, max_model_len, **extra) -> dict:
 @click.option("--max-model-len", type=click.IntRange(2), help="Longest prompt + output (default: the model's).")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
               help="KV cache storage: the model's dtype (auto), or fp8 e4m3 / int8 with per-token scales (about half / a quarter of bf16 / fp32 memory).")
-@click.option("--kernels", type=click.Choice(["auto", "cpu", "reference"]), default="auto", show_default=True,
-              help="Linears, decode attention and fused float32 steps: C++ CPU kernels when they build (auto), always (cpu); reference forces the plain-torch path for comparison.")
+@click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), default="auto", show_default=True, help=KERNELS_HELP)
+@click.option("--device", default="cpu", show_default=True, help="Where weights and KV cache live: cpu, cuda or cuda:N.")
 @click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), default="auto", show_default=True, help=LM_HEAD_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the output, token ids and timings as JSON.")
 @user_errors
 def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop,
-                     ignore_eos, chat, stream, threads, max_model_len, kv_cache_dtype, kernels, lm_head, as_json):
+                     ignore_eos, chat, stream, threads, max_model_len, kv_cache_dtype, kernels, device, lm_head, as_json):
     """Generate text for PROMPT with MODEL in llmopt's runtime.
 
     \b
@@ -79,7 +83,7 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos)
     llm = LLM(model, **_engine_settings(threads, max_model_len, max_num_seqs=1, kv_cache_dtype=kv_cache_dtype,
-                                        kernels=kernels, lm_head=lm_head))
+                                        kernels=kernels, device=device, lm_head=lm_head))
     request = llm.chat_prompt(prompt) if chat else prompt
     if stream and not as_json:
         final = None
@@ -126,14 +130,14 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
               help="KV cache storage: the model's dtype (auto), or fp8 e4m3 / int8 with per-token scales (about half / a quarter of bf16 / fp32 memory).")
-@click.option("--kernels", type=click.Choice(["auto", "cpu", "reference"]), default="auto", show_default=True,
-              help="Linears, decode attention and fused float32 steps: C++ CPU kernels when they build (auto), always (cpu); reference forces the plain-torch path for comparison.")
+@click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), default="auto", show_default=True, help=KERNELS_HELP)
+@click.option("--device", default="cpu", show_default=True, help="Where weights and KV cache live: cpu, cuda or cuda:N.")
 @click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), default="auto", show_default=True, help=LM_HEAD_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @user_errors
 def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_len, rate, seed, no_single, threads,
-                  max_num_seqs, max_num_batched_tokens, kv_cache_gib, no_prefix_caching, kv_cache_dtype, kernels, lm_head,
-                  as_json):
+                  max_num_seqs, max_num_batched_tokens, kv_cache_gib, no_prefix_caching, kv_cache_dtype, kernels, device,
+                  lm_head, as_json):
     """Speed of MODEL in the runtime: single stream (pp/tg tokens/s, median of repetitions, like
     llama-bench) and a serving workload (throughput, TTFT / TPOT p50 and p99).
 
@@ -150,13 +154,13 @@ def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_l
 
     prompt_range, output_range = _range(prompt_len, "prompt-len"), _range(output_len, "output-len")
     settings = _engine_settings(threads, None, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                kv_cache_gib=kv_cache_gib, kv_cache_dtype=kv_cache_dtype, kernels=kernels, lm_head=lm_head)
+                                kv_cache_gib=kv_cache_gib, kv_cache_dtype=kv_cache_dtype, kernels=kernels, device=device, lm_head=lm_head)
     if no_prefix_caching:
         settings["enable_prefix_caching"] = False
     engine = LLMEngine(model, **settings)
     result = {"model": model, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
               "torch": torch.__version__, "seed": seed, "kv_cache_dtype": kv_cache_dtype,
-              "kernels": kernels, "lm_head": lm_head, "lm_head_runs_as": engine.weights.head_kind}
+              "kernels": kernels, "backend": engine.backend.name, "device": device, "lm_head": lm_head, "lm_head_runs_as": engine.weights.head_kind}
     with make_progress() as progress:
         if not no_single:
             task = progress.add_task(f"single stream pp{pp}/tg{tg}", total=repetitions)

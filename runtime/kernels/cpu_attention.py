@@ -17,20 +17,6 @@ extension = EXTENSION.module
 available = EXTENSION.available
 
 
-def use_cpu_attention(kernels: str) -> bool:
-    """Whether decode attention runs in C++ for the ``kernels`` setting (auto / cpu / reference)."""
-    if kernels == "reference":
-        return False
-    if kernels not in ("auto", "cpu"):
-        raise LlmoptError(f"unknown kernels setting {kernels!r}", "use auto, cpu or reference")
-    if available():
-        return True
-    if kernels == "cpu":
-        raise LlmoptError("the C++ attention kernel could not be built here (see the warning above)",
-                          "install a C++ compiler (g++ or clang++), or use kernels='auto' / 'reference'")
-    return False
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

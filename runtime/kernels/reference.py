@@ -44,15 +44,15 @@ def quant_linear(
 class Workspace:
     """A grow-only scratch buffer handing out contiguous views of the requested shape."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.buffer = torch.empty(0, dtype=dtype)
+    def __init__(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.buffer = torch.empty(0, dtype=dtype, device=device)
 
     def take(self, *shape: int) -> torch.Tensor:
         n = 1
         for s in shape:
             n *= s
         if self.buffer.numel() < n:
-            self.buffer = torch.empty(n, dtype=self.buffer.dtype)
+            self.buffer = torch.empty(n, dtype=self.buffer.dtype, device=self.buffer.device)
         return self.buffer[:n].view(shape)
 
 
@@ -99,7 +99,7 @@ def gather_context(
 
 def block_rows(block_ids: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
     """Rows for ``block_ids`` ``[..., n]`` ordered ``[..., head, block]``."""
-    heads = torch.arange(kv_heads) * num_blocks
+    heads = torch.arange(kv_heads, device=block_ids.device) * num_blocks
     return (block_ids.unsqueeze(-2) + heads[:, None]).flatten()
 
 

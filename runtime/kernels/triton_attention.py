@@ -9,27 +9,20 @@ contexts with few programs are split into partitions whose partial results (runn
 normaliser, unnormalised output) a second kernel combines (flash-decoding). A quantized cache
 (int8 codes, or float8 e4m3 codes as bytes, with float32 scales ``[kv_heads, slots]``, see
 ``kv_quant``) is dequantized as it is read, to ``q``'s dtype as the reference does.
-
-Plugging in (the CPU runtime does not yet): the reference signature is kept by
-:func:`paged_decode_attention`, which derives block tables and context lengths from the
-reference's ``rows`` and ``mask``; a CUDA runner would rather build ``block_tables``
-``[B, max_blocks]`` int32 and ``context_lens`` ``[B]`` int32 once per step and call
-:func:`triton_paged_decode_attention` directly, whose arguments follow
-:func:`.cpu_attention.paged_decode_attention` (the C++ kernel's).
+Arguments follow :func:`.cpu_attention.paged_decode_attention` (the C++ kernel's); the engine
+reaches it through ``runtime.backends.triton``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import reference
 from .triton_common import (
     dot_dtype_is_f32,
     multiprocessors,
     next_power_of_2,
     tl,
     triton,
-    use_triton,
 )
 
 if triton is not None:
@@ -231,38 +224,3 @@ def triton_paged_decode_attention(
             HEAD_DIM=dim, BLOCK_P=next_power_of_2(num_parts), BLOCK_D=block_d,
         )
     return out
-
-
-def decode_tables(rows: torch.Tensor, mask: torch.Tensor | None, batch: int, kv_heads: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block tables ``[B, blocks]`` and context lengths ``[B]`` (int32) from the reference's
-    ``rows`` (:func:`reference.block_rows`: head 0's rows are the block ids) and ``mask``."""
-    tables = rows.view(batch, kv_heads, -1)[:, 0].to(torch.int32)
-    if mask is None:
-        lens = torch.full((batch,), width, dtype=torch.int32, device=rows.device)
-    else:
-        lens = (mask.reshape(batch, -1) == 0).sum(-1).to(torch.int32)
-    return tables, lens
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    rows: torch.Tensor,
-    width: int,
-    mask: torch.Tensor | None,
-    block_size: int,
-    scale: float,
-    k_space: reference.Workspace,
-    v_space: reference.Workspace,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`reference.paged_decode_attention`'s signature: Triton when the tensors are on
-    CUDA and triton is importable (the workspaces are then unused), the reference otherwise."""
-    if not use_triton(q, k_cache, v_cache):
-        return reference.paged_decode_attention(q, k_cache, v_cache, rows, width, mask, block_size, scale, k_space, v_space,
-                                                k_scale, v_scale)
-    tables, lens = decode_tables(rows.to(q.device), None if mask is None else mask.to(q.device), q.shape[0], k_cache.shape[0], width)
-    return triton_paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, scale, k_scale, v_scale,
-                                         max_context=width)

@@ -1,7 +1,7 @@
-"""What the Triton kernels share: the guarded import and when to use them.
+"""What the Triton kernels share: the guarded import and a few helpers.
 
-Triton is optional: without it (or without CUDA tensors) the dispatchers fall back to the
-plain-torch reference. ``TRITON_INTERPRET=1`` (set before triton is first imported) runs the
+Triton is optional: without it the engine's backend choice (``runtime.backends``) never picks
+the Triton backend. ``TRITON_INTERPRET=1`` (set before triton is first imported) runs the
 same kernels on CPU tensors with numpy, which is how the tests check them without a GPU.
 """
 
@@ -27,22 +27,6 @@ def triton_available() -> bool:
 def interpreting() -> bool:
     """Whether kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# Route CPU tensors to the kernels under the interpreter too. Off by default even when
-# TRITON_INTERPRET=1 is set (as it stays for a whole test session once the kernel tests are
-# collected), so that other CPU code keeps the reference; the dispatch tests switch it on.
-CPU_INTERPRETER = False
-
-
-def use_triton(*tensors: torch.Tensor) -> bool:
-    """Triton for these tensors: importable and all of them on CUDA (or on the CPU when
-    interpreting and :data:`CPU_INTERPRETER` is set)."""
-    if triton is None:
-        return False
-    if all(t.is_cuda for t in tensors):
-        return True
-    return CPU_INTERPRETER and interpreting() and all(t.device.type == "cpu" for t in tensors)
 
 
 def multiprocessors(device: torch.device) -> int:

@@ -17,11 +17,7 @@ projections at any M), K is split across programs (at least two K tiles each) an
 small kernel adds the float32 partial sums and the bias. The tiles are fixed, not autotuned:
 ``bench/kernels_gpu.py`` records each shape's configuration beside its timing. Activation-quantized schemes
 (W8A8, FP8_DYNAMIC) quantize ``x`` per token in torch first, exactly as the reference does.
-
-Plugging in (the CPU runtime does not yet): a CUDA ``QuantLinear`` packs once,
-``self.packed = pack_weight(codes, scale, zero_point, group_size)``, and its ``__call__``
-becomes ``quant_linear(x, codes, scale, zero_point, group_size, activations, bias,
-packed=self.packed)``, which picks Triton for CUDA tensors and the reference otherwise.
+The engine reaches it through ``runtime.backends.triton``.
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ from typing import Literal
 import torch
 from llmopt.formats.schemes import fake_quantize_activations
 
-from . import reference
-from .triton_common import dot_dtype_is_f32, multiprocessors, tl, triton, use_triton
+from .triton_common import dot_dtype_is_f32, multiprocessors, tl, triton
 
 if triton is not None:
     from .triton_common import fp8e4m3_bits_to_f32
@@ -302,23 +297,3 @@ def triton_quant_linear(
             HAS_BIAS=bias is not None, BLOCK=block,
         )
     return out
-
-
-def quant_linear(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor | None,
-    group_size: int | None,
-    activations: str | None,
-    bias: torch.Tensor | None,
-    packed: PackedWeight | None = None,
-) -> torch.Tensor:
-    """:func:`reference.quant_linear`'s signature: Triton when ``x`` is on CUDA and triton is
-    importable, the reference otherwise. Pass ``packed`` (:func:`pack_weight`, once per weight);
-    without it the weight is repacked on every call."""
-    if not use_triton(x, codes):
-        return reference.quant_linear(x, codes, scale, zero_point, group_size, activations, bias)
-    if packed is None:
-        packed = pack_weight(codes, scale, zero_point, group_size)
-    return triton_quant_linear(x, packed, activations, bias)

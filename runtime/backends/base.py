@@ -1,0 +1,211 @@
+"""The kernel backend interface, and the forward's inputs every backend reads.
+
+One :class:`Backend` runs every kernel of a forward: it lays the linears out at load
+(``prepare_linear``), attends over one :class:`AttentionMetadata` (decode tokens through their
+block tables, prompt chunks against their cached context and themselves), runs the elementwise
+steps of a layer (``add_rms_norm``, ``silu_mul``, ``rope_and_store``) and greedy ``argmax``.
+The methods here are the plain-torch composites; a backend overrides what it runs faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import reference
+from ..layers import DenseLinear, QuantLinear
+from ..rope import apply_rotary
+
+if TYPE_CHECKING:
+    from ..model import KVCache
+
+GROUP_COST_BLOCKS = 12  # one more attention call costs about as much as padding this many blocks
+
+
+class PrefillChunk(NamedTuple):
+    """``length`` prompt tokens of one sequence at batch rows ``start ...``: ``rows`` are the cache
+    rows of its context (:func:`reference.block_rows`) and ``mask`` ``[length, context]`` bool
+    says what each token may see; both None when nothing is cached before the chunk."""
+
+    start: int
+    length: int
+    rows: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """What attention needs in one forward, the same for every backend.
+
+    Batch rows ``0 .. num_decodes - 1`` are decode tokens (one per sequence, ascending context
+    length) attending to ``context_lens`` tokens through ``block_tables`` ``[num_decodes, width]``
+    (int64, padded with block 0); prompt chunks follow. ``derived`` holds what a backend computes
+    from these once per forward (device copies, padded groups) for every layer to reuse."""
+
+    slots: torch.Tensor  # [T] KV cache slot of each token
+    num_decodes: int = 0
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    derived: dict = field(default_factory=dict)
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        chunks = [PrefillChunk(c.start, c.length, move(c.rows), move(c.mask)) for c in self.prefills]
+        return AttentionMetadata(move(self.slots), self.num_decodes, move(self.block_tables), move(self.context_lens), chunks)
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one forward: the tokens, their RoPE rows, attention metadata, rows to sample."""
+
+    input_ids: torch.Tensor  # [T]
+    cos: torch.Tensor  # [T, 1, head_dim]
+    sin: torch.Tensor  # [T, 1, head_dim]
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor | None = None  # rows whose next-token logits are needed
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        rows = None if self.sample_rows is None else self.sample_rows.to(device, non_blocking=True)
+        return ForwardBatch(self.input_ids.to(device, non_blocking=True), self.cos.to(device, non_blocking=True),
+                            self.sin.to(device, non_blocking=True), self.attn.to(device), rows)
+
+
+def group_by_length(blocks: list[int], cost: int = GROUP_COST_BLOCKS) -> list[tuple[int, int]]:
+    """Split ascending per-sequence block counts into ``(start, end)`` runs minimising
+    ``cost * runs + sum(run length * its largest count)``: each run is padded to its longest
+    sequence, and every extra run is one more attention call."""
+    n = len(blocks)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        for start in range(end):
+            total = best[start] + cost + (end - start) * blocks[end - 1]
+            if total < best[end]:
+                best[end], cut[end] = total, start
+    runs, end = [], n
+    while end:
+        runs.append((cut[end], end))
+        end = cut[end]
+    return runs[::-1]
+
+
+class Backend:
+    """Plain-torch kernels on any device; subclasses override what they run faster.
+
+    ``name`` is the ``kernels`` setting that picks the backend; ``device`` / ``dtype`` are the
+    engine's (weights, KV cache and activations live there)."""
+
+    name = "reference"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.dtype = dtype
+
+    # -- linears ------------------------------------------------------------------------------
+    def prepare_linear(self, lin: DenseLinear | QuantLinear) -> None:
+        """Lay ``lin``'s weight out for this backend and bind ``lin.run``. Here: a float weight
+        transposed ``[in, out]`` for ``torch.mm`` (CPU BLAS streams it faster for one token), a
+        quantized one dequantized per call."""
+        if isinstance(lin, DenseLinear):
+            lin.set_layout(transposed=True)
+            weight_t, bias = lin.weight_t, lin.bias
+            # a narrower weight (bf16 head) is widened per call, as the C++ GEMV does in registers
+            lin.run = lambda x: reference.dense_linear_t(x, weight_t.to(x.dtype), bias)
+        else:
+            lin.run = lambda x: reference.quant_linear(x, lin.codes, lin.scale, lin.zero_point, lin.group_size,
+                                                       lin.activations, lin.bias)
+
+    # -- a layer's elementwise steps ------------------------------------------------------------
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     out: torch.Tensor) -> torch.Tensor:
+        """``h += delta`` (in place, when given), then ``rms_norm(h) * weight``, returned (``out``
+        may receive it)."""
+        if delta is not None:
+            h.add_(delta)
+        return F.rms_norm(h, h.shape[-1:], weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a merged ``[tokens, 2 * intermediate]`` output."""
+        half = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :half]) * gate_up[:, half:]
+
+    def rope_and_store(self, qkv: torch.Tensor, heads: int, qk_norm: torch.Tensor | None, eps: float, batch: ForwardBatch,
+                       cache: KVCache, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[tokens, heads, head_dim]`` of the merged projection ``qkv`` with q and k
+        normalised per head (``qk_norm``, Qwen3) and rotated; k and v stored in layer ``index``."""
+        kv_heads, _, dim = cache.k[index].shape
+        qkv = qkv.view(qkv.shape[0], heads + 2 * kv_heads, dim)
+        qk = qkv[:, :heads + kv_heads]
+        if qk_norm is not None:
+            qk = F.rms_norm(qk, (dim,), None, eps) * qk_norm
+        qk = apply_rotary(qk, batch.cos, batch.sin)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+        reference.write_kv(cache.k[index], cache.v[index], k, v, batch.attn.slots, cache.k_scale[index], cache.v_scale[index])
+        return q, k, v
+
+    # -- attention ------------------------------------------------------------------------------
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
+                  index: int, scale: float) -> torch.Tensor:
+        """``[tokens, heads * head_dim]`` for the batch's tokens, their K/V already in the cache."""
+        outs = []
+        n = meta.num_decodes
+        if n:
+            outs.append(self.decode_attention(q[:n], meta, cache, index, scale))
+        for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.length)
+            outs.append(self.prefill_attention(q[rows], k[rows], v[rows], chunk, cache, index, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, cache: KVCache,
+                          index: int, scale: float) -> torch.Tensor:
+        """One prompt chunk: causal over itself, and over its cached context when it has one."""
+        if chunk.rows is None:
+            return reference.prefill_attention(q, k, v, scale)
+        return reference.chunked_prefill_attention(q, cache.k[index], cache.v[index], chunk.rows, chunk.mask,
+                                                   cache.block_size, scale, cache.k_space, cache.v_space,
+                                                   cache.k_scale[index], cache.v_scale[index])
+
+    def decode_attention(self, q: torch.Tensor, meta: AttentionMetadata, cache: KVCache, index: int,
+                         scale: float) -> torch.Tensor:
+        """The decode tokens ``q`` ``[num_decodes, heads, head_dim]``; here in runs of similar
+        context length, each gathered and padded to its longest (``group_by_length``)."""
+        groups = meta.derived.get("groups")
+        if groups is None:
+            groups = meta.derived["groups"] = decode_groups(meta, cache, q.dtype)
+        outs = [reference.paged_decode_attention(q[start:start + count], cache.k[index], cache.v[index], rows, width, mask,
+                                                 cache.block_size, scale, cache.k_space, cache.v_space,
+                                                 cache.k_scale[index], cache.v_scale[index])
+                for start, count, rows, width, mask in groups]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    # -- sampling -------------------------------------------------------------------------------
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Row-wise argmax of ``[rows, vocab]`` logits (the first of equal maxima)."""
+        return logits.argmax(-1)
+
+
+def decode_groups(meta: AttentionMetadata, cache: KVCache, dtype: torch.dtype) -> list[tuple]:
+    """``(start, count, rows, width, mask)`` per run of decode sequences (see
+    :func:`reference.paged_decode_attention`): cache rows of the run's padded block tables and
+    an additive mask over the padding (None when every context in the run is ``width`` long)."""
+    bs = cache.block_size
+    lens = meta.context_lens.tolist()
+    tables = meta.block_tables
+    device = tables.device
+    groups = []
+    for start, end in group_by_length([-(-n // bs) for n in lens]):
+        width = lens[end - 1]
+        nblocks = -(-width // bs)
+        rows = reference.block_rows(tables[start:end, :nblocks], cache.k[0].shape[0], cache.num_blocks)
+        mask = None
+        if lens[start] != width:
+            visible = torch.arange(nblocks * bs, device=device)[None, :] < meta.context_lens[start:end, None]
+            mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+        groups.append((start, end - start, rows, width, mask))
+    return groups

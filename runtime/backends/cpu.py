@@ -1,0 +1,92 @@
+"""The C++ CPU kernels (``kernels.cpu_*``): linears, paged decode attention, fused float32 steps, argmax."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import cpu_attention, cpu_dense, cpu_fused, cpu_linear, reference
+from ..kernels.reference import Workspace
+from ..layers import DenseLinear, QuantLinear
+from .base import AttentionMetadata, Backend, ForwardBatch
+
+
+def available() -> bool:
+    """Whether every C++ extension builds here (and ``LLMOPT_KERNELS=reference`` is not set)."""
+    return all(ext.available() for ext in (cpu_linear, cpu_dense, cpu_fused, cpu_attention))
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return f"the C++ kernels run on the CPU, not on {device}"
+    if not available():
+        return "the C++ CPU kernels are not available (no C++ compiler, a failed build, or LLMOPT_KERNELS=reference)"
+    return None
+
+
+class CpuBackend(Backend):
+    """Quantized weights packed for the C++ kernels (formats they do not cover keep the
+    reference), float weights ``[out, in]`` for the C++ GEMV, decode attention reading the cache
+    through block tables in place; float32 models also run the residual add + RMSNorm, SwiGLU's
+    product and RoPE + KV write as one C++ call each (other dtypes: the composites)."""
+
+    name = "cpu"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(device, dtype)
+        self.ops = cpu_fused.extension() if dtype == torch.float32 else None  # called directly: 30 layers a token
+        self.paged = cpu_attention.extension().paged_decode
+        self.out_space = Workspace(dtype)  # the decode attention's output, consumed by o before the next layer
+
+    def prepare_linear(self, lin: DenseLinear | QuantLinear) -> None:
+        if isinstance(lin, DenseLinear):
+            lin.set_layout(transposed=False)
+            weight, bias = lin.weight, lin.bias
+            lin.run = lambda x: cpu_dense.linear(x, weight, bias)
+            return
+        lin.packed = cpu_linear.pack(lin.codes, lin.scale, lin.zero_point, lin.group_size, lin.activations)
+        if lin.packed is None:
+            super().prepare_linear(lin)
+            return
+        lin.codes = lin.codes[:, :0]  # the packed copy replaces them (int4 codes one per byte would double the memory)
+        lin.run = cpu_linear.bind(lin.packed, lin.bias)
+
+    def add_rms_norm(self, h, delta, weight, eps, out):
+        if self.ops is None:
+            return super().add_rms_norm(h, delta, weight, eps, out)
+        self.ops.add_rms_norm(h, delta, weight, eps, out)
+        return out
+
+    def silu_mul(self, gate_up):
+        if self.ops is None:
+            return super().silu_mul(gate_up)
+        return self.ops.silu_mul(gate_up)
+
+    def rope_and_store(self, qkv, heads, qk_norm, eps, batch: ForwardBatch, cache, index):
+        """In place on ``qkv``; a float cache is written in the same call."""
+        if self.ops is None:
+            return super().rope_and_store(qkv, heads, qk_norm, eps, batch, cache, index)
+        k_cache, v_cache, k_scale = cache.k[index], cache.v[index], cache.k_scale[index]
+        kv_heads, _, dim = k_cache.shape
+        slots = batch.attn.slots
+        if k_scale is None:
+            self.ops.rope(qkv, batch.cos, batch.sin, heads, kv_heads, qk_norm, eps, k_cache, v_cache, slots)
+        else:
+            self.ops.rope(qkv, batch.cos, batch.sin, heads, kv_heads, qk_norm, eps, None, None, None)
+        qkv = qkv.view(qkv.shape[0], heads + 2 * kv_heads, dim)
+        q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+        if k_scale is not None:
+            reference.write_kv(k_cache, v_cache, k, v, slots, k_scale, cache.v_scale[index])
+        return q, k, v
+
+    def decode_attention(self, q: torch.Tensor, meta: AttentionMetadata, cache, index: int, scale: float) -> torch.Tensor:
+        out = self.out_space.take(q.shape[0], q.shape[1] * q.shape[2])
+        return self.paged(q, cache.k[index], cache.v[index], cache.k_scale[index], cache.v_scale[index], meta.block_tables,
+                          meta.context_lens, cache.block_size, scale, out, False, 0)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.dtype == torch.float32 and logits.is_contiguous():
+            return cpu_fused.extension().argmax(logits)
+        return logits.argmax(-1)
+
+
+BACKEND = CpuBackend
