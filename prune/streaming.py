@@ -83,6 +83,7 @@ def prune_streaming(
                 gen.save_pretrained(tmp)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
+            record["weights_bytes"] = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
             record = provenance(record) if provenance is not None else record
             (tmp / "llmopt.json").write_text(json.dumps(record, indent=2) + "\n")
     finally:
