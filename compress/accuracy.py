@@ -14,6 +14,7 @@ k tokens and merges the remainder (exact when k is the vocabulary size).
 
 from __future__ import annotations
 
+
 import hashlib
 import json
 from collections.abc import Callable
@@ -204,16 +205,6 @@ def evaluate(
     return result
 
 
-def model_fingerprint(path: Path) -> str:
-    """Identity of a checkpoint directory: its files' names, sizes and modification times."""
-    parts = []
-    for file in sorted(Path(path).iterdir()):
-        if file.is_file() and file.suffix in {".safetensors", ".json", ".bin"}:
-            stat = file.stat()
-            parts.append(f"{file.name}:{stat.st_size}:{int(stat.st_mtime_ns)}")
-    return hashlib.sha256(f"{Path(path).resolve()}|{'|'.join(parts)}".encode()).hexdigest()
-
-
 def check_seq_len(model, seq_len: int) -> None:
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and seq_len > limit:
@@ -238,6 +229,7 @@ def run_eval(
     """Evaluate a model spec, optionally against a baseline spec (whose distributions are cached)."""
     from llmopt.core.console import progress_task
     from llmopt.checkpoints.models import load_model, resolve_model
+    from llmopt.checkpoints.provenance import model_fingerprint
 
     path = resolve_model(model_spec)
     model, tokenizer = load_model(path)

@@ -7,4 +7,10 @@
 - :mod:`.student` — students: given, or the teacher with blocks dropped / width pruned
 - :mod:`.trainer` — the accelerate training loop (checkpoints, Ctrl-C, validation, live display)
 - :mod:`.run` — one run end to end (``run_distill``), used by ``llmopt distill``
+
+Calling the package, ``llmopt.distill(teacher, steps=..., output=...)``, runs the distill stage (:mod:`llmopt.api`).
 """
+
+from llmopt.core.callable_module import make_callable
+
+make_callable(__name__, "llmopt.api:distill")

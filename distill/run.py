@@ -7,7 +7,6 @@ teacher's blocks and writes the output; the others follow its choices.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -23,6 +22,7 @@ from llmopt.distill.display import TrainDisplay
 from llmopt.distill.precision import resolve_precision
 from llmopt.distill.student import Student, StudentRequest, build_student
 from llmopt.distill.trainer import Trainer, TrainResult, TrainSettings
+from llmopt.checkpoints.provenance import write_provenance
 
 
 @dataclass
@@ -105,9 +105,10 @@ def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
     """Distil and save; returns the record written to ``OUTPUT/llmopt.json``."""
     from accelerate import PartialState
     from llmopt.core.console import err
-    from llmopt.accuracy import check_seq_len, model_fingerprint
+    from llmopt.accuracy import check_seq_len
+    from llmopt.checkpoints.provenance import model_fingerprint
     from llmopt.checkpoints.models import load_model, resolve_model
-    from llmopt.pipeline.stages.quantize import versions
+    from llmopt.checkpoints.provenance import versions
 
     _check_request(request)
     cpu = not torch.cuda.is_available()
@@ -161,4 +162,4 @@ def _save(student: Student, record: dict, request: DistillRequest) -> None:
     with atomic_dir(request.output, overwrite=request.overwrite) as tmp:
         model.save_pretrained(tmp)
         student.tokenizer.save_pretrained(tmp)
-        (tmp / "llmopt.json").write_text(json.dumps({"stage": "distill", **record}, indent=1) + "\n")
+        write_provenance(tmp, {"stage": "distill", **record})

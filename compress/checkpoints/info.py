@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from llmopt.checkpoints.models import read_config
+from llmopt.checkpoints.provenance import read_provenance
 
 LAYER = re.compile(r"^(.*layers)\.(\d+)\.(.+)$")
 # Tensors that describe a quantized weight rather than being parameters of their own.
@@ -110,7 +111,7 @@ COMMON_PATTERNS = ("2:4", "4:8")
 def _dense_stats(file: Path, name: str, info: ModuleInfo, recorded: str | None) -> None:
     """Fill in a dense module's sparsity, 2:4 validity, the N:M pattern it satisfies, and whether
     the pattern recorded in ``llmopt.json`` holds."""
-    from llmopt.prune.masks import nm_valid, parse_pattern
+    from llmopt.formats.sparsity import nm_valid, parse_pattern
 
     w = _read_tensor(file, name)
     info.sparsity = float((w == 0).float().mean())
@@ -131,11 +132,8 @@ def _dense_stats(file: Path, name: str, info: ModuleInfo, recorded: str | None) 
 
 def _pruning_record(path: Path) -> dict | None:
     """The pruning part of ``llmopt.json`` (without the per-module list), if any."""
-    try:
-        record = json.loads((path / "llmopt.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict) or not any(k in record for k in ("sparsity", "depth", "width")):
+    record = read_provenance(path)
+    if not any(k in record for k in ("sparsity", "depth", "width")):
         return None
     out = {"method": record.get("method"), "settings": record.get("settings"), "parameters": record.get("parameters")}
     if "sparsity" in record:

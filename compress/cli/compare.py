@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from llmopt.cli.main import emit_json, user_errors
+from llmopt.cli.common import emit_json, user_errors
 
 
 def compare_table(report: dict) -> Table:

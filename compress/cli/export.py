@@ -7,10 +7,9 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from llmopt.cli.main import emit_json, user_errors
-from llmopt.formats.export import FORMATS, USER_TYPES
-
-TYPE_CHOICE = click.Choice(USER_TYPES, case_sensitive=False)
+from llmopt.cli.common import emit_json, user_errors
+from llmopt.cli.options import config_from_cli, stage_options
+from llmopt.pipeline.stages.export import ExportConfig
 
 
 def _gguf_tables(report) -> list[Table]:
@@ -54,23 +53,10 @@ def _gguf_tables(report) -> list[Table]:
 
 
 @click.command("export")
-@click.argument("model")
-@click.option("-o", "--output", required=True, type=click.Path(), help="Output: a .gguf file, or a directory for hf / compressed-tensors.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), help="Output format (default: gguf when OUTPUT ends in .gguf, else hf).")
-@click.option("--type", "gguf_type", type=TYPE_CHOICE, default="auto", show_default=True,
-              help="GGUF tensor type. auto: exact where a block type holds our codes (int4 sym → Q4_0, int4 asym → Q4_1, "
-                   "int8 sym → Q8_0), else F16; lossless float for dense checkpoints.")
-@click.option("--dense-type", type=TYPE_CHOICE, help="GGUF type for float matrices (embeddings, lm_head, unquantized layers); "
-              "default: --type for dense checkpoints (output matrix Q6_K with 4-bit types, as llama.cpp), F16 for quantized ones.")
-@click.option("--requantize", is_flag=True, help="Allow rounding quantized weights again into a type that cannot hold their codes (e.g. int8 → Q4_0, int4 → Q4_K).")
-@click.option("--verify", is_flag=True, help="Also load the GGUF through transformers' GGUF loader and compare token ids and logits with the source.")
-@click.option("--verify-text", metavar="TEXT", help="Text for --verify (default: two short sentences).")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True,
-              help="--format hf: dtype of the written weights (auto: the checkpoint's).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+@stage_options(ExportConfig)
 @click.option("--json", "as_json", is_flag=True, help="Print the report (per-tensor types and errors) as JSON.")
 @user_errors
-def export_command(model, output, fmt, gguf_type, dense_type, requantize, verify, verify_text, dtype, overwrite, as_json):
+def export_command(as_json: bool, **params):
     """Export MODEL to OUTPUT as GGUF (llama.cpp), dense safetensors (hf) or compressed-tensors.
 
     GGUF: our int4/int8 checkpoints keep their integer codes unchanged (only scales become fp16);
@@ -86,20 +72,14 @@ def export_command(model, output, fmt, gguf_type, dense_type, requantize, verify
       llmopt export out/w4-gptq --format hf -o out/w4-dense   # dequantized float checkpoint
     """
     from llmopt.core.console import notice, out
-    from llmopt.formats.export import export_model
+    from llmopt.pipeline.stages.export import run_export
 
-    fmt = fmt or ("gguf" if str(output).lower().endswith(".gguf") else "hf")
-    if fmt == "gguf":
-        report = export_model(model, output, "gguf", gguf_type=gguf_type, dense_type=dense_type, requantize=requantize,
-                              overwrite=overwrite, verify=verify, verify_text=verify_text)
-    else:
-        if gguf_type.lower() != "auto" or dense_type or requantize or verify:
-            notice("--type, --dense-type, --requantize and --verify apply to --format gguf only; ignored")
-        report = export_model(model, output, fmt, dtype=dtype, overwrite=overwrite)
+    config = config_from_cli(ExportConfig, params)
+    report = run_export(config)
     if as_json:
         emit_json(report.to_dict())
         return
-    if fmt == "gguf":
+    if config.resolved_format == "gguf":
         for table in _gguf_tables(report):
             out.print(table)
         for line in report.decisions + report.notes:

@@ -6,7 +6,7 @@ import click
 from rich.syntax import Syntax
 from rich.table import Table
 
-from llmopt.cli.main import emit_json, user_errors
+from llmopt.cli.common import emit_json, user_errors
 
 
 @click.command("run")

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from llmopt.cli.main import MODEL_HELP, emit_json, user_errors
+from llmopt.cli.common import MODEL_HELP, emit_json, user_errors
 from llmopt.core.errors import LlmoptError
 from llmopt.runtime.config import KERNEL_CHOICES, LM_HEAD_CHOICES
 

@@ -25,10 +25,11 @@ from llmopt.accuracy import (
     eval_data,
     evaluate,
     fill_baseline,
-    model_fingerprint,
 )
 from llmopt.checkpoints.models import load_model, resolve_model
+from llmopt.checkpoints.provenance import model_fingerprint
 from llmopt.core.paths import cache_dir
+from llmopt.checkpoints.provenance import read_provenance
 
 
 @dataclass
@@ -51,11 +52,10 @@ def weight_bytes(path: Path) -> int:
 
 
 def _label(spec: str, path: Path) -> str:
-    record = path / "llmopt.json"
     if spec == "demo":
         return "float (demo)"
-    if record.is_file():
-        data = json.loads(record.read_text())
+    data = read_provenance(path)
+    if data:
         if data.get("scheme"):
             return f"{data['scheme']} {data.get('method', '')}".strip()
     return Path(spec).name or spec

@@ -11,7 +11,6 @@ Every format is written to a temporary sibling and renamed into place when compl
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,9 +19,9 @@ from typing import Any
 from llmopt.core.atomic import atomic_dir, check_output
 from llmopt.core.errors import LlmoptError
 from llmopt.checkpoints.models import read_config, resolve_model
+from llmopt.checkpoints.provenance import read_provenance, write_provenance
 
 FORMATS = ("gguf", "hf", "compressed-tensors")
-USER_TYPES = ("auto", "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # GGUF --type choices
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -94,7 +93,7 @@ def export_hf(model: str | Path, output: str | Path, dtype: str = "auto", overwr
     with atomic_dir(output, overwrite) as tmp:
         net.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "llmopt.json").write_text(json.dumps(_provenance(path, "hf", {"dequantized_from": kind}), indent=2) + "\n")
+        write_provenance(tmp, _provenance(path, "hf", {"dequantized_from": kind}))
     return DirExportReport(str(output), "hf", str(path), kind, dtype, _dir_bytes(output),
                            round(time.perf_counter() - start, 2), notes)
 
@@ -122,8 +121,7 @@ def export_compressed_tensors(model: str | Path, output: str | Path, overwrite: 
     weights, qconfig = read_compressed(path)
     net = load_dequantized(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    record_file = path / "llmopt.json"
-    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    record = read_provenance(path)
     record.update(_provenance(path, "compressed-tensors"))
     save_compressed(net, tokenizer, output, weights, list(qconfig.get("ignore") or []), record, overwrite=overwrite)
     return DirExportReport(str(output), "compressed-tensors", str(path), "compressed-tensors", None,

@@ -29,6 +29,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+USER_TYPES = ("auto", "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # the GGUF types `--type` accepts
+
 QK = 32  # weights per Q4_0 / Q4_1 / Q5_0 / Q8_0 block
 QK_K = 256  # weights per K-quant super-block
 

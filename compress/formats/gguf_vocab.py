@@ -24,6 +24,7 @@ from typing import Any
 from gguf import TokenType
 
 from llmopt.core.errors import LlmoptError
+from llmopt.checkpoints.provenance import read_provenance
 
 PROBE_TEXT = "Hello world"
 
@@ -110,13 +111,7 @@ def source_gguf_pre(checkpoint: Path, depth: int = 4) -> str | None:
     ``llmopt.json`` sources through derived checkpoints), or None."""
     path = Path(checkpoint)
     for _ in range(depth):
-        record_file = path / "llmopt.json"
-        if not record_file.is_file():
-            return None
-        try:
-            source = json.loads(record_file.read_text()).get("source")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            return None
+        source = read_provenance(path).get("source")
         if not source:
             return None
         source_path = Path(source)

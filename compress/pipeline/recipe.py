@@ -11,8 +11,9 @@ evaluation / benchmark / runtime settings::
       - export: {format: gguf, type: Q4_0}
     evaluate: {max_windows: 16}
 
-A stage's options are exactly its CLI command's options (``llmopt quantize --group-size 32`` is
-``group_size: 32``), checked with the same types, so a recipe and the CLI share one code path.
+A stage's options are the fields of its config in the stage registry, which also generates the
+CLI command's options (``llmopt quantize --group-size 32`` is ``group_size: 32``), so a recipe
+and the CLI cannot disagree.
 Errors name the file, the line and the key. llm-compressor recipes (``*_stage`` →
 ``*_modifiers``) are mapped onto these stages (see :mod:`llmopt.pipeline.llmcompressor`).
 """
@@ -25,17 +26,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import click
 import yaml
 
 from llmopt.core.errors import LlmoptError
+from llmopt.pipeline.stages.base import convert_value, defaults, fields_of, recipe_keys
 
 TOP_KEYS = {"model", "output", "calibration", "stages", "evaluate", "benchmark", "runtime", "description"}
 CALIBRATION_KEYS = {"dataset": "calib", "samples": "calib_samples", "seq_len": "calib_seq_len", "seed": "seed"}
-EVALUATE_KEYS = {"dataset": str, "seq_len": int, "max_windows": int, "top_k": int}
 BENCHMARK_KEYS = {"single_stream": bool, "serving_requests": int, "prompt_len": list, "output_len": list, "rate": float}
-# Options the runner supplies itself (input, output, printing) and the recipe may not set.
-RUNNER_OWNED = {"model", "output", "overwrite", "as_json"}
 # Required options the runner fills when a stage leaves them out (distill's teacher: the recipe's model).
 RUNNER_DEFAULTS = {"distill": ("teacher",)}
 
@@ -82,71 +80,65 @@ def _jsonable(options: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# stage commands and their options
+# stage options: the registry's typed configs
 
 
-def stage_commands() -> dict[str, click.Command]:
-    from llmopt.cli.main import main
+def _config(kind: str) -> type:
+    from llmopt.pipeline.registry import PIPELINE_STAGES, stage
 
-    return {kind: main.commands[kind] for kind in ("quantize", "prune", "distill", "export") if kind in main.commands}
-
-
-def _params(command: click.Command) -> dict[str, click.Parameter]:
-    return {p.name: p for p in command.params if p.name not in RUNNER_OWNED and p.name != "help"}
-
-
-def _option_names(params: dict[str, click.Parameter]) -> dict[str, str]:
-    """Recipe key → parameter name: the CLI's long option names (``--format`` → ``format``,
-    ``--act-order`` → ``act_order``) and the parameter names themselves."""
-    names = {name: name for name in params}
-    for name, param in params.items():
-        for opt in getattr(param, "opts", []):
-            if opt.startswith("--"):
-                names[opt[2:].replace("-", "_")] = name
-    return names
+    if kind not in PIPELINE_STAGES:
+        raise RecipeError(f"unknown stage '{kind}'", f"use one of {', '.join(PIPELINE_STAGES)}")
+    return stage(kind).config
 
 
 def convert_options(kind: str, options: dict[str, Any], where: str) -> dict[str, Any]:
-    """Check a stage's options against its command's parameters and convert their types."""
-    commands = stage_commands()
-    if kind not in commands:
-        raise RecipeError(f"{where}: unknown stage '{kind}'", f"use one of {', '.join(commands)}")
-    params = _params(commands[kind])
-    names = _option_names(params)
-    ctx = click.Context(commands[kind])
+    """Check a stage's options against its config's fields and convert their types."""
+    config = _config(kind)
+    keys = recipe_keys(config)
+    by_name = {f.name: f for f in fields_of(config)}
     out = {}
     for key, value in options.items():
-        name = names.get(key.replace("-", "_"))
+        name = keys.get(key.replace("-", "_"))
         if name is None:
-            shown = sorted({opt[2:].replace("-", "_") for p in params.values() for opt in p.opts if opt.startswith("--")})
-            raise RecipeError(f"{where}: unknown option '{key}' for stage {kind}", f"known options: {', '.join(shown)}")
-        param = params[name]
-        if param.multiple and not isinstance(value, list):
-            value = [value]
+            raise RecipeError(f"{where}: unknown option '{key}' for stage {kind}", f"known options: {', '.join(sorted(set(keys.values())))}")
         try:
-            out[name] = param.type_cast_value(ctx, value)
-        except click.BadParameter as exc:
-            raise RecipeError(f"{where}: option '{key}' of stage {kind}: {exc.message}", "fix the value's type") from exc
+            out[name] = convert_value(by_name[name], value, f"option '{key}' of stage {kind}")
+        except LlmoptError as exc:
+            raise RecipeError(f"{where}: {exc.problem}", exc.fix or "fix the value") from exc
     return out
 
 
-def _plain_default(param: click.Parameter, ctx: click.Context) -> Any:
-    """A parameter's default as plain data (click marks "no default" with a sentinel object)."""
-    value = param.get_default(ctx)
-    if isinstance(value, (str, int, float, bool, list, tuple, type(None))):
-        return list(value) if isinstance(value, tuple) else value
-    return None
+def _runner_owned(kind: str) -> set[str]:
+    """Options the runner supplies itself (input, output, overwrite) that a stage may not set."""
+    from llmopt.pipeline.registry import STAGES
+
+    spec = STAGES.get(kind)
+    owned = {"model", "output", "overwrite", "as_json"}
+    return owned | ({f.name for f in fields_of(spec.config) if f.meta.get("runner_owned")} if spec else set())
+
+
+def _uses_calibration(kind: str, settings: dict[str, Any]) -> bool:
+    """Whether the recipe's shared calibration settings apply to this stage."""
+    config = _config(kind)
+    if kind not in ("quantize", "prune"):
+        return True
+    placeholders = {f.name: "" for f in fields_of(config) if f.required}
+    try:
+        return bool(config(**{**placeholders, **settings}).needs_calibration)
+    except Exception:  # noqa: BLE001 - invalid settings are reported by validation, not here
+        return True
 
 
 def stage_settings(stage: Stage, recipe: Recipe) -> dict[str, Any]:
-    """Every parameter of the stage's command: defaults, then shared calibration, then the stage's own."""
-    command = stage_commands()[stage.kind]
-    ctx = click.Context(command)
-    params = _params(command)
-    settings = {name: _plain_default(p, ctx) for name, p in params.items()}
-    for key, target in CALIBRATION_KEYS.items():
-        if key in recipe.calibration and target in params:
-            settings[target] = recipe.calibration[key]
+    """Every option of the stage: defaults, then shared calibration (where it applies), then the stage's own."""
+    config = _config(stage.kind)
+    owned = {f.name for f in fields_of(config) if f.meta.get("runner_owned")}
+    settings = {k: v for k, v in defaults(config).items() if k not in owned}
+    names = {f.name for f in fields_of(config)}
+    if _uses_calibration(stage.kind, {**settings, **stage.options}):
+        for key, target in CALIBRATION_KEYS.items():
+            if key in recipe.calibration and target in names:
+                settings[target] = recipe.calibration[key]
     settings.update(stage.options)
     return settings
 
@@ -247,7 +239,7 @@ def validate(data: dict, source: str, lines: dict[tuple, int], default_output: s
     if not isinstance(stages_raw, list) or not stages_raw:
         raise RecipeError(f"{at('stages')}: 'stages' must be a non-empty list", "e.g. stages: [{quantize: {scheme: W4A16}}]")
     calibration = _section(data, "calibration", {k: (str if k == "dataset" else int) for k in CALIBRATION_KEYS}, at)
-    evaluate = _section(data, "evaluate", EVALUATE_KEYS, at, allow_bool=True)
+    evaluate = _section(data, "evaluate", _evaluate_keys(), at, allow_bool=True)
     benchmark = _section(data, "benchmark", BENCHMARK_KEYS, at, allow_bool=True)
     runtime = data.get("runtime") or {}
     if not isinstance(runtime, dict):
@@ -262,7 +254,7 @@ def validate(data: dict, source: str, lines: dict[tuple, int], default_output: s
         if not isinstance(options, dict):
             raise RecipeError(f"{where}: options of stage {kind} must be a mapping", "e.g. - quantize: {scheme: W4A16}")
         for key in options:
-            if key.replace("-", "_") in RUNNER_OWNED:
+            if key.replace("-", "_") in _runner_owned(kind):
                 raise RecipeError(f"{at('stages', i, kind, key)}: '{key}' is set by the recipe runner", "set 'model' / 'output' at the top level")
         try:
             converted = convert_options(kind, options, where)
@@ -282,6 +274,13 @@ def validate(data: dict, source: str, lines: dict[tuple, int], default_output: s
         _check_required(stage, recipe, source)
     _check_runtime(runtime, at)
     return recipe
+
+
+def _evaluate_keys() -> dict[str, type]:
+    """The ``evaluate:`` block's keys: the eval stage's options the runner does not set."""
+    from llmopt.pipeline.stages.evaluate import EvalConfig
+
+    return {f.name: f.base for f in fields_of(EvalConfig) if not f.meta.get("runner_owned")}
 
 
 def _section(data: dict, name: str, schema: dict, at, allow_bool: bool = False) -> dict | None:
@@ -327,12 +326,11 @@ def _check_order(stages: list[Stage], source: str) -> None:
 
 def _check_required(stage: Stage, recipe: Recipe, source: str) -> None:
     settings = stage_settings(stage, recipe)
-    command = stage_commands()[stage.kind]
-    for name, param in _params(command).items():
-        if name in RUNNER_DEFAULTS.get(stage.kind, ()):
+    for f in fields_of(_config(stage.kind)):
+        if f.meta.get("runner_owned") or f.name in RUNNER_DEFAULTS.get(stage.kind, ()):
             continue
-        if param.required and settings.get(name) is None:
-            raise RecipeError(f"{source}:{stage.line}: stage {stage.kind} needs '{name}'", f"add {name}: … to the stage")
+        if f.required and settings.get(f.name) is None:
+            raise RecipeError(f"{source}:{stage.line}: stage {stage.kind} needs '{f.name}'", f"add {f.name}: … to the stage")
 
 
 def _check_runtime(runtime: dict, at) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmopt.core.atomic import atomic_file
-from llmopt.pipeline.recipe import Recipe, Stage, stage_commands, stage_settings
+from llmopt.pipeline.recipe import Recipe, Stage, stage_settings
 
 MARKER = "llmopt-stage.json"
 
@@ -33,8 +33,8 @@ def _hash(*parts) -> str:
 
 
 def _source_key(spec: str) -> str:
-    from llmopt.accuracy import model_fingerprint
     from llmopt.checkpoints.models import resolve_model
+    from llmopt.checkpoints.provenance import model_fingerprint
 
     return model_fingerprint(resolve_model(spec))
 
@@ -60,30 +60,43 @@ def plan(recipe: Recipe, from_stage: int | None = None) -> list[StagePlan]:
     return plans
 
 
-def _invoke(item: StagePlan, recipe: Recipe, input_dir: str) -> None:
-    """Run a stage through its CLI command's own code (unwrapped, so errors propagate)."""
-    command = stage_commands()[item.stage.kind]
-    kwargs = dict(item.settings)
-    kwargs.update(overwrite=True, as_json=False)
+def _stage_values(item: StagePlan, recipe: Recipe, input_dir: str) -> dict:
+    """The stage's settings plus what the runner owns: its input, its output, and resuming."""
+    values = dict(item.settings)
+    values["overwrite"] = True  # a stage reruns only when its key changed: its old output is stale
     kind = item.stage.kind
     if kind == "distill":
-        kwargs["teacher"] = kwargs.get("teacher") or recipe.model
-        if not kwargs.get("student") and not kwargs.get("student_from"):
-            kwargs["student"] = input_dir
-        kwargs["output"] = str(item.directory)
+        from llmopt.distill import checkpoint
+
+        values["teacher"] = values.get("teacher") or recipe.model
+        if not values.get("student") and not values.get("student_from"):
+            values["student"] = input_dir
+        values["output"] = str(item.directory)
+        checkpoints = Path(values.get("checkpoint_dir") or f"{item.directory}.checkpoints")
+        if checkpoint.latest(checkpoints) is not None:
+            values["resume"] = True  # an interrupted run continues from its last checkpoint
     elif kind == "export":
-        kwargs["model"] = input_dir
-        gguf = kwargs.get("fmt") in (None, "gguf")
-        kwargs["fmt"] = kwargs.get("fmt") or "gguf"
-        kwargs["output"] = str(item.directory / "model.gguf") if gguf else str(item.directory / "model")
+        values["model"] = input_dir
+        values["format"] = values.get("format") or "gguf"
+        values["output"] = str(item.directory / ("model.gguf" if values["format"] == "gguf" else "model"))
         item.directory.mkdir(parents=True, exist_ok=True)
     else:
-        kwargs["model"] = input_dir
-        kwargs["output"] = str(item.directory)
-    if kind == "quantize":
-        kwargs["ignore"] = tuple(kwargs.get("ignore") or ())
-    with contextlib.redirect_stdout(sys.stderr):  # stage summaries are progress, not the run's data
-        command.callback.__wrapped__(**kwargs)
+        values["model"] = input_dir
+        values["output"] = str(item.directory)
+    return values
+
+
+def _invoke(item: StagePlan, recipe: Recipe, input_dir: str) -> None:
+    """Run a stage through the registry (its summary goes to stderr: progress, not the run's data)."""
+    from llmopt.pipeline.registry import stage
+    from llmopt.pipeline.stages.base import build_config
+
+    spec = stage(item.stage.kind)
+    config = build_config(spec.config, _stage_values(item, recipe, input_dir))
+    with contextlib.redirect_stdout(sys.stderr):
+        result = spec.run(config)
+    if getattr(result, "interrupted", False):
+        raise KeyboardInterrupt
 
 
 def run_recipe(recipe: Recipe, from_stage: int | None = None, on_stage=None) -> dict:
@@ -112,13 +125,12 @@ def run_recipe(recipe: Recipe, from_stage: int | None = None, on_stage=None) -> 
             current = str(item.directory)
     record["final"] = current
     if recipe.evaluate is not None:
-        from llmopt.accuracy import run_eval
+        from llmopt.pipeline.stages.base import build_config
+        from llmopt.pipeline.stages.evaluate import EvalConfig, run_evaluate
 
-        settings = dict(recipe.evaluate)
-        record["evaluation"] = run_eval(
-            current, recipe.model, settings.get("dataset", "wikitext2"), settings.get("seq_len", 2048),
-            settings.get("max_windows", 16) or None, settings.get("top_k", 1024),
-        ).to_dict()
+        config = build_config(EvalConfig, {**recipe.evaluate, "model": current, "baseline": recipe.model})
+        figures = run_evaluate(config)
+        record["evaluation"] = {k: v for k, v in figures.items() if k not in ("model", "baseline")}
     with atomic_file(out / "run.json", overwrite=True) as tmp:
         tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
     return record

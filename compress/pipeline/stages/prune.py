@@ -14,35 +14,46 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmopt.core.atomic import atomic_dir, check_output
 from llmopt.checkpoints.models import float_source, load_model
-from llmopt.pipeline.stages.quantize import _finish, versions
+from llmopt.checkpoints.provenance import finish_record, versions, write_provenance
+from llmopt.core.atomic import atomic_dir, check_output
+from llmopt.pipeline.stages.base import option
+from llmopt.pipeline.stages.evaluate import evaluate_output
 
 DEFAULT_SAMPLES = 128
 DEFAULT_SAMPLES_DEPTH = 16  # ranking blocks needs far less data (and perplexity ranking runs once per block)
 
 
 @dataclass
-class PruneRequest:
-    """Everything ``llmopt prune`` takes, validated before any work starts."""
+class PruneConfig:
+    """Everything ``llmopt prune`` / a recipe's prune stage takes."""
 
-    model: str
-    output: Path
-    method: str
-    sparsity: float | None = None
-    pattern: str | None = None
-    profile: str | None = None
-    num: int | None = None
-    ranking: str | None = None
-    ffn_ratio: float | None = None
-    heads_ratio: float | None = None
-    heads_mode: str = "auto"
-    calib: str = "austen"
-    calib_samples: int | None = None  # None: 128 windows, 16 for drop-layers
-    calib_seq_len: int = 512
-    seed: int = 0
-    damp: float = 0.01
-    overwrite: bool = False
+    model: str = option(help="Model to prune.", argument=True, runner_owned=True)
+    output: str = option(help="Output checkpoint directory.", short="-o", runner_owned=True)
+    method: str = option(help="magnitude, wanda, sparsegpt (weight sparsity); drop-layers (depth); width (MLP channels / attention heads).",
+                         metavar="METHOD")
+    sparsity: float | None = option(None, "magnitude/wanda/sparsegpt: fraction of weights removed from every output row, in (0, 1).")
+    pattern: str | None = option(None, "magnitude/wanda/sparsegpt: semi-structured sparsity, at most N nonzeros in every M consecutive inputs (2:4, 4:8).", metavar="N:M")
+    profile: str | None = option(None, "With --sparsity: 'uniform' (default) or 'owl' (outlier-weighted per-layer sparsity, same mean).", metavar="PROFILE")
+    num: int | None = option(None, "drop-layers: how many decoder layers to remove.")
+    ranking: str | None = option(None, "drop-layers: 'block-influence' (1 - cos(input, output), default) or 'perplexity' (calibration perplexity without the block).", metavar="RANKING")
+    ffn_ratio: float | None = option(None, "width: fraction of MLP intermediate channels removed, e.g. 0.25.")
+    heads_ratio: float | None = option(None, "width: fraction of attention heads removed (whole KV groups, or the same number of query heads per group).")
+    heads_mode: str = option("auto", "width: auto, kv-groups or query-heads.", metavar="MODE")
+    calib: str = option("austen", "Calibration text: corpus name, file, folder or hf:NAME.")
+    calib_samples: int | None = option(None, "Calibration windows (default 128; 16 for drop-layers).", min=1)
+    calib_seq_len: int = option(512, "Tokens per calibration window.", min=8)
+    seed: int = option(0, "Seed for the calibration sample offsets.")
+    damp: float = option(0.01, "sparsegpt: dampening, fraction of the mean Hessian diagonal.")
+    overwrite: bool = option(False, "Replace an existing output directory.", runner_owned=True)
+    eval: bool = option(False, "Evaluate the result against MODEL afterwards (16 windows of 2048) and record it.",
+                        aliases=("run_evaluation",))
+
+    def __post_init__(self) -> None:
+        self.method = self.method.lower()
+        self.profile = None if self.profile is None else self.profile.lower()
+        self.ranking = None if self.ranking is None else self.ranking.lower()
+        self.heads_mode = self.heads_mode.lower()
 
     def settings(self):
         from llmopt.prune.apply import PruneSettings
@@ -54,43 +65,71 @@ class PruneRequest:
         )
 
     @property
+    def needs_calibration(self) -> bool:
+        return self.settings().needs_calibration
+
+    @property
     def samples(self) -> int:
         if self.calib_samples is not None:
             return self.calib_samples
         return DEFAULT_SAMPLES_DEPTH if self.method == "drop-layers" else DEFAULT_SAMPLES
 
+    def check(self, config: dict | None = None) -> None:
+        """Refuse impossible requests up front (bad values, options of another method)."""
+        from llmopt.core.errors import LlmoptError
 
-def validate(request: PruneRequest, config: dict | None = None) -> None:
-    """Refuse impossible requests up front (bad values, options of another method, existing output)."""
-    check_output(request.output, request.overwrite)
-    request.settings().validate(config)
+        self.settings().validate(config)
+        if not self.needs_calibration:
+            changed = [name for name, on in (("--calib", self.calib != "austen"), ("--calib-samples", self.calib_samples is not None),
+                                             ("--calib-seq-len", self.calib_seq_len != 512)) if on]
+            if changed:
+                raise LlmoptError(f"{', '.join(changed)} only apply to calibrated pruning, not {self.method}",
+                                  "drop them, or pick --method wanda / sparsegpt / drop-layers / width")
 
 
-def prune_checkpoint(request: PruneRequest, progress=None) -> dict:
-    """Run one pruning and save the result; returns the provenance record written to ``llmopt.json``."""
+def run_prune(config: PruneConfig, progress=None) -> dict:
+    """Prune ``config.model`` and save the result; returns the provenance record written to ``llmopt.json``."""
+    from llmopt.core.data import calibration_ids
     from llmopt.prune.apply import prune_model
 
-    from llmopt.core.data import calibration_ids
-
-    validate(request)
-    source, config = float_source(request.model, "pruned", "prune the float checkpoint, then quantize the result")
-    settings = request.settings()
-    settings.validate(config)
+    config.check()
+    check_output(Path(config.output), config.overwrite)
+    source, model_config = float_source(config.model, "pruned", "prune the float checkpoint, then quantize the result")
+    settings = config.settings()
+    settings.validate(model_config)
     start = time.perf_counter()
-    model, tokenizer = load_model(source)
-    record: dict = {"source": str(source), "source_spec": request.model, "method": request.method,
-                    "settings": _settings_record(request), "versions": versions()}
+    streamed = config.method in ("magnitude", "wanda", "sparsegpt")  # layer by layer from the checkpoint
+    if streamed:
+        from transformers import AutoTokenizer
+
+        model, tokenizer = None, AutoTokenizer.from_pretrained(source)
+    else:
+        model, tokenizer = load_model(source)
+    record: dict = {"source": str(source), "source_spec": config.model, "method": config.method,
+                    "settings": _settings_record(config), "versions": versions()}
     calib, ranking = None, None
     if settings.needs_calibration:
-        calib, record["calibration"] = calibration_ids(tokenizer, request.calib, request.samples, request.calib_seq_len, request.seed)
-    if request.method == "drop-layers":
+        calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.samples, config.calib_seq_len, config.seed)
+    if config.method == "drop-layers":
         ranking, record["ranking_seconds"], record["ranking_cached"] = _cached_ranking(source, record["calibration"], settings, model, calib)
-    record.update(prune_model(model, settings, calib, ranking=ranking, progress=progress, show_progress=progress is None))
-    _save(model, tokenizer, source, config, request, _finish(record, start))
+    if streamed:
+        from llmopt.prune.streaming import prune_streaming
+
+        def provenance(done: dict) -> dict:
+            record.update(done, output=str(config.output))
+            return finish_record(record, start)
+
+        prune_streaming(source, Path(config.output), settings, calib, tokenizer=tokenizer, provenance=provenance,
+                        overwrite=config.overwrite, progress=progress, show_progress=progress is None)
+    else:
+        record.update(prune_model(model, settings, calib, ranking=ranking, progress=progress, show_progress=progress is None))
+        _save(model, tokenizer, model_config, config, finish_record(record, start))
+    if config.eval:
+        record["evaluation"] = evaluate_output(config.output, config.model)
     return record
 
 
-def _settings_record(request: PruneRequest) -> dict:
+def _settings_record(request: PruneConfig) -> dict:
     keys = ("sparsity", "pattern", "profile", "num", "ranking", "ffn_ratio", "heads_ratio", "heads_mode", "damp")
     out = {k: getattr(request, k) for k in keys if getattr(request, k) is not None}
     if request.method != "width":
@@ -108,7 +147,7 @@ def _cached_ranking(source: Path, calibration: dict, settings, model, calib):
     from llmopt.prune.depth import LayerRanking, rank_layers
 
     from llmopt.core.atomic import atomic_file
-    from llmopt.accuracy import model_fingerprint
+    from llmopt.checkpoints.provenance import model_fingerprint
     from llmopt.core.paths import cache_dir
 
     method = settings.ranking or "block-influence"
@@ -125,16 +164,16 @@ def _cached_ranking(source: Path, calibration: dict, settings, model, calib):
     return ranking, seconds, False
 
 
-def _save(model, tokenizer, source: Path, config: dict, request: PruneRequest, record: dict) -> None:
+def _save(model, tokenizer, model_config: dict, config: PruneConfig, record: dict) -> None:
     """Write the model in its source dtype (zeros stay exact), the tokenizer and ``llmopt.json``."""
     import torch
 
-    dtype = config.get("dtype") or config.get("torch_dtype")
+    dtype = model_config.get("dtype") or model_config.get("torch_dtype")
     if dtype in ("float16", "bfloat16"):
         model.to(getattr(torch, dtype))
-    with atomic_dir(request.output, request.overwrite) as tmp:
+    with atomic_dir(Path(config.output), config.overwrite) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        record["output"] = str(request.output)
+        record["output"] = str(config.output)
         record["weights_bytes"] = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
-        (tmp / "llmopt.json").write_text(json.dumps(record, indent=2) + "\n")
+        write_provenance(tmp, record)

@@ -1,127 +1,155 @@
-"""``llmopt quantize``: checkpoint in → quantized compressed-tensors checkpoint out (+ provenance)."""
+"""The quantize stage: checkpoint in → quantized compressed-tensors (or NF4) checkpoint out.
+
+The scheme is parsed once, here, into a :class:`~llmopt.formats.schemes.QuantScheme` (group
+size included); that object goes to the algorithms and, on every quantized weight, to the
+writer that turns it into the saved ``quantization_config``.
+"""
 
 from __future__ import annotations
 
-import json
-import platform
-import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from llmopt.checkpoints.models import float_source, load_model
+from llmopt.checkpoints.provenance import finish_record, versions
 from llmopt.core.atomic import check_output
 from llmopt.core.errors import LlmoptError
-from llmopt.checkpoints.models import float_source, load_model
+from llmopt.formats.schemes import QuantScheme
+from llmopt.pipeline.stages.base import option
+from llmopt.pipeline.stages.evaluate import evaluate_output
 
 NF4 = "NF4"
+CALIBRATION_DEFAULTS = {"calib": "austen", "calib_samples": 128, "calib_seq_len": 512}
 
 
 @dataclass
-class QuantizeRequest:
-    """Everything ``llmopt quantize`` takes, validated before any work starts."""
+class QuantizeConfig:
+    """Everything ``llmopt quantize`` / a recipe's quantize stage takes."""
 
-    model: str
-    output: Path
-    scheme: str
-    method: str = "rtn"
-    group_size: int | None = None
-    calib: str = "austen"
-    calib_samples: int = 128
-    calib_seq_len: int = 512
-    seed: int = 0
-    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
-    strict_groups: bool = False
-    act_order: bool | None = None  # None: on for GPTQ methods
-    damp: float = 0.01
-    smooth_alpha: float = 0.5
-    clip_search: bool | None = None
-    overwrite: bool = False
+    model: str = option(help="Model to quantize.", argument=True, runner_owned=True)
+    output: str = option(help="Output checkpoint directory.", short="-o", runner_owned=True)
+    scheme: str = option(help="W4A16, W4A16_ASYM, W8A16, W8A8, FP8, FP8_DYNAMIC or NF4 (compressed-tensors names).",
+                         metavar="SCHEME")
+    method: str = option("rtn", "rtn, gptq, awq, awq+gptq, smoothquant, smoothquant+gptq.", metavar="METHOD")
+    group_size: int | None = option(None, "int4 group size (32/64/128; 0: per-channel). Default 128.", min=0)
+    strict_groups: bool = option(False, "Refuse layers the group size does not divide instead of using the largest divisor.")
+    calib: str = option("austen", "Calibration text: corpus name, file, folder or hf:NAME.")
+    calib_samples: int = option(128, "Calibration windows.", min=1)
+    calib_seq_len: int = option(512, "Tokens per calibration window.", min=8)
+    seed: int = option(0, "Seed for the calibration sample offsets.")
+    ignore: tuple[str, ...] = option((), "Keep matching Linears in float (repeatable; lm_head is always kept).", metavar="REGEX")
+    act_order: bool | None = option(None, "GPTQ: activation ordering with static groups, so the saved format stays plain [default: on for GPTQ methods].")
+    damp: float = option(0.01, "GPTQ: dampening, fraction of the mean Hessian diagonal.")
+    alpha: float = option(0.5, "SmoothQuant migration strength.", aliases=("smooth_alpha",))
+    clip_search: bool | None = option(None, "Search each group's clipping range (default: on for calibrated methods).")
+    overwrite: bool = option(False, "Replace an existing output directory.", runner_owned=True)
+    eval: bool = option(False, "Evaluate the result against MODEL afterwards (16 windows of 2048) and record it.",
+                        aliases=("run_evaluation",))
+
+    def __post_init__(self) -> None:
+        self.scheme = self.scheme.upper()
+        self.method = self.method.lower()
 
     @property
     def needs_calibration(self) -> bool:
         return self.method != "rtn"
 
+    def parse_scheme(self) -> QuantScheme | None:
+        """The scheme object for this request (None for NF4), or LlmoptError for impossible combinations."""
+        from llmopt.quant.apply import validate_request
 
-def validate(request: QuantizeRequest) -> None:
-    """Refuse impossible requests up front (unknown scheme, bad combination, existing output)."""
-    from llmopt.quant.apply import validate_request
+        if self.scheme == NF4:
+            return None
+        try:
+            return validate_request(self.scheme, self.method, self.group_size, True, bool(self.act_order))
+        except ValueError as exc:
+            raise LlmoptError(str(exc)) from exc
 
-    check_output(request.output, request.overwrite)
-    if request.scheme.upper() == NF4:
-        if request.method != "rtn":
-            raise LlmoptError(f"NF4 is quantized by bitsandbytes and takes no --method {request.method}", "drop --method or use --method rtn")
-        return
-    try:
-        validate_request(request.scheme, request.method, request.group_size, True, request.act_order)
-    except ValueError as exc:
-        raise LlmoptError(str(exc)) from exc
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def versions() -> dict:
-    import compressed_tensors
-    import torch
-    import transformers
-
-    from llmopt import __version__
-
-    return {"llmopt": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "compressed_tensors": compressed_tensors.__version__, "python": platform.python_version()}
+    def check(self) -> None:
+        """Refuse impossible requests, and options that do not apply, before any work starts."""
+        if self.scheme == NF4:
+            if self.method != "rtn":
+                raise LlmoptError(f"NF4 is quantized by bitsandbytes and takes no --method {self.method}", "drop --method or use --method rtn")
+            ignored = [name for name, on in (("--group-size", self.group_size is not None), ("--act-order", self.act_order is not None),
+                                             ("--strict-groups", self.strict_groups), ("--clip-search", self.clip_search is not None))
+                       if on]
+            if ignored:
+                raise LlmoptError(f"NF4 (bitsandbytes) takes no {', '.join(ignored)}", "drop those options, or pick a W4A16 scheme")
+        self.parse_scheme()
+        if not self.needs_calibration:
+            changed = [f"--{k.replace('_', '-')}" for k, v in CALIBRATION_DEFAULTS.items() if getattr(self, k) != v]
+            if changed:
+                raise LlmoptError(f"{', '.join(changed)} only apply to calibrated methods, not {self.method}",
+                                  "drop them, or pick --method gptq / awq / smoothquant")
 
 
-def quantize_checkpoint(request: QuantizeRequest, progress=None) -> dict:
-    """Run one quantization and save it; returns the provenance record written to ``llmopt.json``."""
-    from llmopt.quant.apply import quantize_model
-    from llmopt.formats.compressed import save_compressed, save_nf4
-
+def run_quantize(config: QuantizeConfig, progress=None) -> dict:
+    """Quantize ``config.model`` and save it; returns the provenance record written to ``llmopt.json``."""
     from llmopt.core.console import notice
     from llmopt.core.data import calibration_ids
+    from llmopt.formats.compressed import save_nf4
+    from llmopt.quant.streaming import quantize_streaming
 
-    validate(request)
-    source, _ = float_source(request.model, "quantized again", "quantize the original float checkpoint instead")
+    config.check()
+    output = Path(config.output)
+    check_output(output, config.overwrite)
+    scheme = config.parse_scheme()
+    ignore = ["lm_head", *config.ignore]
+    source, _ = float_source(config.model, "quantized again", "quantize the original float checkpoint instead")
     start = time.perf_counter()
-    model, tokenizer = load_model(source)
-    record: dict = {
-        "source": str(source), "source_spec": request.model, "scheme": request.scheme.upper(),
-        "method": request.method, "ignore": request.ignore, "versions": versions(),
-    }
-    if request.scheme.upper() == NF4:
-        save_nf4(model, tokenizer, request.output, request.ignore, _finish(record, start), overwrite=request.overwrite)
-        return record
+    if scheme is None:
+        model, tokenizer = load_model(source)
+    else:  # streamed layer by layer from the checkpoint: only the tokenizer is loaded here
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    record: dict = {"source": str(source), "source_spec": config.model, "scheme": config.scheme,
+                    "method": config.method, "ignore": ignore, "versions": versions()}
+    if scheme is None:
+        save_nf4(model, tokenizer, output, ignore, finish_record(record, start), overwrite=config.overwrite)
+        return _evaluated(config, record)
     calib = None
-    if request.needs_calibration:
-        calib, record["calibration"] = calibration_ids(tokenizer, request.calib, request.calib_samples, request.calib_seq_len, request.seed)
+    if config.needs_calibration:
+        calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.seed)
+
+    def provenance(result, estimate) -> dict:
+        for line in result.notices:
+            notice(line)
+        record.update({
+            "group_size_asked": config.group_size,
+            "group_sizes": _group_size_summary(result.group_sizes),
+            "quantized_modules": len(result.weights),
+            "notices": result.notices,
+            "options": {"act_order": config.act_order, "damp": config.damp, "smooth_alpha": config.alpha,
+                        "clip_search": config.clip_search},
+            "quantize_seconds": round(result.seconds, 2),
+            "engine_seconds": result.timings.to_dict(), "memory_estimate": estimate.to_dict(),
+        })
+        return finish_record(record, start)
+
     try:
-        result = quantize_model(
-            model, request.scheme, request.method, request.group_size, calib, request.ignore, request.strict_groups,
-            clip_search=request.clip_search, act_order=request.act_order, damp=request.damp,
-            smooth_alpha=request.smooth_alpha, progress=progress, show_progress=progress is None,
+        quantize_streaming(
+            source, output, scheme, config.method, config.group_size, calib, ignore, config.strict_groups,
+            tokenizer=tokenizer, provenance=provenance, overwrite=config.overwrite, announce=_announce,
+            clip_search=config.clip_search, act_order=config.act_order, damp=config.damp,
+            smooth_alpha=config.alpha, progress=progress, show_progress=progress is None,
         )
     except ValueError as exc:
         raise LlmoptError(str(exc)) from exc
-    for line in result.notices:
-        notice(line)
-    record.update({
-        "group_size_asked": request.group_size,
-        "group_sizes": _group_size_summary(result.group_sizes),
-        "quantized_modules": len(result.weights),
-        "notices": result.notices,
-        "options": {"act_order": request.act_order, "damp": request.damp, "smooth_alpha": request.smooth_alpha,
-                    "clip_search": request.clip_search},
-        "quantize_seconds": round(result.seconds, 2),
-    })
-    save_compressed(model, tokenizer, request.output, result.weights, request.ignore, _finish(record, start), overwrite=request.overwrite)
-    return record
+    return _evaluated(config, record)
 
 
-def _finish(record: dict, start: float) -> dict:
-    record["total_seconds"] = round(time.perf_counter() - start, 2)
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    record["cpu_seconds"] = round(usage.ru_utime + usage.ru_stime, 1)  # whole process, loading included
-    record["peak_rss_mib"] = round(peak_rss_mib(), 1)
+def _announce(message: str) -> None:
+    from llmopt.core.console import err
+
+    err.print(f"[dim]{message}[/dim]")
+
+
+def _evaluated(config: QuantizeConfig, record: dict) -> dict:
+    record["output"] = str(config.output)
+    if config.eval:
+        record["evaluation"] = evaluate_output(config.output, config.model)
     return record
 
 
@@ -132,14 +160,3 @@ def _group_size_summary(sizes: dict[str, int | None]) -> dict[str, int]:
         key = "per-channel" if g is None else str(g)
         summary[key] = summary.get(key, 0) + 1
     return summary
-
-
-def add_evaluation(output: Path, figures: dict) -> None:
-    """Record evaluation figures in the checkpoint's ``llmopt.json``."""
-    from llmopt.core.atomic import atomic_file
-
-    path = output / "llmopt.json"
-    record = json.loads(path.read_text()) if path.is_file() else {}
-    record["evaluation"] = figures
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(record, indent=2) + "\n")

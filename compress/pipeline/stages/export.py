@@ -1,0 +1,64 @@
+"""The export stage: a checkpoint written as GGUF (llama.cpp), dense safetensors or compressed-tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmopt.core.errors import LlmoptError
+from llmopt.formats.export import DTYPES, FORMATS
+from llmopt.formats.gguf_blocks import USER_TYPES
+from llmopt.pipeline.stages.base import option
+
+GGUF_ONLY = ("type", "dense_type", "requantize", "verify", "verify_text")
+
+
+@dataclass
+class ExportConfig:
+    """Everything ``llmopt export`` / a recipe's export stage takes."""
+
+    model: str = option(help="Model to export.", argument=True, runner_owned=True)
+    output: str = option(help="Output: a .gguf file, or a directory for hf / compressed-tensors.", short="-o", runner_owned=True)
+    format: str | None = option(None, "Output format (default: gguf when OUTPUT ends in .gguf, else hf).", choices=FORMATS, aliases=("fmt",))
+    type: str = option("auto", "GGUF tensor type. auto: exact where a block type holds our codes (int4 sym → Q4_0, int4 asym → Q4_1, "
+                       "int8 sym → Q8_0), else F16; lossless float for dense checkpoints.", choices=USER_TYPES, case_sensitive=False,
+                       aliases=("gguf_type",))
+    dense_type: str | None = option(None, "GGUF type for float matrices (embeddings, lm_head, unquantized layers); default: --type for "
+                                    "dense checkpoints (output matrix Q6_K with 4-bit types, as llama.cpp), F16 for quantized ones.",
+                                    choices=USER_TYPES, case_sensitive=False)
+    requantize: bool = option(False, "Allow rounding quantized weights again into a type that cannot hold their codes (e.g. int8 → Q4_0, int4 → Q4_K).")
+    verify: bool = option(False, "Also load the GGUF through transformers' GGUF loader and compare token ids and logits with the source.")
+    verify_text: str | None = option(None, "Text for --verify (default: two short sentences).", metavar="TEXT")
+    dtype: str = option("auto", "--format hf: dtype of the written weights (auto: the checkpoint's).", choices=("auto", *DTYPES))
+    overwrite: bool = option(False, "Replace an existing output.", runner_owned=True)
+
+    @property
+    def resolved_format(self) -> str:
+        return self.format or ("gguf" if str(self.output).lower().endswith(".gguf") else "hf")
+
+    def check(self) -> None:
+        """Refuse options that do not apply to the chosen format."""
+        fmt = self.resolved_format
+        if fmt == "gguf":
+            if self.dtype != "auto":
+                raise LlmoptError("--dtype applies to --format hf only; GGUF types are chosen with --type / --dense-type",
+                                  "drop --dtype, or export with --format hf")
+            return
+        given = [f"--{name.replace('_', '-')}" for name in GGUF_ONLY
+                 if getattr(self, name) not in (None, False, "auto")]
+        if given:
+            raise LlmoptError(f"{', '.join(given)} apply to --format gguf only, not {fmt}", "drop them, or export to a .gguf file")
+        if fmt == "compressed-tensors" and self.dtype != "auto":
+            raise LlmoptError("--dtype applies to --format hf only; compressed-tensors keeps the checkpoint's codes", "drop --dtype")
+
+
+def run_export(config: ExportConfig, progress=None):
+    """Export and return the exporter's report (``to_dict()`` for the record)."""
+    from llmopt.formats.export import export_model
+
+    config.check()
+    fmt = config.resolved_format
+    if fmt == "gguf":
+        return export_model(config.model, config.output, "gguf", gguf_type=config.type, dense_type=config.dense_type,
+                            requantize=config.requantize, overwrite=config.overwrite, verify=config.verify,
+                            verify_text=config.verify_text)
+    return export_model(config.model, config.output, fmt, dtype=config.dtype, overwrite=config.overwrite)
