@@ -344,6 +344,7 @@ class EngineTimings:
 
     capture: float = 0.0
     observe: float = 0.0  # layer_fn: calibration forwards + statistics + solves
+    calibrate: float = 0.0  # of which in run_layer (calibration forwards + statistics hooks)
     forward: float = 0.0  # re-running each compressed layer to produce the next inputs
     load: float = 0.0  # lifecycle.before / after (materialize, write, free)
     layers: int = 0
@@ -455,11 +456,13 @@ def run_sequential(
                 timings.load += t1 - t_layer
 
                 def run_layer(layer: nn.Module = layer) -> None:
+                    t_run = time.perf_counter()
                     for h, kw in zip(inputs.hidden, inputs.kwargs):
                         try:
                             call(layer, h, kw)
                         except StopForward:
                             pass
+                    timings.calibrate += time.perf_counter() - t_run
 
                 layer_fn(index, layer, run_layer)
                 t2 = time.perf_counter()
