@@ -112,11 +112,13 @@ def single_tpot(engine, prompt: list[int], tg: int) -> float:
     from llmopt.runtime.sampling_params import SamplingParams
 
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=tg, ignore_eos=True))
+    from llmopt.runtime.bench import check_measured
+
     final = None
     while engine.has_unfinished():
         for out in engine.step():
             final = out
-    return final.metrics.tpot
+    return check_measured(final, "kv-cache benchmark request").metrics.tpot
 
 
 def batch_decode_rate(engine, prompts: list[list[int]], tg: int) -> float:
@@ -125,9 +127,14 @@ def batch_decode_rate(engine, prompts: list[list[int]], tg: int) -> float:
 
     for p in prompts:
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=tg, ignore_eos=True))
+    from llmopt.runtime.bench import check_measured
+
     started, produced, tokens = None, set(), 0
     while engine.has_unfinished():
         outs = engine.step()
+        for o in outs:
+            if o.finished:
+                check_measured(o, "kv-cache benchmark request")
         if started is None:
             produced.update(o.request_id for o in outs if o.token_ids)
             if len(produced) == len(prompts):

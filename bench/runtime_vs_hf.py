@@ -55,6 +55,14 @@ class FirstTokenClock:
         pass
 
 
+def produced_tokens(output: torch.Tensor, prompt_len: int) -> int:
+    """Tokens ``generate`` actually added after a ``prompt_len``-token prompt (none is an error)."""
+    produced = int(output.shape[-1]) - prompt_len
+    if produced < 1:
+        raise RuntimeError("transformers generate produced no token")
+    return produced
+
+
 def summarize(name: str, per_request: list[dict], duration: float) -> dict:
     from llmopt.runtime.metrics import percentiles
 
@@ -74,11 +82,12 @@ def hf_one_at_a_time(model, workload) -> dict:
     rows = []
     for i, w in enumerate(workload):
         clock = FirstTokenClock()
-        model.generate(torch.tensor([w.prompt_token_ids]), max_new_tokens=w.max_tokens, do_sample=False,
-                       pad_token_id=0, streamer=clock)
+        out = model.generate(torch.tensor([w.prompt_token_ids]), max_new_tokens=w.max_tokens, do_sample=False,
+                             pad_token_id=0, streamer=clock)
         end = time.perf_counter()
-        rows.append({"prompt_tokens": len(w.prompt_token_ids), "output_tokens": w.max_tokens, "ttft": clock.first - start,
-                     "tpot": (end - clock.first) / max(w.max_tokens - 1, 1), "e2e": end - start})
+        produced = produced_tokens(out, len(w.prompt_token_ids))
+        rows.append({"prompt_tokens": len(w.prompt_token_ids), "output_tokens": produced, "ttft": clock.first - start,
+                     "tpot": (end - clock.first) / max(produced - 1, 1), "e2e": end - start})
         log(f"  transformers one-at-a-time {i + 1}/{len(workload)}")
     return summarize("transformers, one at a time", rows, time.perf_counter() - start)
 
@@ -95,8 +104,11 @@ def hf_static_batches(model, workload, size: int = 8) -> dict:
         steps = max(w.max_tokens for w in group)
         clock = FirstTokenClock()
         t0 = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, pad_token_id=0, streamer=clock)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, pad_token_id=0, streamer=clock)
         end = time.perf_counter()
+        steps = produced_tokens(out, width)  # every row runs this many steps (no EOS: it is switched off)
+        if steps < max(w.max_tokens for w in group):
+            raise RuntimeError(f"transformers generated {steps} steps, {max(w.max_tokens for w in group)} requested")
         per_step = (end - clock.first) / max(steps - 1, 1)
         for w in group:  # a request's tokens are ready after its own length, but it returns with the batch
             rows.append({"prompt_tokens": len(w.prompt_token_ids), "output_tokens": w.max_tokens,
@@ -117,23 +129,32 @@ def single_streams(engine, model, vocab: int, pp: int = 512, tg: int = 128, reps
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
 
-    def hf(ids: torch.Tensor, new: int) -> float:
+    def hf(ids: torch.Tensor, new: int) -> tuple[float, int]:
+        """Seconds, and the tokens processed (prompt, for new == 1) or generated."""
         t = time.perf_counter()
-        model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - t
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        seconds = time.perf_counter() - t
+        return seconds, (ids.shape[1] if new == 1 else produced_tokens(out, ids.shape[1]))
 
     time_generation(engine, 4, rng)  # warm-up
     hf(torch.randint(100, vocab, (1, 16), generator=gen), 4)
-    times: dict[str, list[float]] = {"engine_pp": [], "hf_pp": [], "engine_tg": [], "hf_tg": []}
+    # (seconds, tokens actually processed / produced) per repetition
+    times: dict[str, list[tuple[float, int]]] = {"engine_pp": [], "hf_pp": [], "engine_tg": [], "hf_tg": []}
     for i in range(reps):
         times["engine_pp"].append(time_prompt(engine, pp, rng))
         times["hf_pp"].append(hf(torch.randint(100, vocab, (1, pp), generator=gen), 1))
         times["engine_tg"].append(time_generation(engine, tg, rng))
         times["hf_tg"].append(hf(torch.randint(100, vocab, (1, 1), generator=gen), tg))
         log(f"  single stream repetition {i + 1}/{reps}")
+
+    def rate(key: str) -> float:
+        return statistics.median(n / t for t, n in times[key])
+
     return {
-        who: {f"pp{pp}_tok_s": pp / statistics.median(times[f"{who}_pp"]), f"tg{tg}_tok_s": tg / statistics.median(times[f"{who}_tg"]),
-              "pp_seconds": times[f"{who}_pp"], "tg_seconds": times[f"{who}_tg"], "repetitions": reps}
+        who: {f"pp{pp}_tok_s": rate(f"{who}_pp"), f"tg{tg}_tok_s": rate(f"{who}_tg"),
+              "pp_seconds": [t for t, _ in times[f"{who}_pp"]], "tg_seconds": [t for t, _ in times[f"{who}_tg"]],
+              "pp_tokens": [n for _, n in times[f"{who}_pp"]], "tg_tokens": [n for _, n in times[f"{who}_tg"]],
+              "repetitions": reps}
         for who in ("engine", "hf")
     }
 
