@@ -169,3 +169,22 @@ def resolve_max_model_len(arch: ModelArch, asked: int | None) -> int:
         reason = "its sliding window" if arch.sliding_window and arch.sliding_window < arch.max_position_embeddings else "max_position_embeddings"
         raise LlmoptError(f"max_model_len {asked} exceeds the model's limit of {limit} tokens ({reason})", f"use max_model_len <= {limit}")
     return asked
+
+
+def saved_settings(path: Path) -> dict[str, Any]:
+    """Engine settings saved with a checkpoint (the ``runtime`` block of its ``llmopt.json``,
+    written by a recipe's ``runtime:`` section): the defaults of an engine on that checkpoint."""
+    import dataclasses
+
+    from llmopt.checkpoints.provenance import PROVENANCE_FILE, read_provenance
+
+    saved = read_provenance(path).get("runtime") or {}
+    if not isinstance(saved, dict):
+        raise LlmoptError(f"{Path(path) / PROVENANCE_FILE}: 'runtime' must be a mapping", "fix or remove it")
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(saved) - known)
+    if unknown:
+        raise LlmoptError(f"{Path(path) / PROVENANCE_FILE}: unknown runtime setting '{unknown[0]}'",
+                          f"known settings: {', '.join(sorted(known))}")
+    return dict(saved)
+

@@ -14,7 +14,7 @@ from llmopt.core.errors import LlmoptError
 
 from .backends import choose_backend
 from .block_manager import BlockManager
-from .config import GIB, EngineConfig, read_arch, resolve_max_model_len
+from .config import GIB, EngineConfig, saved_settings, read_arch, resolve_max_model_len
 from .loader import load_weights
 from .metrics import RunStats, request_metrics
 from .model import KVCache, LlamaModel
@@ -37,15 +37,17 @@ class LLMEngine:
     def __init__(self, model: str | os.PathLike, config: EngineConfig | None = None, *, tokenizer=None, **overrides) -> None:
         from llmopt.checkpoints.models import resolve_model
 
+        self.path = resolve_model(model)
+        # precedence: keyword overrides, then an explicit config, then the checkpoint's saved settings
+        self.saved_settings = saved_settings(self.path) if config is None else {}
         try:
-            config = replace(config or EngineConfig(), **overrides)
+            config = replace(config or EngineConfig(**self.saved_settings), **overrides)
         except TypeError as exc:
             raise LlmoptError(f"unknown engine setting: {exc}", f"settings: {', '.join(EngineConfig.__dataclass_fields__)}") from exc
         config.validate()
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        self.path = resolve_model(model)
         self.arch = read_arch(self.path)
         dtype = getattr(torch, config.dtype)
         self.max_model_len = resolve_max_model_len(self.arch, config.max_model_len)

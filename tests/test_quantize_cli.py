@@ -22,8 +22,11 @@ def run_cli(*args: str):
 
 
 def quantize(model_dir, out, *extra: str):
-    return run_cli("quantize", str(model_dir), "-o", str(out), "--calib", str(CALIB),
-                   "--calib-samples", "4", "--calib-seq-len", "32", "--json", *extra)
+    """`llmopt quantize --json`; calibrated methods get a small calibration set (RTN refuses one)."""
+    method = extra[extra.index("--method") + 1] if "--method" in extra else "rtn"
+    scheme = extra[extra.index("--scheme") + 1] if "--scheme" in extra else ""
+    calib = [] if method == "rtn" or scheme.upper() == "NF4" else ["--calib", str(CALIB), "--calib-samples", "4", "--calib-seq-len", "32"]
+    return run_cli("quantize", str(model_dir), "-o", str(out), *calib, "--json", *extra)
 
 
 @pytest.mark.parametrize(

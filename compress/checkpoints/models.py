@@ -105,9 +105,17 @@ def check_safetensors(file: Path) -> None:
 
 
 def _check_gguf_file(path: Path) -> None:
+    """Refuse a file that is not GGUF, or whose header or tensor table is truncated or corrupt."""
     with path.open("rb") as handle:
         if handle.read(4) != b"GGUF":
             raise LlmoptError(f"{path} is not a GGUF file (bad magic)", "pass a valid .gguf file")
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+    except Exception as exc:  # noqa: BLE001 - the reader raises struct, value and index errors alike
+        raise LlmoptError(f"{path} is a truncated or corrupt GGUF file ({type(exc).__name__}: {str(exc)[:80]})",
+                          "re-create or re-download the .gguf file") from exc
 
 
 def _file_key(path: Path) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import sys
 
@@ -21,6 +22,9 @@ LM_HEAD_HELP = ("Output head: as the checkpoint stores it (auto), rounded to bfl
 KERNELS_HELP = ("The kernel backend, chosen once: auto is triton on a CUDA device and on the CPU the C++ kernels "
                 "when they build; cpu requires the C++ kernels, triton the Triton ones; reference forces the "
                 "plain-torch path for comparison.")
+
+
+SAVED = " [default: the checkpoint's saved runtime settings (a recipe's runtime: block), else auto / cpu]"
 
 
 def _range(text: str, what: str) -> tuple[int, int]:
@@ -60,11 +64,11 @@ def _engine_settings(threads, max_model_len, **extra) -> dict:
 @click.option("--stream", is_flag=True, help="Print tokens as they are generated.")
 @click.option("--threads", type=click.IntRange(1), help="CPU threads (default: torch's).")
 @click.option("--max-model-len", type=click.IntRange(2), help="Longest prompt + output (default: the model's).")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]),
               help="KV cache storage: the model's dtype (auto), or fp8 e4m3 / int8 with per-token scales (about half / a quarter of bf16 / fp32 memory).")
-@click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), default="auto", show_default=True, help=KERNELS_HELP)
-@click.option("--device", default="cpu", show_default=True, help="Where weights and KV cache live: cpu, cuda or cuda:N.")
-@click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), default="auto", show_default=True, help=LM_HEAD_HELP)
+@click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), help=KERNELS_HELP + SAVED)
+@click.option("--device", help="Where weights and KV cache live: cpu, cuda or cuda:N." + SAVED)
+@click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), help=LM_HEAD_HELP + SAVED)
 @click.option("--json", "as_json", is_flag=True, help="Print the output, token ids and timings as JSON.")
 @user_errors
 def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop,
@@ -128,11 +132,11 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
 @click.option("--max-num-batched-tokens", type=click.IntRange(1), help="Tokens per step at most (prefill chunk budget).")
 @click.option("--kv-cache-gib", type=click.FloatRange(0, min_open=True), help="KV cache budget in GiB.")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]),
               help="KV cache storage: the model's dtype (auto), or fp8 e4m3 / int8 with per-token scales (about half / a quarter of bf16 / fp32 memory).")
-@click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), default="auto", show_default=True, help=KERNELS_HELP)
-@click.option("--device", default="cpu", show_default=True, help="Where weights and KV cache live: cpu, cuda or cuda:N.")
-@click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), default="auto", show_default=True, help=LM_HEAD_HELP)
+@click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), help=KERNELS_HELP + SAVED)
+@click.option("--device", help="Where weights and KV cache live: cpu, cuda or cuda:N." + SAVED)
+@click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), help=LM_HEAD_HELP + SAVED)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @user_errors
 def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_len, rate, seed, no_single, threads,
@@ -158,9 +162,12 @@ def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_l
     if no_prefix_caching:
         settings["enable_prefix_caching"] = False
     engine = LLMEngine(model, **settings)
+    config = engine.config
     result = {"model": model, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-              "torch": torch.__version__, "seed": seed, "kv_cache_dtype": kv_cache_dtype,
-              "kernels": kernels, "backend": engine.backend.name, "device": device, "lm_head": lm_head, "lm_head_runs_as": engine.weights.head_kind}
+              "torch": torch.__version__, "seed": seed, "kv_cache_dtype": config.kv_cache_dtype,
+              "kernels": config.kernels, "backend": engine.backend.name, "device": config.device, "lm_head": config.lm_head,
+              "lm_head_runs_as": engine.weights.head_kind, "engine": dataclasses.asdict(config),
+              "saved_runtime_settings": engine.saved_settings}
     with make_progress() as progress:
         if not no_single:
             task = progress.add_task(f"single stream pp{pp}/tg{tg}", total=repetitions)

@@ -17,9 +17,18 @@ class OutputExistsError(LlmoptError, FileExistsError):
 
 
 def check_output(path: Path, overwrite: bool) -> None:
-    """Refuse an existing output unless ``overwrite`` is set."""
-    if Path(path).exists() and not overwrite:
+    """Refuse an existing output unless ``overwrite`` is set, and an output that cannot be
+    created (a part of its path is a file, or its folder is not writable) before any work."""
+    path = Path(path)
+    if path.exists() and not overwrite:
         raise OutputExistsError(f"output {path} already exists", "choose another path or pass --overwrite")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise LlmoptError(f"cannot write {path}: {parent} is a file, not a folder", "choose an output path in a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise LlmoptError(f"cannot write {path}: {parent} is not writable", "choose an output path you can write to")
 
 
 @contextmanager

@@ -124,6 +124,11 @@ def run_recipe(recipe: Recipe, from_stage: int | None = None, on_stage=None) -> 
         if item.stage.kind != "export":
             current = str(item.directory)
     record["final"] = current
+    if recipe.runtime and current != recipe.model:
+        from llmopt.checkpoints.provenance import update_provenance
+
+        update_provenance(current, runtime=recipe.runtime)  # the engine's defaults for this checkpoint
+        record["runtime"] = recipe.runtime
     if recipe.evaluate is not None:
         from llmopt.pipeline.stages.base import build_config
         from llmopt.pipeline.stages.evaluate import EvalConfig, run_evaluate

@@ -7,6 +7,7 @@ writer that turns it into the saved ``quantization_config``.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,11 @@ class QuantizeConfig:
             if ignored:
                 raise LlmoptError(f"NF4 (bitsandbytes) takes no {', '.join(ignored)}", "drop those options, or pick a W4A16 scheme")
         self.parse_scheme()
+        for pattern in self.ignore:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise LlmoptError(f"invalid ignore pattern {pattern!r}: {exc}", "write a Python regular expression, e.g. 'mlp\\.down_proj'") from exc
         if not self.needs_calibration:
             changed = [f"--{k.replace('_', '-')}" for k, v in CALIBRATION_DEFAULTS.items() if getattr(self, k) != v]
             if changed:
@@ -131,7 +137,7 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     try:
         quantize_streaming(
             source, output, scheme, config.method, config.group_size, calib, ignore, config.strict_groups,
-            tokenizer=tokenizer, provenance=provenance, overwrite=config.overwrite, announce=_announce,
+            tokenizer=tokenizer, provenance=provenance, overwrite=config.overwrite, announce=_announcer(source),
             clip_search=config.clip_search, act_order=config.act_order, damp=config.damp,
             smooth_alpha=config.alpha, progress=progress, show_progress=progress is None,
         )
@@ -140,10 +146,16 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     return _evaluated(config, record)
 
 
-def _announce(message: str) -> None:
+LONG_JOB_BYTES = 2**30  # print memory and time estimates for checkpoints of at least 1 GiB of weights
+
+
+def _announcer(source: Path):
+    """Where estimates go: stderr for long jobs; nowhere for small checkpoints (quick anyway)."""
     from llmopt.core.console import err
 
-    err.print(f"[dim]{message}[/dim]")
+    if sum(f.stat().st_size for f in Path(source).glob("*.safetensors")) < LONG_JOB_BYTES:
+        return None
+    return lambda message: err.print(f"[dim]{message}[/dim]")
 
 
 def _evaluated(config: QuantizeConfig, record: dict) -> dict:
