@@ -26,6 +26,26 @@ from llmopt.checkpoints.lazy import LazyCheckpoint
 from llmopt.core.errors import LlmoptError
 
 Sink = Callable[[int, str, nn.Module], None]
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
+    """Serve every allocation of ``nbytes`` or more with its own mmap (glibc only; no-op elsewhere).
+
+    glibc raises its mmap threshold each time a large block is freed, after which layer-sized
+    tensors come from the heap, where the small tensors kept between layers (the output buffer)
+    pin them: the heap then grows by about a layer per layer (3.4 GB instead of 0.8 GB peak for
+    a 0.5B model). A fixed threshold returns each freed layer to the system.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, nbytes)
+    except (OSError, AttributeError):
+        pass
 
 
 class StreamedModel(LayerLifecycle):
@@ -35,6 +55,7 @@ class StreamedModel(LayerLifecycle):
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+        fixed_mmap_threshold()
         self.source = Path(source)
         self.ckpt = LazyCheckpoint(self.source)
         self.stored_dtype = self.ckpt.floating_dtype()
