@@ -8,6 +8,10 @@
    bytes) as a share of the copy bandwidth. Each timing replays a CUDA graph of calls that
    cycle through enough weight copies to exceed the L2, and takes the median replay.
 4. Paged decode attention timings against the reference (gather + SDPA).
+5. The whole engine on the GPU (``device="cuda"``, float16): random-weight Llama-shaped
+   checkpoints (float16 and W4A16 compressed-tensors) on the Triton backend against the
+   plain-torch reference backend on the same GPU: single stream (pp512 / tg128 tok/s) and a
+   serving workload (output tok/s, TTFT / TPOT p50), plus greedy-token agreement of the two.
 
 Results go to ``$OUT/kernels_gpu.{json,md}`` when ``$OUT`` is set (the device machine), else
 ``bench/results/``. Without CUDA it says so and exits 0; a failed correctness check exits 1.
@@ -62,6 +66,9 @@ CHECK_FORMATS = {
     "fp8 dynamic": ("fp8", None, False, "fp8"),
 }
 TOLERANCE = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 2e-5}  # max error / max |ref|
+# engine benchmark models, random weights: name: (hidden, intermediate, layers, heads, kv heads, vocab)
+ENGINE_MODELS = {"SmolLM2-135M shape": (576, 1536, 30, 9, 3, 49152), "Llama-3.2-1B shape": (2048, 8192, 16, 32, 8, 128256)}
+ENGINE_SMALL = {"tiny": (64, 192, 2, 4, 2, 259)}
 
 
 def import_llmopt() -> None:
@@ -441,6 +448,99 @@ def time_attention(torch, kernels, device, shapes, clock: Clock, copy_gbps: floa
 
 
 # ---------------------------------------------------------------------------------------------
+# The whole engine.
+
+
+def engine_checkpoints(torch, folder: Path, shape: tuple, small: bool) -> dict[str, Path]:
+    """A random Llama of ``shape`` saved dense and as W4A16 (g128; g32 when small) compressed-tensors."""
+    from llmopt.formats.compressed import save_compressed
+    from llmopt.formats.schemes import QuantizedWeight, compute_qparams, effective_group_size, get_scheme
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, inter, layers, heads, kv_heads, vocab = shape
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder / "float")
+    scheme = get_scheme("W4A16", 32 if small else 128)
+    weights = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            group = effective_group_size(module.in_features, scheme.group_size)
+            scale, zero = compute_qparams(module.weight.data, scheme, group)
+            weights[name] = QuantizedWeight.from_weight(module.weight.data, scheme, group, scale, zero)
+    save_compressed(model, None, folder / "w4a16", weights, ["lm_head"])
+    return {"float": folder / "float", "W4A16": folder / "w4a16"}
+
+
+def greedy_tokens(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from llmopt.runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[i] for i in ids]
+
+
+def time_engine(torch, device, clock: Clock, small: bool) -> list[dict]:
+    """Section 5: per model and format, the Triton backend and the reference backend on ``device``."""
+    import random
+    import tempfile
+
+    from llmopt.runtime.bench import make_workload, serving, single_stream
+    from llmopt.runtime.engine import LLMEngine
+
+    models = ENGINE_SMALL if small else ENGINE_MODELS
+    pp, tg, reps, requests, n_check = (16, 8, 1, 4, 6) if small else (512, 128, 5, 64, 32)
+    settings = {"device": str(device), "dtype": "float32" if small else "float16", "max_model_len": 1024,
+                "max_num_seqs": 64, "max_num_batched_tokens": 512 if small else 2048, "kv_cache_gib": 0.05 if small else 16.0}
+    no_tokenizer = types.SimpleNamespace(eos_token_id=None)  # token-id prompts only
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, shape in models.items():
+            if clock.left() < (20 if small else 150):
+                results.append({"model": name, "skipped": "time budget"})
+                continue
+            try:
+                paths = engine_checkpoints(torch, Path(tmp) / name.replace(" ", "_"), shape, small)
+            except Exception:  # noqa: BLE001 - e.g. transformers missing on the machine
+                results.append({"model": name, "error": traceback.format_exc()[-600:]})
+                continue
+            rng = random.Random(0)
+            prompts = [[rng.randrange(3, shape[5]) for _ in range(rng.randint(8, 64))] for _ in range(n_check)]
+            for fmt, path in paths.items():
+                row, tokens = {"model": name, "format": fmt}, {}
+                for kernels in ("triton", "reference"):
+                    engine = None
+                    try:
+                        engine = LLMEngine(path, tokenizer=no_tokenizer, kernels=kernels, **settings)
+                        tokens[kernels] = greedy_tokens(engine, prompts, 16)
+                        figures = single_stream(engine, pp, tg, reps)
+                        workload = make_workload(requests, (32, 512) if not small else (4, 16), (32, 256) if not small else (2, 8),
+                                                 shape[5], seed=0)
+                        figures["serving"] = serving(engine, workload)
+                        row[kernels] = figures
+                    except Exception:  # noqa: BLE001 - reported in the row, the other runs go on
+                        row[kernels] = {"error": traceback.format_exc()[-600:]}
+                    del engine
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                if len(tokens) == 2:
+                    pairs = [(a, b) for x, y in zip(tokens["triton"], tokens["reference"]) for a, b in zip(x, y)]
+                    row["greedy_agreement"] = sum(a == b for a, b in pairs) / len(pairs)
+                    row["greedy_sequences_equal"] = sum(x == y for x, y in zip(tokens["triton"], tokens["reference"]))
+                    row["greedy_sequences"] = len(prompts)
+                results.append(row)
+                log(engine_line(row, pp, tg))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
 # Report.
 
 
@@ -473,6 +573,26 @@ def speedup(row: dict, name: str) -> str:
     if not (isinstance(a, dict) and isinstance(b, dict) and "us" in a and "us" in b):
         return "-"
     return f"{a['us'] / b['us']:.2f}x"
+
+
+def engine_figure(row: dict, kernels: str, key: str) -> str:
+    entry = row.get(kernels)
+    if not isinstance(entry, dict):
+        return "-"
+    if "error" in entry:
+        return "error"
+    value = entry["serving"].get(key) if key.startswith(("output", "ttft", "tpot")) else entry.get(key)
+    if value is None:
+        return "-"
+    return f"{value * 1000:.1f} ms" if key.endswith("_s") and not key.endswith("tok_s") else f"{value:.1f}"
+
+
+def engine_line(row: dict, pp: int, tg: int) -> str:
+    if "skipped" in row or "error" in row:
+        return f"engine {row['model']}: {row.get('skipped') or 'error ' + row['error'][-200:]}"
+    figures = " | ".join(f"{k}: pp {engine_figure(row, k, f'pp{pp}_tok_s')} tg {engine_figure(row, k, f'tg{tg}_tok_s')} "
+                         f"serving {engine_figure(row, k, 'output_tok_s')} tok/s" for k in ("triton", "reference"))
+    return f"engine {row['model']} {row['format']}: {figures}; greedy agreement {row.get('greedy_agreement', '-')}"
 
 
 def markdown(result: dict) -> str:
@@ -522,6 +642,23 @@ def markdown(result: dict) -> str:
                      f"{cell(row['triton'])} | {cell(row['reference'])} | {sp:.2f}x |")
     lines += ["", ("GB/s counts the bytes a kernel must move: packed weights with scales (zero points), input and output "
                    "for linears; the K and V read (codes and scales) for attention."), ""]
+    pp, tg = result.get("engine_pp", 512), result.get("engine_tg", 128)
+    lines += ["## The engine on the GPU (random weights, float16 activations)", "",
+              (f"Single stream pp{pp} / tg{tg} (median tok/s), serving {result.get('engine_requests', '')} requests "
+               "(output tok/s, TTFT / TPOT p50); triton: the Triton backend, reference: plain torch on the same GPU. "
+               "Greedy agreement: share of equal tokens of the two backends on the same prompts."), "",
+              "| model | weights | backend | pp tok/s | tg tok/s | serving tok/s | TTFT p50 | TPOT p50 | greedy agreement |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in result.get("engine", []):
+        if "skipped" in row or "error" in row:
+            lines.append(f"| {row['model']} | | {row.get('skipped', 'error')} | | | | | | |")
+            continue
+        for k in ("triton", "reference"):
+            lines.append(f"| {row['model']} | {row['format']} | {k} | {engine_figure(row, k, f'pp{pp}_tok_s')} | "
+                         f"{engine_figure(row, k, f'tg{tg}_tok_s')} | {engine_figure(row, k, 'output_tok_s')} | "
+                         f"{engine_figure(row, k, 'ttft_p50_s')} | {engine_figure(row, k, 'tpot_p50_s')} | "
+                         f"{row.get('greedy_agreement', '-') if k == 'triton' else ''} |")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -561,7 +698,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
               "multiprocessors": None if small else torch.cuda.get_device_properties(device).multi_processor_count,
-              "correctness": [], "linear": [], "attention": [], "copy_GBps": 0.0, "wall_s": 0.0}
+              "correctness": [], "linear": [], "attention": [], "engine": [], "copy_GBps": 0.0, "wall_s": 0.0}
 
     def save() -> None:
         result["wall_s"] = clock.elapsed()
@@ -587,6 +724,10 @@ def main() -> int:
     log("attention timings:")
     att_shapes = [(2, 100, 8, 2, 64, "auto"), (2, 100, 8, 2, 64, "int8")] if small else ATTENTION_SHAPES
     result["attention"] = time_attention(torch, kernels, device, att_shapes, clock, result["copy_GBps"], rotate)
+    save()
+    log("engine (Triton backend against the reference backend):")
+    result.update(engine_pp=16 if small else 512, engine_tg=8 if small else 128, engine_requests=4 if small else 64)
+    result["engine"] = time_engine(torch, device, clock, small)
     save()
     log(f"wrote {out_dir / 'kernels_gpu.json'} and .md in {clock.elapsed():.0f} s")
     if failed:
