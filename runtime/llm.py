@@ -20,7 +20,8 @@ class LLM:
 
     Keyword arguments are :class:`~llmopt.runtime.config.EngineConfig` settings
     (``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_gib``, ``num_kv_blocks``,
-    ``block_size``, ``threads``, ``max_model_len``, ``enable_prefix_caching``, ``dtype``, ``seed``).
+    ``block_size``, ``threads``, ``max_model_len``, ``enable_prefix_caching``, ``dtype``, ``seed``,
+    ``device``, ``kernels`` …).
     """
 
     def __init__(self, model: str | os.PathLike, **settings) -> None:

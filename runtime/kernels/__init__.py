@@ -1,5 +1,5 @@
-"""Compute kernels of the runtime. ``reference`` is plain torch (every device, the fallback);
-faster backends (C++ for CPUs, Triton for CUDA) implement the same functions."""
+"""Compute kernels of the runtime: ``reference`` (plain torch, every device), ``cpu_*`` (C++)
+and ``triton_*`` (CUDA). The engine reaches them through one backend (``runtime.backends``)."""
 
 from . import reference
 
