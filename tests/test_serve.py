@@ -70,7 +70,7 @@ def server(model_dir):
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    wait_until(lambda: _get(f"{base}/health").status_code == 200, 120, "the server to be ready")
+    wait_until(lambda: _get(f"{base}/health").status_code == 200, 900, "the server to be ready")  # a cold kernel cache compiles first
     yield base, state
     srv.should_exit = True
     thread.join(30)
@@ -313,7 +313,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _get(f"{base}/health").status_code == 200, 120, "the server subprocess")
+        wait_until(lambda: _get(f"{base}/health").status_code == 200, 900, "the server subprocess")
         stream = client(base).completions.create(model=NAME, prompt="Shut down", max_tokens=200, temperature=0, stream=True,
                                                  extra_body={"ignore_eos": True})
         chunks = [next(iter(stream))]

@@ -72,12 +72,24 @@ class ServerState:
             engine = self.loader()
             if self.settings.chat_template:
                 engine.tokenizer.chat_template = self.settings.chat_template
+            _touch_kv_cache(engine)
             loop = EngineLoop(engine)
             loop.start()
             self.loop = loop
         except Exception as exc:  # noqa: BLE001 - reported by /health
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("loading the model failed: %s", self.load_error)
+
+
+def _touch_kv_cache(engine: LLMEngine) -> None:
+    """Write the whole KV cache once so its memory is resident from the start: the cache is
+    allocated empty and its pages would otherwise be touched block by block under load (the
+    server's RSS would keep growing until every block had been used once)."""
+    cache = getattr(engine, "cache", None)
+    for name in ("data", "scales"):
+        tensor = getattr(cache, name, None)
+        if tensor is not None and hasattr(tensor, "zero_"):
+            tensor.zero_()
 
 
 class Gate:
