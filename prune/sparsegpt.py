@@ -12,7 +12,7 @@ group of M columns for N:M, each time from the error-updated weights.
 from __future__ import annotations
 
 import torch
-from llmopt.quant.gptq import _inverse_hessian_factor
+from llmopt.quant.gptq import _inverse_hessian_factor, column_loop_threads
 
 from llmopt.prune.masks import Pattern, pruned_per_row
 
@@ -54,25 +54,27 @@ def sparsegpt_prune_weight(
     wt = weight.detach().float().T.contiguous()  # [in, out]: a column of W is a contiguous row
     wt[dead] = 0.0
     keep_t = torch.ones(n, out_f, dtype=torch.bool, device=wt.device)
-    for i1 in range(0, n, block_size):
-        i2 = min(i1 + block_size, n)
-        w1 = wt[i1:i2]  # view, updated in place
-        k1 = keep_t[i1:i2]
-        u1 = u[i1:i2, i1:i2]
-        err1 = torch.zeros(i2 - i1, out_f, device=wt.device)
-        if sparsity is not None:  # each row's share of this block, so the totals come out exact
-            k = pruned_per_row(i2, sparsity) - pruned_per_row(i1, sparsity)
-            _drop_lowest(w1, d[i1:i2], k, k1)
-        for i in range(i2 - i1):
-            if pattern is not None and i % pattern.m == 0:
-                _drop_lowest(w1[i : i + pattern.m], d[i1 + i : i1 + i + pattern.m], pattern.m - pattern.n, k1[i : i + pattern.m])
-            q = w1[i] * k1[i]
-            e = (w1[i] - q).div_(d[i1 + i])
-            w1[i:].addr_(u1[i, i:], e, alpha=-1.0)
-            w1[i] = q  # exact zeros (the update leaves rounding residue)
-            err1[i] = e
-        if i2 < n:
-            wt[i2:].addmm_(u[i1:i2, i2:].T, err1, alpha=-1.0)
+    with column_loop_threads(wt):
+        for i1 in range(0, n, block_size):
+            i2 = min(i1 + block_size, n)
+            w1 = wt[i1:i2]  # view, updated in place
+            k1 = keep_t[i1:i2]
+            u1 = u[i1:i2, i1:i2]
+            err1 = torch.zeros(i2 - i1, out_f, device=wt.device)
+            if sparsity is not None:  # each row's share of this block, so the totals come out exact
+                k = pruned_per_row(i2, sparsity) - pruned_per_row(i1, sparsity)
+                _drop_lowest(w1, d[i1:i2], k, k1)
+            for i in range(i2 - i1):
+                if pattern is not None and i % pattern.m == 0:
+                    _drop_lowest(w1[i : i + pattern.m], d[i1 + i : i1 + i + pattern.m], pattern.m - pattern.n, k1[i : i + pattern.m])
+                q = w1[i] * k1[i]
+                e = (w1[i] - q).div_(d[i1 + i])
+                w1[i:].addr_(u1[i, i:], e, alpha=-1.0)
+                w1[i] = q  # exact zeros (the update leaves rounding residue)
+                err1[i] = e
+            if i2 < n:
+                wt[i2:].addmm_(u[i1:i2, i2:].T, err1, alpha=-1.0)
+
     keep = keep_t.T.contiguous()
     return (wt.T * keep).to(weight.dtype).contiguous(), keep
 
