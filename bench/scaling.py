@@ -102,6 +102,7 @@ def child(source: str, method: str, out: str) -> None:
     if algo != "rtn":
         gen = torch.Generator().manual_seed(0)
         calib = torch.randint(3, 32000, CALIB, generator=gen)
+    load = round(__import__("os").getloadavg()[0], 1)
     start = time.perf_counter()
     result = quantize_streaming(Path(source), Path(out), scheme, algo, group, calib, show_progress=False,
                                 overwrite=True, provenance=lambda r, e: {"estimate": e.to_dict()})
@@ -110,17 +111,53 @@ def child(source: str, method: str, out: str) -> None:
     shutil.rmtree(out, ignore_errors=True)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     print(json.dumps({
-        "wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+        "load": load, "wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
         "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "params": params, "stored_bytes": stored,
         "bound_mib": round(record["estimate"]["peak"] / 1024**2, 1), "estimate": record["estimate"],
         "phases_s": result.timings.to_dict(), "quantized_modules": len(result.weights),
     }))
 
 
-def write_results(rows: list[dict]) -> None:
+COSTS = {  # calibration-cost runs on the demo model: name → (kind, options)
+    "wanda": ("prune", {"method": "wanda", "sparsity": 0.5}),
+    "wanda-owl": ("prune", {"method": "wanda", "sparsity": 0.5, "profile": "owl"}),
+    "sparsegpt": ("prune", {"method": "sparsegpt", "sparsity": 0.5}),
+    "gptq-w4-g32": ("quant", {}),
+}
+
+
+def cost_child(name: str, out: str) -> None:
+    """One calibration-cost run on the demo model (own process): prints the engine's phase seconds."""
+    import shutil
+
+    import torch
+
+    from llmopt.checkpoints.models import resolve_model
+
+    source = resolve_model("demo")
+    calib = torch.randint(3, 49000, CALIB, generator=torch.Generator().manual_seed(0))
+    kind, options = COSTS[name]
+    if kind == "prune":
+        from llmopt.prune.apply import PruneSettings
+        from llmopt.prune.streaming import prune_streaming
+
+        record = prune_streaming(source, Path(out), PruneSettings(**options), calib, overwrite=True, show_progress=False)
+        passes = record["engine_seconds"]
+    else:
+        from llmopt.quant.streaming import quantize_streaming
+
+        result = quantize_streaming(source, Path(out), "W4A16", "gptq", 32, calib, overwrite=True, show_progress=False)
+        passes = {"quantize": result.timings.to_dict()}
+    shutil.rmtree(out, ignore_errors=True)
+    print(json.dumps({"name": name, "passes": passes}))
+
+
+def write_results(rows: list[dict], costs: list[dict] | None = None) -> None:
     RESULTS.mkdir(exist_ok=True)
     fit = _linear_fit(rows)
-    data = {"calibration_tokens": list(CALIB), "rows": rows, "time_fit": fit,
+    old = json.loads((RESULTS / "scaling.json").read_text()) if (RESULTS / "scaling.json").is_file() else {}
+    costs = costs if costs is not None else old.get("calibration_cost", [])
+    data = {"calibration_tokens": list(CALIB), "rows": rows, "time_fit": fit, "calibration_cost": costs,
             "machine": {"cpus": __import__("os").cpu_count()}}
     (RESULTS / "scaling.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = [
@@ -131,20 +168,35 @@ def write_results(rows: list[dict]) -> None:
         "`bound` is the peak the streaming path computes from the shapes before it starts "
         "(largest layer + Hessians + activations + embedding + output buffer + process baseline).",
         "",
-        "| model | params | method | wall s | CPU s | s / B params | peak RSS MiB | bound MiB | RSS / bound | RSS / bf16 size | forward s | observe+solve s | load/write s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "The machine is 2 cores shared with other jobs: `load` is the 1-minute load average when the "
+        "run started; wall times under load are inflated, CPU times less so.",
+        "Phases: `forward` re-runs each compressed layer to make the next layer's inputs (one calibration "
+        "forward pass); `calibrate` is the observation pass (forward + statistics hooks); `solve` is the rest "
+        "of each layer's work (GPTQ / SparseGPT solves, RTN); `load/write` reads layers from the mmap and writes shards.",
+        "",
+        "| model | params | method | load | wall s | CPU s | CPU s / B params | peak RSS MiB | bound MiB | RSS / bound | RSS / bf16 size | forward s | calibrate s | solve s | load/write s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ph = r["phases_s"]
+        solve = round(ph["observe"] - ph.get("calibrate", 0.0), 2) if ph["layers"] else "–"
         lines.append(
-            f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r['wall_s']} | {r['cpu_s']} | "
-            f"{r['wall_s'] / (r['params'] / 1e9):.1f} | {r['peak_rss_mib']} | {r['bound_mib']} | "
+            f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r.get('load', '–')} | {r['wall_s']} | {r['cpu_s']} | "
+            f"{r['cpu_s'] / (r['params'] / 1e9):.1f} | {r['peak_rss_mib']} | {r['bound_mib']} | "
             f"{r['peak_rss_mib'] / r['bound_mib']:.2f} | {r['peak_rss_mib'] * 1024**2 / r['stored_bytes']:.2f} | "
-            f"{ph['forward']} | {ph['observe']} | {ph['load']} |")
+            f"{ph['forward']} | {ph.get('calibrate', '–')} | {solve} | {ph['load']} |")
     lines += ["", "Linear fit of wall time against parameters (synthetic sizes, per method):", ""]
     for method, f in fit.items():
         lines.append(f"- {method}: {f['slope_s_per_b']:.1f} s per billion parameters + {f['intercept_s']:.1f} s "
                      f"(R² {f['r2']:.3f}, {f['points']} sizes)")
+    if costs:
+        lines += ["", f"## Calibration cost on the demo model ({CALIB[0]}×{CALIB[1]} tokens)", "",
+                  "`calibrate / forward`: the observation pass against one calibration forward pass of the same layers.", "",
+                  "| run | pass | calibrate s | forward s | calibrate / forward | solve s |", "|---|---|---|---|---|---|"]
+        for c in costs:
+            for pname, ph in c["passes"].items():
+                lines.append(f"| {c['name']} | {pname} | {ph['calibrate']} | {ph['forward']} | "
+                             f"{ph['calibrate'] / ph['forward']:.2f} | {round(ph['observe'] - ph['calibrate'], 2)} |")
     (RESULTS / "scaling.md").write_text("\n".join(lines) + "\n")
     _plot(rows)
 
@@ -192,11 +244,29 @@ def main() -> None:
     parser.add_argument("--methods", nargs="*", default=list(METHODS))
     parser.add_argument("--scratch", default="/tmp/llmopt-scaling")
     parser.add_argument("--child", nargs=3, metavar=("SOURCE", "METHOD", "OUT"))
+    parser.add_argument("--cost", nargs="*", help="calibration-cost runs on the demo model instead (default: all)")
+    parser.add_argument("--cost-child", nargs=2, metavar=("NAME", "OUT"))
     args = parser.parse_args()
     if args.child:
         child(*args.child)
         return
+    if args.cost_child:
+        cost_child(*args.cost_child)
+        return
     scratch = Path(args.scratch)
+    if args.cost is not None:
+        costs = []
+        for name in args.cost or list(COSTS):
+            proc = subprocess.run([sys.executable, __file__, "--cost-child", name, str(scratch / "cost-out")],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stderr[-2000:], file=sys.stderr)
+                continue
+            costs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(json.dumps(costs[-1]), file=sys.stderr, flush=True)
+        old = json.loads((RESULTS / "scaling.json").read_text()) if (RESULTS / "scaling.json").is_file() else {}
+        write_results(old.get("rows", []), costs)
+        return
     old = json.loads((RESULTS / "scaling.json").read_text())["rows"] if (RESULTS / "scaling.json").is_file() else []
     rows = [r for r in old if not (r["model"] in args.sizes and r["method"] in args.methods)]
     for method in args.methods:  # all sizes of the cheap method first, smallest first
@@ -214,6 +284,7 @@ def main() -> None:
                 print(proc.stderr[-2000:], file=sys.stderr)
                 continue
             row = {"model": size, "method": method, **json.loads(proc.stdout.strip().splitlines()[-1])}
+            rows = [r for r in rows if not (r["model"] == size and r["method"] == method)]
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
             write_results(rows)

@@ -166,6 +166,8 @@ def prune_model(
         streaming = {} if lifecycle is None else {"lifecycle": lifecycle, "observe_lifecycle": observe_lifecycle}
         done = sparsify_model(model, options, calib_ids, **run, **streaming, device=device)
         report = report_from_zeros(layer_prefixes(model), done.layer_zeros, pattern)
+        record["engine_seconds"] = {"prune": done.timings.to_dict(),
+                                    **({"owl": done.owl_timings.to_dict()} if done.owl_timings else {})}
         record["sparsity"] = {
             "target": settings.sparsity if pattern is None else pattern.sparsity,
             "pattern": None if pattern is None else str(pattern), "profile": options.profile,

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from llmopt.calibration import (
     IN_MEMORY,
+    EngineTimings,
     LayerLifecycle,
     LinearStats,
     decoder_layers,
@@ -59,6 +60,8 @@ class SparsifyResult:
     seconds: float = 0.0
     notices: list[str] = field(default_factory=list)
     layer_zeros: list[dict[str, tuple[int, int, bool]]] = field(default_factory=list)  # name: (zeros, size, N:M valid)
+    timings: EngineTimings = field(default_factory=EngineTimings)  # the pruning pass
+    owl_timings: EngineTimings | None = None  # OWL's observation pass
 
 
 def layer_prefixes(model: nn.Module) -> list[str]:
@@ -97,8 +100,9 @@ def sparsify_model(
     if options.profile == "owl":
         if options.pattern is not None:
             raise ValueError("the OWL profile varies sparsity per layer and does not apply to N:M patterns")
+        result.owl_timings = EngineTimings()
         result.outlier_ratios = owl_outlier_ratios(model, calib_ids, options.owl_m, **run,
-                                                   lifecycle=observe_lifecycle or lifecycle)
+                                                   lifecycle=observe_lifecycle or lifecycle, timings=result.owl_timings)
         result.layer_targets = owl_sparsities(result.outlier_ratios, options.sparsity, options.owl_lambda)
 
     def prune_layer(index: int, layer: nn.Module, run_layer: Any) -> None:
@@ -120,7 +124,8 @@ def sparsify_model(
         result.layer_zeros.append(_zeros(mods, options.pattern))
 
     if calibrated and options.method != "magnitude":
-        run_sequential(model, calib_ids, prune_layer, description=f"{options.method}", lifecycle=lifecycle, **run)
+        run_sequential(model, calib_ids, prune_layer, description=f"{options.method}", lifecycle=lifecycle,
+                       timings=result.timings, **run)
     else:
         for_each_layer(model, lambda index, layer: prune_layer(index, layer, lambda: None),
                        lifecycle=lifecycle, device=device)
