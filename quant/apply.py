@@ -356,7 +356,8 @@ def _gptq_layer(
     for name in mods:
         batches.setdefault((id(stats.stats(name)), group_sizes[name]), []).append(name)
     out: dict[str, QuantizedWeight] = {}
-    for (_, gs), names in batches.items():
+    uses = [key[0] for key in batches]
+    for (sid, gs), names in batches.items():
         weights = [mods[n].weight.detach() for n in names]
         w = torch.cat(weights, dim=0)
         mask = None
@@ -366,8 +367,12 @@ def _gptq_layer(
             keep = zero_frac >= SPARSE_ZERO_FRACTION
         if keep and zero_frac > 0:
             mask = w != 0
+        hessian = stats.hessian(names[0])
+        uses.remove(sid)
+        if sid not in uses:  # its last use: free the accumulator before the solve
+            stats.stats(names[0]).xtx = None
         qw = gptq_quantize_weight(
-            w, stats.hessian(names[0]), opts.scheme, gs, block_size=opts.block_size,
+            w, hessian, opts.scheme, gs, block_size=opts.block_size,
             damp=opts.damp, act_order=opts.act_order, clip=opts.clip_search, mask=mask,
         )
         for name, part in zip(names, split_rows(qw, [x.shape[0] for x in weights])):

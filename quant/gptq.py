@@ -47,14 +47,18 @@ def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     """
     n = h.shape[0]
     mean_diag = h.diagonal().mean().item()
-    eye = torch.eye(n, dtype=h.dtype, device=h.device)
-    flipped = h.flip(0, 1)
-    for attempt in range(6):
+    for attempt in range(6):  # at most four [n, n] matrices at once (h, the shifted copy, k, eye / k⁻¹)
         lam = damp * (10**attempt) * mean_diag
-        k, info = torch.linalg.cholesky_ex(flipped + lam * eye)
+        shifted = h.flip(0, 1)  # a copy
+        shifted.diagonal().add_(lam)
+        k, info = torch.linalg.cholesky_ex(shifted)
+        del shifted
         if info.item() == 0:
+            eye = torch.eye(n, dtype=h.dtype, device=h.device)
             k_inv = torch.linalg.solve_triangular(k, eye, upper=False)
+            del k, eye
             return k_inv.flip(0, 1)
+        del k
     raise ValueError("GPTQ: the Hessian is not positive definite even with strong dampening")
 
 
