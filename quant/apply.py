@@ -367,13 +367,13 @@ def _gptq_layer(
             keep = zero_frac >= SPARSE_ZERO_FRACTION
         if keep and zero_frac > 0:
             mask = w != 0
-        hessian = stats.hessian(names[0])
+        hessian = [stats.hessian(names[0])]  # a fresh float64 tensor, handed over to the solver
         uses.remove(sid)
         if sid not in uses:  # its last use: free the accumulator before the solve
             stats.stats(names[0]).xtx = None
         qw = gptq_quantize_weight(
-            w, hessian, opts.scheme, gs, block_size=opts.block_size,
-            damp=opts.damp, act_order=opts.act_order, clip=opts.clip_search, mask=mask,
+            w, hessian.pop(), opts.scheme, gs, block_size=opts.block_size,
+            damp=opts.damp, act_order=opts.act_order, clip=opts.clip_search, mask=mask, hessian_owned=True,
         )
         for name, part in zip(names, split_rows(qw, [x.shape[0] for x in weights])):
             module = mods[name]

@@ -86,6 +86,7 @@ def gptq_quantize_weight(
     static_groups: bool | None = None,
     clip: bool = False,
     mask: torch.Tensor | None = None,
+    hessian_owned: bool = False,
 ) -> QuantizedWeight:
     """GPTQ-quantize ``weight`` ``[out, in]`` given the input Hessian ``2/n Σ x xᵀ`` ``[in, in]``.
 
@@ -93,6 +94,8 @@ def gptq_quantize_weight(
     or up front from the original weights with ``static_groups`` (forced with ``act_order``).
     ``clip`` adds a clipping search weighted by the Hessian diagonal. ``mask`` (bool, True =
     kept) forces masked entries to exact zeros, their error compensated by later columns.
+    ``hessian_owned``: the caller keeps no reference to a float64 ``hessian``, which is then
+    used (and overwritten) in place instead of copied — one [in, in] matrix less at the peak.
     The Hessian is inverted in float64, the column loop runs in float32; deterministic.
     """
     if static_groups is None:
@@ -103,7 +106,8 @@ def gptq_quantize_weight(
     if hessian.shape != (n, n):
         raise ValueError(f"Hessian shape {tuple(hessian.shape)} does not match weight {tuple(weight.shape)}")
     w = weight.detach().double().clone()
-    h = hessian.detach().double().clone()
+    h = hessian.detach() if hessian_owned and hessian.dtype == torch.float64 else hessian.detach().double().clone()
+    del hessian
     keep = None if mask is None else mask.to(torch.bool)
 
     dead = h.diagonal() == 0
