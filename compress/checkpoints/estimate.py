@@ -1,8 +1,8 @@
 """Peak-memory bound of a streamed compression job, from the checkpoint's shapes alone.
 
 The bound is what the streaming path holds at once: the largest decoder layer in float32 (plus
-its stored copy while it is read), the Hessians of that layer's Linear inputs (float64, for
-methods that need them) with the solver's working copies of the largest one, the calibration
+one stored tensor while it is read), the Hessians of that layer's Linear inputs (float64, for
+methods that need them) or the solver's working copies of the largest one, the calibration
 activations (stored layer inputs in float32 plus one mini-batch's intermediates), the input
 embedding in float32 while layer 0's inputs are captured, the output-shard buffer, and the
 process's own baseline (Python, torch, transformers). :func:`check_fits` refuses a job whose
@@ -74,11 +74,13 @@ def estimate_memory(
     s = layer_shapes(config)
     h, i, a, kv = s["hidden"], s["inter"], s["attn"], s["kv"]
     layer_params = h * (a + 2 * kv) + a * h + 3 * h * i + 2 * h
-    layer = layer_params * (4 + stored_bytes_per_value)
+    layer = layer_params * 4 + max(h * i, h * a) * stored_bytes_per_value  # float32 layer + one stored tensor
     hessians = 0
     if hessian:
         inputs = [h, a, h, i]  # q/k/v, o, gate/up, down
-        hessians = 8 * sum(n * n for n in inputs) + 3 * 8 * max(inputs) ** 2  # + inverse / factor / copy
+        # float64: every accumulator while the layer is observed; then, solving the largest (the
+        # others freed), the Hessian, its shifted copy / Cholesky factor, the identity and the inverse
+        hessians = 8 * max(sum(n * n for n in inputs), 4 * max(inputs) ** 2)
     tokens = n_samples * seq_len
     batch_tokens = min(batch_size, max(n_samples, 1)) * seq_len
     activations = 4 * tokens * h * 2  # stored inputs + the next layer's outputs being built

@@ -108,8 +108,12 @@ class StreamedModel(LayerLifecycle):
     # -- helpers ---------------------------------------------------------------------------------
     def materialize(self, index: int, layer: nn.Module) -> None:
         """Load decoder layer ``index`` from the checkpoint in the compute dtype (float32)."""
-        state = {k: v.to(self.compute_dtype) if v.is_floating_point() else v
-                 for k, v in self.ckpt.subset(self.prefixes[index], strip=True).items()}
+        prefix = self.prefixes[index]
+        state = {}
+        for key in self.ckpt.keys():  # one stored tensor at a time next to the float32 layer
+            if key.startswith(prefix):
+                v = self.ckpt.get(key)
+                state[key[len(prefix):]] = v.to(self.compute_dtype) if v.is_floating_point() else v
         wanted = set(layer.state_dict())
         missing = wanted - set(state)
         if missing:
