@@ -235,7 +235,8 @@ def write_md(data: dict, path: Path) -> None:
     lines = ["# `llmopt serve` under load (HTTP, streaming, measured at the client)", "",
              f"Model: `{data['model']}` (llmopt runtime) and `{data['gguf']}` (llama.cpp server); {data['machine']}, "
              f"{data['threads']} threads each; greedy, EOS ignored, {int(data['cancel_frac'] * 100)}% of streams closed half-way. "
-             f"Each phase is bounded to {data['phase_deadline_s']:.0f} s; requests still open then are `unfinished`.", "",
+             f"Each phase is bounded to {data['phase_deadline_s']:.0f} s; requests still open then are `unfinished`. "
+             f"Load average when the run started: {', '.join(f'{x:.1f}' for x in data.get('load_average_at_start', []))}.", "",
              "Phases: " + "; ".join(f"`{p['name']}`: {p['requests']} requests, {p['arrivals']}, prompts {p['prompt_len']} tokens, "
                                     f"outputs {p['output_len']} tokens" for p in data["phase_specs"]), "",
              "| server | phase | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | e2e p50 | e2e p99 | completed | cancelled | unfinished | 5xx | other errors |",
@@ -293,6 +294,7 @@ def main() -> None:
         "threads": args.threads, "cancel_frac": args.cancel_frac, "phase_deadline_s": args.phase_deadline, "seed": args.seed,
         "phase_specs": [{"name": n, "requests": c, "arrivals": f"Poisson {r}/s" if r else "all at once",
                          "prompt_len": f"{pl[0]}–{pl[1]}", "output_len": f"{ol[0]}–{ol[1]}"} for n, c, r, pl, ol in specs],
+        "load_average_at_start": os.getloadavg(),
         "servers": {},
     }
     ours = [sys.executable, "-m", "llmopt", "serve", args.model, "--port", "{port}", "--served-model-name", NAME,
@@ -300,8 +302,9 @@ def main() -> None:
     data["servers"]["llmopt"] = measure("llmopt", ours, {"ignore_eos": True}, phases, args.phase_deadline, kv_metrics=True)
 
     llama_py = Path(args.llamacpp_python)
-    if not llama_py.is_file():
-        data["servers"]["llama.cpp"] = {"not_measured": f"{llama_py} does not exist (llama-cpp-python[server] not installed)"}
+    importable = llama_py.is_file() and subprocess.run([str(llama_py), "-c", "import llama_cpp.server"], capture_output=True).returncode == 0
+    if not importable:
+        data["servers"]["llama.cpp"] = {"not_measured": f"{llama_py} cannot import llama_cpp.server (llama-cpp-python[server] not installed)"}
     elif not args.gguf or not Path(args.gguf).is_file():
         data["servers"]["llama.cpp"] = {"not_measured": f"no GGUF file ({args.gguf})"}
     else:
