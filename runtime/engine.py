@@ -17,7 +17,8 @@ from .block_manager import BlockManager
 from .config import GIB, EngineConfig, saved_settings, read_arch, resolve_max_model_len
 from .loader import load_weights
 from .metrics import RunStats, request_metrics
-from .model import KVCache, LlamaModel
+from .kv_cache import KVCache
+from .model import LlamaModel
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .sampler import Sampler

@@ -7,7 +7,8 @@ import torch
 from .backends import AttentionMetadata, ForwardBatch, PrefillChunk
 from .config import ModelArch
 from .kernels.reference import block_rows
-from .model import KVCache, LlamaModel
+from .kv_cache import KVCache
+from .model import LlamaModel
 from .rope import RotaryEmbedding
 from .sequence import Sequence
 

@@ -18,7 +18,7 @@ from llmopt.runtime.backends import Backend, choose_backend
 from llmopt.runtime.config import EngineConfig
 from llmopt.runtime.kernels import build, cpu_attention, kv_quant
 from llmopt.runtime.kernels import reference as ref
-from llmopt.runtime.model import KVCache
+from llmopt.runtime.kv_cache import KVCache
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.sequence import Sequence
 

@@ -25,7 +25,7 @@ from llmopt.runtime.config import KERNEL_CHOICES
 from llmopt.runtime.kernels import build, reference
 from llmopt.runtime.kernels.triton_linear import PackedWeight
 from llmopt.runtime.layers import DenseLinear, QuantLinear
-from llmopt.runtime.model import KVCache
+from llmopt.runtime.kv_cache import KVCache
 
 CPU = torch.device("cpu")
 needs_cpp = pytest.mark.skipif(not build.compiler_available(), reason="no C++ compiler: no C++ backend")

@@ -10,17 +10,15 @@ The methods here are the plain-torch composites; a backend overrides what it run
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels import reference
+from ..kv_cache import KVCache
 from ..layers import DenseLinear, QuantLinear
 from ..rope import apply_rotary
-
-if TYPE_CHECKING:
-    from ..model import KVCache
 
 GROUP_COST_BLOCKS = 12  # one more attention call costs about as much as padding this many blocks
 
