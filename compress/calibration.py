@@ -73,8 +73,11 @@ class InputStats:
         self.n_tokens += x.shape[0]
         if hessian:
             xm = x.to(matmul_dtype)
-            xtx = (xm.T @ xm).double()
-            self.xtx = xtx if self.xtx is None else self.xtx.add_(xtx)
+            xtx = xm.T @ xm
+            if self.xtx is None:
+                self.xtx = xtx.double()
+            else:  # promoted to float64 on the fly: no float64 temporary of the product
+                self.xtx.add_(xtx)
         if channel:
             a = x.abs()
             s = a.sum(0, dtype=torch.float64)

@@ -80,7 +80,7 @@ def estimate_memory(
         inputs = [h, a, h, i]  # q/k/v, o, gate/up, down
         # float64: every accumulator while the layer is observed; then, solving the largest (the
         # others freed), the Hessian, its shifted copy / Cholesky factor, the identity and the inverse
-        hessians = 8 * max(sum(n * n for n in inputs), 4 * max(inputs) ** 2)
+        hessians = max(8 * sum(n * n for n in inputs) + 4 * max(inputs) ** 2, 8 * 4 * max(inputs) ** 2)
     tokens = n_samples * seq_len
     batch_tokens = min(batch_size, max(n_samples, 1)) * seq_len
     activations = 4 * tokens * h * 2  # stored inputs + the next layer's outputs being built
