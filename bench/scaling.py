@@ -10,6 +10,8 @@ after every row, so an interrupted run keeps what finished. Rows run smallest fi
 
     .venv/bin/python bench/scaling.py                    # everything (the 7B GPTQ rows take hours)
     .venv/bin/python bench/scaling.py --sizes demo 0.5B --methods rtn-w4
+    .venv/bin/python bench/scaling.py --device cuda        # on a GPU machine → scaling_cuda.{json,md,png}
+    .venv/bin/python bench/scaling.py --cost                # Wanda / OWL / SparseGPT / GPTQ phase costs (demo)
 """
 
 from __future__ import annotations
@@ -85,6 +87,13 @@ def make_checkpoint(size: str, folder: Path) -> Path:
     return path
 
 
+DEVICE = "cpu"
+
+
+def _name() -> str:
+    return "scaling" if DEVICE == "cpu" else f"scaling_{DEVICE}"
+
+
 def child(source: str, method: str, out: str) -> None:
     """One measured run (in its own process): prints one JSON line."""
     import shutil
@@ -105,7 +114,7 @@ def child(source: str, method: str, out: str) -> None:
     load = round(__import__("os").getloadavg()[0], 1)
     start = time.perf_counter()
     result = quantize_streaming(Path(source), Path(out), scheme, algo, group, calib, show_progress=False,
-                                overwrite=True, provenance=lambda r, e: {"estimate": e.to_dict()})
+                                overwrite=True, device=DEVICE, provenance=lambda r, e: {"estimate": e.to_dict()})
     wall = time.perf_counter() - start
     record = json.loads((Path(out) / "llmopt.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
@@ -141,12 +150,14 @@ def cost_child(name: str, out: str) -> None:
         from llmopt.prune.apply import PruneSettings
         from llmopt.prune.streaming import prune_streaming
 
-        record = prune_streaming(source, Path(out), PruneSettings(**options), calib, overwrite=True, show_progress=False)
+        record = prune_streaming(source, Path(out), PruneSettings(**options), calib, overwrite=True,
+                                 show_progress=False, device=DEVICE)
         passes = record["engine_seconds"]
     else:
         from llmopt.quant.streaming import quantize_streaming
 
-        result = quantize_streaming(source, Path(out), "W4A16", "gptq", 32, calib, overwrite=True, show_progress=False)
+        result = quantize_streaming(source, Path(out), "W4A16", "gptq", 32, calib, overwrite=True, show_progress=False,
+                                    device=DEVICE)
         passes = {"quantize": result.timings.to_dict()}
     shutil.rmtree(out, ignore_errors=True)
     print(json.dumps({"name": name, "passes": passes}))
@@ -155,11 +166,11 @@ def cost_child(name: str, out: str) -> None:
 def write_results(rows: list[dict], costs: list[dict] | None = None) -> None:
     RESULTS.mkdir(exist_ok=True)
     fit = _linear_fit(rows)
-    old = json.loads((RESULTS / "scaling.json").read_text()) if (RESULTS / "scaling.json").is_file() else {}
+    old = json.loads((RESULTS / f"{_name()}.json").read_text()) if (RESULTS / f"{_name()}.json").is_file() else {}
     costs = costs if costs is not None else old.get("calibration_cost", [])
     data = {"calibration_tokens": list(CALIB), "rows": rows, "time_fit": fit, "calibration_cost": costs,
             "machine": {"cpus": __import__("os").cpu_count()}}
-    (RESULTS / "scaling.json").write_text(json.dumps(data, indent=2) + "\n")
+    (RESULTS / f"{_name()}.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = [
         "# Streamed quantization: memory and time against model size",
         "",
@@ -197,7 +208,7 @@ def write_results(rows: list[dict], costs: list[dict] | None = None) -> None:
             for pname, ph in c["passes"].items():
                 lines.append(f"| {c['name']} | {pname} | {ph['calibrate']} | {ph['forward']} | "
                              f"{ph['calibrate'] / ph['forward']:.2f} | {round(ph['observe'] - ph['calibrate'], 2)} |")
-    (RESULTS / "scaling.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{_name()}.md").write_text("\n".join(lines) + "\n")
     _plot(rows)
 
 
@@ -235,7 +246,7 @@ def _plot(rows: list[dict]) -> None:
     ax.set_title("Streamed quantization: peak memory vs model size")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / "scaling.png", dpi=120)
+    fig.savefig(RESULTS / f"{_name()}.png", dpi=120)
 
 
 def main() -> None:
@@ -246,7 +257,10 @@ def main() -> None:
     parser.add_argument("--child", nargs=3, metavar=("SOURCE", "METHOD", "OUT"))
     parser.add_argument("--cost", nargs="*", help="calibration-cost runs on the demo model instead (default: all)")
     parser.add_argument("--cost-child", nargs=2, metavar=("NAME", "OUT"))
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (each layer calibrated there)")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     if args.child:
         child(*args.child)
         return
@@ -257,17 +271,17 @@ def main() -> None:
     if args.cost is not None:
         costs = []
         for name in args.cost or list(COSTS):
-            proc = subprocess.run([sys.executable, __file__, "--cost-child", name, str(scratch / "cost-out")],
+            proc = subprocess.run([sys.executable, __file__, "--device", DEVICE, "--cost-child", name, str(scratch / "cost-out")],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 print(proc.stderr[-2000:], file=sys.stderr)
                 continue
             costs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(json.dumps(costs[-1]), file=sys.stderr, flush=True)
-        old = json.loads((RESULTS / "scaling.json").read_text()) if (RESULTS / "scaling.json").is_file() else {}
+        old = json.loads((RESULTS / f"{_name()}.json").read_text()) if (RESULTS / f"{_name()}.json").is_file() else {}
         write_results(old.get("rows", []), costs)
         return
-    old = json.loads((RESULTS / "scaling.json").read_text())["rows"] if (RESULTS / "scaling.json").is_file() else []
+    old = json.loads((RESULTS / f"{_name()}.json").read_text())["rows"] if (RESULTS / f"{_name()}.json").is_file() else []
     rows = [r for r in old if not (r["model"] in args.sizes and r["method"] in args.methods)]
     for method in args.methods:  # all sizes of the cheap method first, smallest first
         for size in args.sizes:
@@ -278,7 +292,7 @@ def main() -> None:
             else:
                 source = make_checkpoint(size, scratch)
             print(f"{size} {method} …", file=sys.stderr, flush=True)
-            proc = subprocess.run([sys.executable, __file__, "--child", str(source), method, str(scratch / "out")],
+            proc = subprocess.run([sys.executable, __file__, "--device", DEVICE, "--child", str(source), method, str(scratch / "out")],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 print(proc.stderr[-2000:], file=sys.stderr)
