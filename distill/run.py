@@ -142,7 +142,7 @@ def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
         "layer_map": student.layer_map, "settings": asdict(request.settings), "seq_len": request.seq_len,
         "data": train.record, "validation_data": None if val is None else {**val.record, "samples": len(val_ids)},
         "teacher_cache": None if cache is None else str(cache.root),
-        "steps": result.steps_done, "tokens": result.tokens, "train_seconds": round(result.seconds, 1),
+        "steps": result.steps_done, "resumed_from_step": result.resumed_from, "tokens": result.tokens, "train_seconds": round(result.seconds, 1),
         "world_size": result.world_size, "precision": result.precision, "shards": result.shards,
         "loss_curve": result.history, "validation_curve": result.validation, "versions": versions(),
     }

@@ -120,6 +120,7 @@ class TrainResult:
     precision: str = "no"
     checkpoint: str | None = None
     shards: list[dict] = field(default_factory=list)
+    resumed_from: int = 0  # the checkpoint step this run continued from (0: a fresh start)
 
 
 def make_accelerator(settings: TrainSettings):
@@ -344,7 +345,8 @@ class Trainer:
         shard = {"rank": acc.process_index, "first_samples": [], "samples_seen": 0}
         shard_hash = hashlib.sha256()
         tokens_per_step = self._global_batch * self.train.ids.shape[1]
-        result = TrainResult(start_step, False, world_size=acc.num_processes, precision=acc.mixed_precision)
+        result = TrainResult(start_step, False, world_size=acc.num_processes, precision=acc.mixed_precision,
+                             resumed_from=start_step)
         began = time.perf_counter()
         if s.eval_every and start_step == 0 and self.val_ids is not None:
             self.val_history.append({"step": 0, **self.validate()})
