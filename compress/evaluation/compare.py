@@ -40,7 +40,8 @@ class CompareSettings:
     max_windows: int = 16
     top_k: int = DEFAULT_TOP_K
     speed: bool = True
-    repetitions: int = 3
+    repetitions: int = 3  # single-stream repetitions in all, spread over the rounds
+    rounds: int = 3  # interleaved speed rounds over the baseline and every variant
     serving_requests: int = 16
     prompt_len: tuple[int, int] = (32, 256)
     output_len: tuple[int, int] = (32, 128)
@@ -96,8 +97,18 @@ def _hash(*parts: str) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
+def speed_plan(settings: CompareSettings):
+    """How :mod:`llmopt.evaluation.speed` measures: ``rounds`` rounds, the repetitions spread over them."""
+    from llmopt.evaluation.speed import SpeedPlan
+
+    return SpeedPlan(rounds=settings.rounds, repetitions=max(1, -(-settings.repetitions // settings.rounds)),
+                     serving_requests=settings.serving_requests, prompt_len=settings.prompt_len,
+                     output_len=settings.output_len, seed=settings.seed)
+
+
 def speed(spec: str, settings: CompareSettings, advance=None) -> dict:
-    """Single-stream pp512 / tg128 and serving figures in our runtime."""
+    """Single-stream pp512 / tg128 and serving figures in our runtime (one model, one pass;
+    :func:`compare` measures all models in interleaved rounds instead)."""
     from llmopt.runtime import LLMEngine
     from llmopt.runtime.bench import make_workload, serving, single_stream
 
@@ -124,9 +135,14 @@ def compare(baseline: str, variants: list[str], settings: CompareSettings, advan
     rows = accuracy(specs, baseline, settings, advance)
     for spec, path, label, row in zip(specs, paths, labels, rows):
         row.update({"label": label, "spec": spec, "weights_bytes": weight_bytes(path)})
-        if settings.speed:
-            row.update(speed(str(path), settings, advance))
     compare_tasks.add_task_scores(rows, specs, tasks)
+    measurement = None
+    if settings.speed:
+        from llmopt.evaluation.speed import measure
+
+        figures, measurement = measure([str(p) for p in paths], labels, speed_plan(settings), advance)
+        for row, fig in zip(rows, figures):
+            row.update(fig)
     return {
         "baseline": baseline,
         "rows": rows,
@@ -134,6 +150,7 @@ def compare(baseline: str, variants: list[str], settings: CompareSettings, advan
         "machine": {"platform": platform.platform(), "processor": platform.machine(), "threads": torch.get_num_threads()},
         "versions": _versions(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "speed_measurement": measurement,
     }
 
 
@@ -193,14 +210,14 @@ def markdown(report: dict) -> str:
     head = "| variant | ppl | KLD mean | KLD p99 | top-1 | weights (MiB) |"
     sep = "|---|---|---|---|---|---|"
     if speed_cols:
-        head += " pp512 tok/s | tg128 tok/s | serving tok/s | TTFT p50 (ms) | TPOT p50 (ms) |"
-        sep += "---|---|---|---|---|"
+        head += " pp512 tok/s | tg128 tok/s | tg128 spread | serving tok/s | TTFT p50 (ms) | TPOT p50 (ms) |"
+        sep += "---|---|---|---|---|---|"
     task_head, task_sep, task_cells = compare_tasks.markdown_columns(rows)
     head, sep = head + task_head, sep + task_sep
     lines = [
         f"# llmopt compare — baseline `{report['baseline']}`", "",
         f"Accuracy: {s['dataset']}, {rows[0]['windows']} windows of {s['seq_len']} tokens ({rows[0]['tokens']:,} scored tokens); "
-        f"speed: our runtime, single stream median of {s['repetitions']}, serving {s['serving_requests']} requests "
+        f"speed: our runtime, single stream ({s['repetitions']} repetitions in all), serving {s['serving_requests']} requests "
         f"(prompt {s['prompt_len'][0]}–{s['prompt_len'][1]}, output {s['output_len'][0]}–{s['output_len'][1]} tokens, seed {s['seed']}); "
         f"{report['machine']['processor']}, {report['machine']['threads']} threads; {report['date']}.", "", head, sep,
     ]
@@ -208,12 +225,29 @@ def markdown(report: dict) -> str:
         line = (f"| {r['label']} | {r['perplexity']:.3f} | {r['kld_mean']:.4f} | {r['kld_p99']:.3f} | "
                 f"{100 * r['top1_agreement']:.1f}% | {r['weights_bytes'] / 2**20:.1f} |")
         if speed_cols:
-            line += (f" {r['pp512_tok_s']:.0f} | {r['tg128_tok_s']:.1f} | {r['serving_output_tok_s']:.1f} | "
+            spread = r.get("tg128_tok_s_spread")
+            line += (f" {r['pp512_tok_s']:.0f} | {r['tg128_tok_s']:.1f} | "
+                     f"{'' if spread is None else f'{100 * spread:.0f}%'} | {r['serving_output_tok_s']:.1f} | "
                      f"{1000 * r['serving_ttft_p50_s']:.0f} | {1000 * r['serving_tpot_p50_s']:.0f} |")
         lines.append(line + task_cell)
+    lines += speed_notes(report.get("speed_measurement"))
     if compare_tasks.task_names(rows):
         lines += ["", compare_tasks.markdown_note(rows)]
     return "\n".join(lines) + "\n"
+
+
+def speed_notes(measurement: dict | None) -> list[str]:
+    """How speed was measured (rounds, load average before / after) and any warnings, as markdown lines."""
+    if not measurement:
+        return []
+    load = lambda x: "unknown" if not x else f"{x[0]:.2f} / {x[1]:.2f} / {x[2]:.2f}"  # noqa: E731
+    lines = ["", (f"Speed: {measurement['rounds']} interleaved rounds over all models ({measurement['repetitions_per_round']} "
+                  f"single-stream repetition(s) per round); each figure is the median over rounds, spread = (max − min) / "
+                  f"median. Load average (1 / 5 / 15 min) before: {load(measurement['load_average_before'])}, after: "
+                  f"{load(measurement['load_average_after'])} ({measurement['cores']} cores, {measurement['threads']} threads).")]
+    for warning in measurement["warnings"]:
+        lines.append(f"\n**Warning:** {warning}.")
+    return lines
 
 
 def write_report(report: dict, directory: Path, plot: Path | None = None) -> dict[str, Path]:
