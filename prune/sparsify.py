@@ -27,6 +27,7 @@ from llmopt.calibration import (
 )
 from torch import nn
 
+from llmopt.core.errors import NumericalError
 from llmopt.prune.magnitude import magnitude_mask
 from llmopt.prune.masks import Pattern, nm_valid, outlier_ratio, owl_sparsities
 from llmopt.prune.sparsegpt import sparsegpt_prune_weight
@@ -120,7 +121,10 @@ def sparsify_model(
             for name, module in mods.items():
                 module.weight.data.mul_(wanda_mask(module.weight, stats.l2_norm(name), sparsity, options.pattern))
         else:
-            _sparsegpt_layer(mods, stats, sparsity, options)
+            try:
+                _sparsegpt_layer(mods, stats, sparsity, options)
+            except NumericalError as exc:
+                raise exc.at(f"decoder layer {index}") from exc
         result.layer_zeros.append(_zeros(mods, options.pattern))
 
     if calibrated and options.method != "magnitude":
@@ -136,10 +140,13 @@ def sparsify_model(
 def _sparsegpt_layer(mods: dict[str, nn.Linear], stats: LinearStats, sparsity: float | None, options: SparsifyOptions) -> None:
     for names in stats.shared_groups():
         weights = [mods[n].weight for n in names]
-        w, _ = sparsegpt_prune_weight(
-            torch.cat([x.detach() for x in weights]), stats.hessian(names[0]), sparsity, options.pattern,
-            block_size=options.block_size, damp=options.damp,
-        )
+        try:
+            w, _ = sparsegpt_prune_weight(
+                torch.cat([x.detach() for x in weights]), stats.hessian(names[0]), sparsity, options.pattern,
+                block_size=options.block_size, damp=options.damp,
+            )
+        except NumericalError as exc:
+            raise exc.at(f"SparseGPT on {', '.join(names)}") from exc
         for weight, part in zip(weights, w.split([x.shape[0] for x in weights])):
             weight.data.copy_(part)
 

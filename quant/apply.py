@@ -29,6 +29,7 @@ from llmopt.calibration import (
 )
 from torch import nn
 
+from llmopt.core.errors import NumericalError
 from llmopt.quant.awq import AwqMappingResult, awq_apply_layer, awq_clip_layer
 from llmopt.formats.schemes import (
     GROUPED_SCHEMES,
@@ -371,10 +372,13 @@ def _gptq_layer(
         uses.remove(sid)
         if sid not in uses:  # its last use: free the accumulator before the solve
             stats.stats(names[0]).xtx = None
-        qw = gptq_quantize_weight(
-            w, hessian.pop(), opts.scheme, gs, block_size=opts.block_size,
-            damp=opts.damp, act_order=opts.act_order, clip=opts.clip_search, mask=mask, hessian_owned=True,
-        )
+        try:
+            qw = gptq_quantize_weight(
+                w, hessian.pop(), opts.scheme, gs, block_size=opts.block_size,
+                damp=opts.damp, act_order=opts.act_order, clip=opts.clip_search, mask=mask, hessian_owned=True,
+            )
+        except NumericalError as exc:
+            raise exc.at(f"GPTQ on {', '.join(names)}") from exc
         for name, part in zip(names, split_rows(qw, [x.shape[0] for x in weights])):
             module = mods[name]
             module.weight.data.copy_(part.dequantize(module.weight.dtype))

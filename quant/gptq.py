@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
+from llmopt.core.errors import NumericalError
 from llmopt.formats.schemes import (
     FP8_MAX,
     QuantizedWeight,
@@ -59,7 +60,8 @@ def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
             del k, eye
             return k_inv.flip(0, 1)
         del k
-    raise ValueError("GPTQ: the Hessian is not positive definite even with strong dampening")
+    raise NumericalError("the calibration Hessian is not positive definite even with dampening raised 100,000-fold",
+                         "raise --damp (e.g. 0.1), use more calibration samples, or check the inputs for NaN / inf")
 
 
 def _qparams(

@@ -7,6 +7,7 @@ import json
 import struct
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from conftest import CORPORA, save_model, tiny_llama
@@ -168,3 +169,22 @@ def test_a_bug_still_shows_its_traceback(files, tmp_path, monkeypatch):
     result = CliRunner().invoke(main, ["quantize", files["model"], "--scheme", "W8A16", "-o", str(tmp_path / "o")])
     assert isinstance(result.exception, ZeroDivisionError)
     assert json.dumps(result.exit_code) == "1"
+
+
+@pytest.mark.parametrize("args, where", [
+    (["prune", "{model}", "--method", "sparsegpt", "--sparsity", "0.5"], "decoder layer 0: SparseGPT on self_attn.q_proj"),
+    (["quantize", "{model}", "--scheme", "W4A16", "--group-size", "32", "--method", "gptq"], "GPTQ on model.layers.0.self_attn.q_proj"),
+])
+def test_numerical_failure_names_the_layer_and_the_fix(files, tmp_path, monkeypatch, args, where):
+    """A Hessian that no dampening makes positive definite (here: NaN activations) stops the run
+    with one line naming the module and suggesting --damp, and leaves nothing behind."""
+    import llmopt.calibration as calibration
+
+    monkeypatch.setattr(calibration.LinearStats, "hessian", lambda self, name: torch.full((64, 64), float("nan"), dtype=torch.float64))
+    out = tmp_path / "out"
+    argv = [a.format(**files) for a in args] + ["--calib", CALIB, "--calib-samples", "2", "--calib-seq-len", "32", "-o", str(out)]
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert len(lines) == 1 and where in lines[0] and "--damp" in lines[0], result.stderr
+    assert not out.exists()

@@ -12,3 +12,11 @@ class LlmoptError(Exception):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{problem}; {fix}" if fix else problem)
+
+
+class NumericalError(LlmoptError):
+    """A numerical failure of a calibrated method (e.g. a Hessian that is not positive definite)."""
+
+    def at(self, where: str) -> "NumericalError":
+        """The same failure, naming where it happened (a module or layer)."""
+        return NumericalError(f"{where}: {self.problem}", self.fix)
