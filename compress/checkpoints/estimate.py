@@ -4,7 +4,8 @@ The bound is what the streaming path holds at once: the largest decoder layer in
 one stored tensor while it is read), the Hessians of that layer's Linear inputs (float64, for
 methods that need them) or the solver's working copies of the largest one, the calibration
 activations (stored layer inputs in float32 plus one mini-batch's intermediates), the input
-embedding in float32 while layer 0's inputs are captured, the output-shard buffer, and the
+embedding in float32 while layer 0's inputs are captured, the output-shard buffer (twice: it is
+serialized to bytes when written), and the
 process's own baseline (Python, torch, transformers). :func:`check_fits` refuses a job whose
 bound exceeds the free memory, saying what to change.
 """
@@ -88,7 +89,7 @@ def estimate_memory(
     activations += 4 * min(batch_size, max(n_samples, 1)) * s["heads"] * seq_len * seq_len  # attention scores
     embedding = s["vocab"] * h * (4 + stored_bytes_per_value)
     return MemoryEstimate(layer, hessians, activations if n_samples else 0, embedding if n_samples else 0,
-                          min(shard_bytes, output_bytes) if output_bytes else shard_bytes, baseline)
+                          2 * (min(shard_bytes, output_bytes) if output_bytes else shard_bytes), baseline)
 
 
 def available_bytes(device: str = "cpu") -> int:

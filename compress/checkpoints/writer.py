@@ -4,7 +4,8 @@ Tensors are buffered until the next one would push the buffer past ``max_shard_b
 buffer is then written as a shard and dropped. :meth:`ShardedWriter.close` writes the last
 shard, names the shards ``model-0000i-of-0000n.safetensors`` with the usual
 ``model.safetensors.index.json`` (or one ``model.safetensors`` when a single shard suffices,
-as ``save_pretrained`` does). Memory held: at most one shard's buffer.
+as ``save_pretrained`` does). Memory held: at most one shard's buffer, twice while it is
+written (``save_file`` serializes it to bytes first).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from llmopt.checkpoints.lazy import INDEX_NAME, SINGLE_NAME
 
-DEFAULT_SHARD_BYTES = 1024**3
+DEFAULT_SHARD_BYTES = 512 * 1024**2  # safetensors' save_file copies a shard once more while writing it
 
 
 class ShardedWriter:
