@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import SHARED_DATA, correlated_inputs, out_err, save_model, tiny_llama
+from conftest import CORPORA, correlated_inputs, out_err, save_model, tiny_llama
 from llmopt.calibration import LinearStats, linear_modules
 from llmopt.cli.main import main
 from llmopt.core.errors import LlmoptError
@@ -31,7 +31,7 @@ from llmopt.prune.wanda import wanda_mask
 from llmopt.prune.width import choose_heads, plan_heads, prune_width
 from transformers import AutoModelForCausalLM
 
-CALIB = SHARED_DATA / "gutenberg" / "persuasion.txt"
+CALIB = CORPORA / "gutenberg" / "persuasion.txt"
 CALIB_ARGS = ["--calib", str(CALIB), "--calib-samples", "4", "--calib-seq-len", "32"]
 
 
