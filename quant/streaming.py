@@ -4,7 +4,8 @@ The same algorithms as :func:`~llmopt.quant.apply.quantize_model` (it *is* that 
 a :class:`~llmopt.checkpoints.streaming.StreamedModel`): each layer is read from the memory
 map in float32, calibrated on the outputs of the already-quantized layers before it, and its
 quantized tensors and remaining float tensors are written to the output shards before the next
-layer is read. Embeddings, final norm and head are copied in their stored dtype. Peak memory
+layer is read. Embeddings, final norm and head are copied in their stored dtype, or quantized
+(``head`` / ``embedding``: float, int8, int4; see :mod:`llmopt.quant.outer`). Peak memory
 follows one layer (see :mod:`llmopt.checkpoints.estimate`), and the output is tensor-for-tensor
 what ``quantize_model`` + ``save_compressed`` write for a float32 checkpoint.
 """
@@ -27,6 +28,7 @@ from llmopt.core.atomic import atomic_dir
 from llmopt.formats.compressed import final_quantization_config, quantized_tensors, write_side_files
 from llmopt.formats.schemes import QuantizedWeight
 from llmopt.quant.apply import DEFAULT_IGNORE, QuantizeResult, quantize_model
+from llmopt.quant.outer import quantize_outer
 
 Provenance = Callable[[QuantizeResult, MemoryEstimate], dict]
 
@@ -63,6 +65,8 @@ def quantize_streaming(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     check_memory: bool = True,
     announce: Callable[[str], None] | None = None,
+    head: str = "float",
+    embedding: str = "float",
     **options: Any,
 ) -> QuantizeResult:
     """Quantize the checkpoint directory ``source`` into ``output`` layer by layer.
@@ -104,7 +108,19 @@ def quantize_streaming(
             stream.sink = write_layer
             result = quantize_model(stream.model, scheme_name, method, group_size, calib_ids, ignore, strict_groups,
                                     lifecycle=stream, device=target, sink=write_weights, **options)
-            writer.add_all(stream.outer_tensors())
+            outer = stream.outer_tensors()
+            if head != "float" or embedding != "float":
+                done = quantize_outer(outer, stream.tied_head(), head, embedding)
+                for name in done.weights:
+                    outer.pop(f"{name}.weight", None)
+                outer.update(done.floats)
+                write_weights(done.weights)
+                result.weights.update({n: QuantizedWeight(torch.empty(0), torch.empty(0), None, qw.scheme, qw.group_size)
+                                       for n, qw in done.weights.items()})
+                result.notices.extend(done.notices)
+                if done.untie:
+                    _untie(stream.model)
+            writer.add_all(outer)
             writer.close()
             qconfig = final_quantization_config(stream.model, result.weights, ignore)
             record = provenance(result, estimate) if provenance is not None else {}
@@ -113,3 +129,11 @@ def quantize_streaming(
         stream.close()
     return result
 
+
+
+def _untie(model: nn.Module) -> None:
+    """Mark ``model``'s config untied (the head and the embedding are saved apart)."""
+    config = model.config
+    text = getattr(config, "get_text_config", lambda: config)()
+    for c in {id(config): config, id(text): text}.values():
+        c.tie_word_embeddings = False

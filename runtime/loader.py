@@ -16,6 +16,8 @@ import torch
 from llmopt.core.errors import LlmoptError
 from safetensors import safe_open
 
+from llmopt.formats.schemes import QuantizedWeight, dequantize
+
 from .backends import Backend
 from .config import ModelArch
 from .layers import ConcatLinear, DenseLinear, Linear, QuantLinear, int8_rows, merge_linears
@@ -44,15 +46,21 @@ class ModelWeights:
     lm_head: Linear
     quantization: str | None  # e.g. "compressed-tensors W4A16", None when dense
     head_kind: str = "float"  # how the output head runs: float (as stored), bf16, int8, or quantized (by the checkpoint)
+    embed_quantized: QuantizedWeight | None = None  # a quantized embedding table (rows dequantized per lookup)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_quantized is not None:
+            return embedding_rows(self.embed_quantized, ids, self.norm.dtype)
         if self.embed is not None:
             return torch.nn.functional.embedding(ids, self.embed)
         return self.lm_head.rows(ids)
 
     def nbytes(self) -> int:
         """Bytes of weights in memory."""
+        q = self.embed_quantized
         total = sum(t.numel() * t.element_size() for t in (self.embed, self.norm) if t is not None)
+        if q is not None:
+            total += sum(t.numel() * t.element_size() for t in (q.codes, q.scale, q.zero_point) if t is not None)
         for layer in self.layers:
             total += sum(t.numel() * t.element_size() for t in (layer.input_norm, layer.post_norm, layer.qk_norm) if t is not None)
             total += sum(lin.nbytes() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -144,9 +152,12 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backe
             down=linear(f"{mlp}.down_proj"),
             qk_norm=qk_norm,
         ))
-    embed = tensor("model.embed_tokens.weight").contiguous()
+    embed_q = _on_device(quantized.get(EMBED_MODULE), device)
+    embed = None if embed_q is not None else tensor("model.embed_tokens.weight").contiguous()
     if "lm_head" in quantized:
         head: Linear = quant("lm_head")
+    elif embed_q is not None and arch.tie_word_embeddings:  # the tied head runs the embedding's codes
+        head = quant(EMBED_MODULE)
     elif arch.tie_word_embeddings or "lm_head.weight" not in dense:
         if not arch.tie_word_embeddings:
             raise LlmoptError(f"{path} has no lm_head.weight and its embeddings are not tied", "re-create the checkpoint")
@@ -155,14 +166,32 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backe
         head = DenseLinear.from_weight(tensor("lm_head.weight"))
     head_kind = "quantized" if not isinstance(head, DenseLinear) else "float" if lm_head == "auto" else lm_head
     if head_kind in ("int8", "bf16"):
-        if embed is None:  # tied: lookups keep reading the float table
+        if embed is None and embed_q is None:  # tied: lookups keep reading the float table
             embed = head.full_weight()
         head = int8_rows(head) if head_kind == "int8" else DenseLinear.from_weight(head.full_weight().to(torch.bfloat16), head.bias)
-    weights = ModelWeights(embed, layers, tensor("model.norm.weight"), head, description, head_kind)
+    weights = ModelWeights(embed, layers, tensor("model.norm.weight"), head, description, head_kind, embed_q)
     _check_shapes(weights, arch, path)
     for lin in _linears(weights):
         backend.prepare_linear(lin)
     return weights
+
+
+EMBED_MODULE = "model.embed_tokens"
+
+
+def _on_device(qw: QuantizedWeight | None, device: torch.device) -> QuantizedWeight | None:
+    if qw is None:
+        return None
+    zp = None if qw.zero_point is None else qw.zero_point.to(device)
+    return QuantizedWeight(qw.codes.to(device), qw.scale.to(device), zp, qw.scheme, qw.group_size)
+
+
+def embedding_rows(qw: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of a quantized embedding table, dequantized (only those rows are read)."""
+    flat = ids.reshape(-1)
+    zp = None if qw.zero_point is None else qw.zero_point[flat]
+    rows = dequantize(qw.codes[flat], qw.scale[flat], zp, qw.group_size, dtype)
+    return rows.reshape(*ids.shape, rows.shape[-1])
 
 
 def _linears(weights: ModelWeights) -> list[DenseLinear | QuantLinear]:

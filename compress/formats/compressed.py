@@ -118,17 +118,18 @@ def _group_key(qw: QuantizedWeight) -> tuple:
 
 
 def build_quantization_config(
-    weights: dict[str, QuantizedWeight], ignore: list[str]
+    weights: dict[str, QuantizedWeight], ignore: list[str], embeddings: Any = ()
 ) -> QuantizationConfig:
     """The compressed-tensors QuantizationConfig (status "compressed") describing ``weights``.
 
     One config group for all layers targets ``"Linear"`` (the usual llm-compressor layout);
-    with several (e.g. mixed group sizes) each group targets its module names exactly.
+    with several (e.g. mixed group sizes), or with a quantized embedding (names in
+    ``embeddings``, not a Linear), each group targets its module names exactly.
     """
     by_key: dict[tuple, list[str]] = defaultdict(list)
     for name in sorted(weights):
         by_key[_group_key(weights[name])].append(name)
-    single = len(by_key) == 1
+    single = len(by_key) == 1 and not any(name in weights for name in embeddings)
     groups = {}
     for i, names in enumerate(by_key.values()):
         qw = weights[names[0]]
@@ -261,8 +262,8 @@ def _check_layers(model: torch.nn.Module, weights: dict[str, QuantizedWeight]) -
     modules = dict(model.named_modules())
     for name, qw in weights.items():
         module = modules.get(name)
-        if not isinstance(module, torch.nn.Linear):
-            raise KeyError(f"{name} is not a Linear module of the model")
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            raise KeyError(f"{name} is not a Linear or Embedding module of the model")
         if tuple(qw.codes.shape) != tuple(module.weight.shape):
             raise ValueError(f"{name}: codes {tuple(qw.codes.shape)} vs weight {tuple(module.weight.shape)}")
 
@@ -341,11 +342,28 @@ def save_compressed(
         raise FileExistsError(f"{out_dir} exists (pass overwrite=True to replace it)")
     _check_layers(model, weights)
     qconfig = final_quantization_config(model, weights, ignore)
-    state = _dense_state(model, {f"{name}.weight" for name in weights})
+    state = _dense_state(model, _quantized_keys(model, weights))
     state.update(quantized_tensors(weights))
     with atomic_dir(Path(out_dir), overwrite) as tmp:
         _write_safetensors(state, tmp, max_shard_bytes)
         write_side_files(model, tokenizer, tmp, qconfig, provenance)
+
+
+def _quantized_keys(model: Any, weights: dict[str, QuantizedWeight]) -> set[str]:
+    """Float keys replaced by quantized tensors: each quantized module's ``.weight``, and a tied
+    head's too when the embedding it shares is quantized."""
+    skip = {f"{name}.weight" for name in weights}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if head is not None and embed is not None and head.weight is embed.weight:
+        names = {id(m): n for n, m in model.named_modules()}
+        if names.get(id(embed)) in weights:
+            skip.add(f"{names[id(head)]}.weight")
+    return skip
+
+
+def _embedding_names(model: Any) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
 
 
 def final_quantization_config(model: Any, weights: dict[str, QuantizedWeight], ignore: list[str]) -> dict:
@@ -359,7 +377,7 @@ def final_quantization_config(model: Any, weights: dict[str, QuantizedWeight], i
     for name in _unquantized_linears(model, weights):
         if not any(match_name(name, pattern) for pattern in ignore):
             ignore.append(name)
-    return build_quantization_config(weights, ignore).model_dump(mode="json")
+    return build_quantization_config(weights, ignore, _embedding_names(model)).model_dump(mode="json")
 
 
 def quantized_tensors(weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:

@@ -39,7 +39,11 @@ class QuantizeConfig:
     calib_samples: int = option(128, "Calibration windows.", min=1)
     calib_seq_len: int = option(512, "Tokens per calibration window.", min=8)
     seed: int = option(0, "Seed for the calibration sample offsets.")
-    ignore: tuple[str, ...] = option((), "Keep matching Linears in float (repeatable; lm_head is always kept).", metavar="REGEX")
+    ignore: tuple[str, ...] = option((), "Keep matching Linears in float (repeatable; lm_head stays float unless --head says otherwise).", metavar="REGEX")
+    head: str = option("float", "Output head: float, int8 (per row) or int4 (groups of 32); a tied head shares the embedding's.",
+                       choices=("float", "int8", "int4"))
+    embedding: str = option("float", "Token embedding: float, int8 (per row) or int4 (groups of 32).",
+                            choices=("float", "int8", "int4"))
     act_order: bool | None = option(None, "GPTQ: activation ordering with static groups, so the saved format stays plain [default: on for GPTQ methods].")
     damp: float = option(0.01, "GPTQ: dampening, fraction of the mean Hessian diagonal.")
     alpha: float = option(0.5, "SmoothQuant migration strength.", aliases=("smooth_alpha",))
@@ -77,6 +81,14 @@ class QuantizeConfig:
                        if on]
             if ignored:
                 raise LlmoptError(f"NF4 (bitsandbytes) takes no {', '.join(ignored)}", "drop those options, or pick a W4A16 scheme")
+            if self.head != "float" or self.embedding != "float":
+                raise LlmoptError("NF4 (bitsandbytes) keeps the embedding and head in float: --head/--embedding do not apply",
+                                  "drop them, or pick a compressed-tensors scheme (W4A16, W8A16 …)")
+        elif (self.head != "float" or self.embedding != "float") and self.parse_scheme().activations is not None:
+            raise LlmoptError(f"--head/--embedding quantize weights only; {self.scheme} quantizes activations too",
+                              "use them with W4A16, W4A16_ASYM or W8A16")
+        if any(re.fullmatch(p, "lm_head") for p in self.ignore) and self.head != "float":
+            raise LlmoptError(f"--ignore keeps lm_head in float but --head {self.head} asks to quantize it", "drop one of them")
         self.parse_scheme()
         for pattern in self.ignore:
             try:
@@ -101,7 +113,7 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     output = Path(config.output)
     check_output(output, config.overwrite)
     scheme = config.parse_scheme()
-    ignore = ["lm_head", *config.ignore]
+    ignore = [*(["lm_head"] if config.head == "float" else []), *config.ignore]
     source, _ = float_source(config.model, "quantized again", "quantize the original float checkpoint instead")
     start = time.perf_counter()
     if scheme is None:
@@ -111,7 +123,8 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
 
         tokenizer = AutoTokenizer.from_pretrained(source)
     record: dict = {"source": str(source), "source_spec": config.model, "scheme": config.scheme,
-                    "method": config.method, "ignore": ignore, "versions": versions()}
+                    "method": config.method, "ignore": ignore, "head": config.head, "embedding": config.embedding,
+                    "versions": versions()}
     if scheme is None:
         save_nf4(model, tokenizer, output, ignore, finish_record(record, start), overwrite=config.overwrite)
         return _evaluated(config, record)
@@ -140,6 +153,7 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
             tokenizer=tokenizer, provenance=provenance, overwrite=config.overwrite, announce=_announcer(source),
             clip_search=config.clip_search, act_order=config.act_order, damp=config.damp,
             smooth_alpha=config.alpha, progress=progress, show_progress=progress is None,
+            head=config.head, embedding=config.embedding,
         )
     except ValueError as exc:
         raise LlmoptError(str(exc)) from exc
