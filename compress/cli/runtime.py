@@ -10,21 +10,7 @@ import click
 
 from llmopt.cli.common import MODEL_HELP, emit_json, user_errors
 from llmopt.core.errors import LlmoptError
-from llmopt.runtime.config import KERNEL_CHOICES, LM_HEAD_CHOICES
-
-
-LM_HEAD_HELP = ("Output head: as the checkpoint stores it (auto), rounded to bfloat16 (bf16, half the bytes per "
-                "token) or quantized to int8 per output channel (int8, a quarter) at load; the demo model's float32 head "
-                "is most of a W4A16 model's weight traffic. Accuracy cost on WikiText-2 (demo model, float32 and W4A16), "
-                "against the float32 head: mean KLD 2.7e-4 (bf16) / 9.5e-4 (int8) nats, top-1 agreement 98% / 97%, "
-                "perplexity unchanged (bench/results/lm_head.md).")
-
-KERNELS_HELP = ("The kernel backend, chosen once: auto is triton on a CUDA device and on the CPU the C++ kernels "
-                "when they build; cpu requires the C++ kernels, triton the Triton ones; reference forces the "
-                "plain-torch path for comparison.")
-
-
-SAVED = " [default: the checkpoint's saved runtime settings (a recipe's runtime: block), else auto / cpu]"
+from llmopt.cli.engine_options import engine_options, engine_settings
 
 
 def _range(text: str, what: str) -> tuple[int, int]:
@@ -37,15 +23,6 @@ def _range(text: str, what: str) -> tuple[int, int]:
     if pair[0] < 1 or pair[1] < pair[0]:
         raise LlmoptError(f"--{what} {text!r} is not a valid range", "use 1 <= MIN <= MAX")
     return pair
-
-
-def _engine_settings(threads, max_model_len, **extra) -> dict:
-    settings = {k: v for k, v in extra.items() if v is not None}
-    if threads:
-        settings["threads"] = threads
-    if max_model_len:
-        settings["max_model_len"] = max_model_len
-    return settings
 
 
 @click.command("generate", epilog=MODEL_HELP)
@@ -62,17 +39,11 @@ def _engine_settings(threads, max_model_len, **extra) -> dict:
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
 @click.option("--chat", is_flag=True, help="Wrap PROMPT in the model's chat template as a user message.")
 @click.option("--stream", is_flag=True, help="Print tokens as they are generated.")
-@click.option("--threads", type=click.IntRange(1), help="CPU threads (default: torch's).")
-@click.option("--max-model-len", type=click.IntRange(2), help="Longest prompt + output (default: the model's).")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]),
-              help="KV cache storage: the model's dtype (auto), or fp8 e4m3 / int8 with per-token scales (about half / a quarter of bf16 / fp32 memory).")
-@click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), help=KERNELS_HELP + SAVED)
-@click.option("--device", help="Where weights and KV cache live: cpu, cuda or cuda:N." + SAVED)
-@click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), help=LM_HEAD_HELP + SAVED)
+@engine_options(batching=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the output, token ids and timings as JSON.")
 @user_errors
 def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop,
-                     ignore_eos, chat, stream, threads, max_model_len, kv_cache_dtype, kernels, device, lm_head, as_json):
+                     ignore_eos, chat, stream, as_json, **engine):
     """Generate text for PROMPT with MODEL in llmopt's runtime.
 
     \b
@@ -86,8 +57,7 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos)
-    llm = LLM(model, **_engine_settings(threads, max_model_len, max_num_seqs=1, kv_cache_dtype=kv_cache_dtype,
-                                        kernels=kernels, device=device, lm_head=lm_head))
+    llm = LLM(model, **engine_settings(engine), max_num_seqs=1)
     request = llm.chat_prompt(prompt) if chat else prompt
     if stream and not as_json:
         final = None
@@ -127,21 +97,10 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
 @click.option("--rate", type=click.FloatRange(0, min_open=True), help="Poisson arrival rate, requests/s (default: all at once).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the workload's lengths and tokens.")
 @click.option("--no-single", is_flag=True, help="Skip the single-stream figures.")
-@click.option("--threads", type=click.IntRange(1), help="CPU threads (default: torch's).")
-@click.option("--max-num-seqs", type=click.IntRange(1), help="Running sequences at most.")
-@click.option("--max-num-batched-tokens", type=click.IntRange(1), help="Tokens per step at most (prefill chunk budget).")
-@click.option("--kv-cache-gib", type=click.FloatRange(0, min_open=True), help="KV cache budget in GiB.")
-@click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]),
-              help="KV cache storage: the model's dtype (auto), or fp8 e4m3 / int8 with per-token scales (about half / a quarter of bf16 / fp32 memory).")
-@click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), help=KERNELS_HELP + SAVED)
-@click.option("--device", help="Where weights and KV cache live: cpu, cuda or cuda:N." + SAVED)
-@click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), help=LM_HEAD_HELP + SAVED)
+@engine_options()
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @user_errors
-def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_len, rate, seed, no_single, threads,
-                  max_num_seqs, max_num_batched_tokens, kv_cache_gib, no_prefix_caching, kv_cache_dtype, kernels, device,
-                  lm_head, as_json):
+def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_len, rate, seed, no_single, as_json, **engine):
     """Speed of MODEL in the runtime: single stream (pp/tg tokens/s, median of repetitions, like
     llama-bench) and a serving workload (throughput, TTFT / TPOT p50 and p99).
 
@@ -157,10 +116,7 @@ def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_l
     from llmopt.core.console import make_progress, out
 
     prompt_range, output_range = _range(prompt_len, "prompt-len"), _range(output_len, "output-len")
-    settings = _engine_settings(threads, None, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                kv_cache_gib=kv_cache_gib, kv_cache_dtype=kv_cache_dtype, kernels=kernels, device=device, lm_head=lm_head)
-    if no_prefix_caching:
-        settings["enable_prefix_caching"] = False
+    settings = engine_settings(engine)
     engine = LLMEngine(model, **settings)
     config = engine.config
     result = {"model": model, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),

@@ -10,10 +10,8 @@ import click
 
 from llmopt.cli.common import MODEL_HELP, user_errors
 from llmopt.core.errors import LlmoptError
-from llmopt.runtime.config import LM_HEAD_CHOICES
+from llmopt.cli.engine_options import engine_options, engine_settings
 
-ENGINE_OPTIONS = ("threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "kv_cache_dtype",
-                  "kernels", "lm_head")
 
 
 def _check_port(host: str, port: int) -> None:
@@ -40,20 +38,12 @@ def _check_port(host: str, port: int) -> None:
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
               help="On SIGTERM, seconds in-flight requests get to finish before they are aborted.")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), help="A Jinja chat template file (default: the tokenizer's).")
-@click.option("--threads", type=click.IntRange(1), help="CPU threads (default: torch's).")
-@click.option("--max-model-len", type=click.IntRange(2), help="Longest prompt + output (default: the model's).")
-@click.option("--max-num-seqs", type=click.IntRange(1), help="Sequences decoded together at most.")
-@click.option("--max-num-batched-tokens", type=click.IntRange(1), help="Tokens per step at most (prefill chunk budget).")
-@click.option("--kv-cache-gib", type=click.FloatRange(0, min_open=True), help="KV cache budget in GiB.")
-@click.option("--prefix-caching/--no-prefix-caching", default=None, help="Reuse the KV of shared prompt prefixes (default: on).")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), help="KV cache storage (default: the model's dtype).")
-@click.option("--kernels", type=click.Choice(["auto", "cpu", "reference"]), help="Kernel choice (default: auto).")
-@click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), help="Output head: auto, bf16 or int8 (see llmopt generate --help).")
+@engine_options()
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]),
               help="uvicorn's log level (info shows every request).")
 @user_errors
-def serve_command(model, host, port, api_key, served_model_name, max_waiting, shutdown_timeout, chat_template, prefix_caching,
-                  log_level, **engine_options):
+def serve_command(model, host, port, api_key, served_model_name, max_waiting, shutdown_timeout, chat_template,
+                  log_level, **engine):
     """Serve MODEL over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions (streaming
     with server-sent events), /v1/models, /health and /metrics (Prometheus).
 
@@ -78,9 +68,7 @@ def serve_command(model, host, port, api_key, served_model_name, max_waiting, sh
     _check_port(host, port)
     path, saved, source = resolve_served_model(model)
     settings = dict(saved)
-    settings.update({k: v for k, v in engine_options.items() if k in ENGINE_OPTIONS and v is not None})
-    if prefix_caching is not None:
-        settings["enable_prefix_caching"] = prefix_caching
+    settings.update(engine_settings(engine))
     if source:
         err.print(f"[dim]engine settings from {source}: {saved}[/dim]", highlight=False)
     engine = LLMEngine(path, **settings)

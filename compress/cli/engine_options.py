@@ -1,0 +1,61 @@
+"""The runtime engine's options, shared by ``generate``, ``bench`` and ``serve``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from llmopt.runtime.config import KERNEL_CHOICES, LM_HEAD_CHOICES
+
+SAVED = " [default: the checkpoint's saved runtime settings (a recipe's runtime: block), else auto / cpu]"
+LM_HEAD_HELP = ("Output head: as the checkpoint stores it (auto), rounded to bfloat16 (bf16, half the bytes per "
+                "token) or quantized to int8 per output channel (int8, a quarter) at load; the demo model's float32 head "
+                "is most of a W4A16 model's weight traffic. Accuracy cost on WikiText-2 (demo model, float32 and W4A16), "
+                "against the float32 head: mean KLD 2.7e-4 (bf16) / 9.5e-4 (int8) nats, top-1 agreement 98% / 97%, "
+                "perplexity unchanged (bench/results/lm_head.md).")
+KERNELS_HELP = ("The kernel backend, chosen once: auto is triton on a CUDA device and on the CPU the C++ kernels "
+                "when they build; cpu requires the C++ kernels, triton the Triton ones; reference forces the "
+                "plain-torch path for comparison.")
+NAMES = ("threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "prefix_caching",
+         "kv_cache_dtype", "kernels", "device", "lm_head")
+
+
+def engine_options(batching: bool = True):
+    """Decorator adding the engine options (``batching``: also the batch and KV-budget ones)."""
+    options = [
+        click.option("--threads", type=click.IntRange(1), help="CPU threads (default: torch's)."),
+        click.option("--max-model-len", type=click.IntRange(2), help="Longest prompt + output (default: the model's)."),
+    ]
+    if batching:
+        options += [
+            click.option("--max-num-seqs", type=click.IntRange(1), help="Sequences decoded together at most." + SAVED),
+            click.option("--max-num-batched-tokens", type=click.IntRange(1), help="Tokens per step at most (prefill chunk budget)." + SAVED),
+            click.option("--kv-cache-gib", type=click.FloatRange(0, min_open=True), help="KV cache budget in GiB."),
+            click.option("--prefix-caching/--no-prefix-caching", default=None, help="Reuse the KV of shared prompt prefixes." + SAVED),
+        ]
+    options += [
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]),
+                     help="KV cache storage: the model's dtype (auto), or fp8 e4m3 / int8 with per-token scales "
+                          "(about half / a quarter of bf16 / fp32 memory)." + SAVED),
+        click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), help=KERNELS_HELP + SAVED),
+        click.option("--device", help="Where weights and KV cache live: cpu, cuda or cuda:N." + SAVED),
+        click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), help=LM_HEAD_HELP + SAVED),
+    ]
+
+    def decorate(func):
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
+
+
+def engine_settings(params: dict[str, Any]) -> dict[str, Any]:
+    """Remove the engine options from a command's parameters; the ones given, as EngineConfig fields."""
+    settings = {}
+    for name in NAMES:
+        value = params.pop(name, None)
+        if value is not None:
+            settings["enable_prefix_caching" if name == "prefix_caching" else name] = value
+    return settings
