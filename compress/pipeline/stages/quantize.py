@@ -73,6 +73,11 @@ class QuantizeConfig:
 
     def check(self) -> None:
         """Refuse impossible requests, and options that do not apply, before any work starts."""
+        for pattern in self.ignore:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise LlmoptError(f"invalid ignore pattern {pattern!r}: {exc}", "write a Python regular expression, e.g. 'mlp\\.down_proj'") from exc
         if self.scheme == NF4:
             if self.method != "rtn":
                 raise LlmoptError(f"NF4 is quantized by bitsandbytes and takes no --method {self.method}", "drop --method or use --method rtn")
@@ -90,11 +95,6 @@ class QuantizeConfig:
         if any(re.fullmatch(p, "lm_head") for p in self.ignore) and self.head != "float":
             raise LlmoptError(f"--ignore keeps lm_head in float but --head {self.head} asks to quantize it", "drop one of them")
         self.parse_scheme()
-        for pattern in self.ignore:
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise LlmoptError(f"invalid ignore pattern {pattern!r}: {exc}", "write a Python regular expression, e.g. 'mlp\\.down_proj'") from exc
         if not self.needs_calibration:
             changed = [f"--{k.replace('_', '-')}" for k, v in CALIBRATION_DEFAULTS.items() if getattr(self, k) != v]
             if changed:
