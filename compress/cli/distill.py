@@ -12,12 +12,9 @@ from llmopt.pipeline.stages.distill import DistillConfig
 
 
 def _table(outcome) -> object:
-    from rich.table import Table
+    from llmopt.cli.tables import record_table
 
     record = outcome.record
-    table = Table(title=f"distilled → {outcome.output}", title_justify="left", show_header=False)
-    table.add_column("field")
-    table.add_column("value")
     student = record["student"]
     rows = [
         ("teacher", record["teacher"]),
@@ -35,10 +32,7 @@ def _table(outcome) -> object:
         for key in ("ppl", "kl"):
             if key in last:
                 rows.append((f"validation {key} (step {first['step']} → {last['step']})", f"{first[key]:.4g} → {last[key]:.4g}"))
-    for name, value in rows:
-        if value is not None:
-            table.add_row(name, value)
-    return table
+    return record_table(f"distilled → {outcome.output}", rows)
 
 
 @click.command("distill")

@@ -9,15 +9,13 @@ from rich.table import Table
 
 from llmopt.cli.common import emit_json, user_errors
 from llmopt.cli.options import config_from_cli, stage_options
+from llmopt.cli.tables import record_table
 from llmopt.pipeline.stages.export import ExportConfig
 
 
 def _gguf_tables(report) -> list[Table]:
     """Summary, per-type errors, and the type decisions of a GGUF export."""
-    summary = Table(title=f"exported → {report.output}", title_justify="left", show_header=False)
-    summary.add_column("field")
-    summary.add_column("value")
-    for name, value in [
+    summary = record_table(f"exported → {report.output}", [
         ("source", f"{report.source} ({report.source_kind})"),
         ("architecture / layers", f"{report.architecture} / {report.layers}"),
         ("type asked / file type", f"{report.requested_type} / {report.file_type}"),
@@ -25,8 +23,7 @@ def _gguf_tables(report) -> list[Table]:
         ("tokenizer", f"{report.tokenizer['model']} (pre {report.tokenizer['pre']}), {report.tokenizer['tokens']:,} tokens, "
                       f"{report.tokenizer['merges']:,} merges, chat template {'yes' if report.tokenizer['chat_template'] else 'no'}"),
         ("time", f"{report.seconds:.1f} s"),
-    ]:
-        summary.add_row(name, value)
+    ])
     types = Table(title="read back and compared with the source", title_justify="left")
     for column in ("GGUF type", "tensors", "weights", "max |error|", "max rel. error", "codes identical"):
         types.add_column(column, justify="right" if column not in ("GGUF type",) else "left")

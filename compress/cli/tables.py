@@ -72,10 +72,7 @@ def info_tables(info) -> list[Table]:
     """A summary table and a per-module table (consecutive layers with one format collapsed)."""
     from llmopt.checkpoints.info import grouped_rows
 
-    summary = Table(title=f"{info.path}", title_justify="left", show_header=False)
-    summary.add_column("field")
-    summary.add_column("value")
-    for name, value in [
+    summary = record_table(f"{info.path}", [
         ("architecture", f"{info.architecture} ({info.model_type})"),
         ("parameters", f"{info.parameters:,}"),
         ("layers", str(info.layers)),
@@ -85,9 +82,7 @@ def info_tables(info) -> list[Table]:
         ("pruning (llmopt.json)", pruning_summary(info.pruning)),
         ("bytes on disk", _bytes(info.bytes_on_disk)),
         ("bytes in memory (tensors as stored)", _bytes(info.bytes_in_memory)),
-    ]:
-        if value is not None:
-            summary.add_row(name, value)
+    ])
     modules = Table(title="Linear modules", title_justify="left")
     for column in ("module", "shape", "format", "sparsity"):
         modules.add_column(column)
@@ -96,8 +91,9 @@ def info_tables(info) -> list[Table]:
     return [summary, modules]
 
 
-def record_table(title: str, rows: list[tuple[str, str | None]], evaluation: dict | None) -> Table:
-    """A two-column summary of a compression record, with its evaluation figures when present."""
+def record_table(title: str, rows: list[tuple[str, str | None]], evaluation: dict | None = None) -> Table:
+    """A two-column field / value summary (rows whose value is None are left out), with a
+    compression record's evaluation figures when present."""
     table = Table(title=title, title_justify="left", show_header=False)
     table.add_column("field")
     table.add_column("value")
