@@ -202,6 +202,7 @@ def quantize_model(
     lifecycle: LayerLifecycle = IN_MEMORY,
     device: str | torch.device | None = None,
     sink: Callable[[dict[str, QuantizedWeight]], None] | None = None,
+    plan: dict[str, QuantScheme] | None = None,
 ) -> QuantizeResult:
     """Quantize the decoder-layer Linears of ``model`` in place.
 
@@ -226,7 +227,9 @@ def quantize_model(
     decoder layer is got and released (:class:`~llmopt.checkpoints.streaming.StreamedModel`
     streams them from a checkpoint); ``device``: cpu / cuda / auto, where each layer is
     calibrated (moved there and back); ``sink``: receives each layer's quantized weights as
-    soon as they exist (the result then keeps only their schemes).
+    soon as they exist (the result then keeps only their schemes). ``plan``: a scheme per
+    Linear (group size resolved) for mixed precision; Linears it does not name stay in float
+    (RTN and GPTQ methods only).
     """
     start = time.perf_counter()
     if isinstance(scheme, QuantScheme):  # parsed once by the caller (group size included)
@@ -242,7 +245,14 @@ def quantize_model(
     if not targets:
         raise ValueError("no Linear layers left to quantize: the ignore patterns match all of them")
     group_sizes, notices = resolve_group_sizes(targets, scheme, strict_groups)
+    if plan is not None:
+        if "awq" in method or "smoothquant" in method:
+            raise ValueError(f"a per-layer plan takes methods rtn or gptq, not {method}")
+        targets = {n: m for n, m in targets.items() if n in plan}
+        group_sizes = {n: plan[n].group_size for n in targets}
+        notices = []
     result = QuantizeResult(scheme, method, {}, group_sizes, notices, sink=sink)
+    schemes = {n: (plan[n] if plan is not None else scheme) for n in targets}
 
     if method == "rtn":
         clip = "mse" if clip_search else "minmax"
@@ -250,13 +260,13 @@ def quantize_model(
 
         def rtn_layer(index: int, layer: nn.Module) -> None:
             mods = {n: m for n, m in targets.items() if n.startswith(prefixes[index][1])}
-            result.store(rtn_quantize_modules(mods, scheme, group_sizes, clip))
+            result.store(_rtn_mixed(mods, schemes, group_sizes, clip))
 
         for_each_layer(model, rtn_layer, lifecycle=lifecycle, device=device)
     else:
         opts = _Options(
             scheme, method, clip_search, act_order, damp, block_size, awq_grid, awq_clip,
-            smooth_alpha, preserve_zeros,
+            smooth_alpha, preserve_zeros, schemes,
         )
         _quantize_calibrated(model, calib_ids, targets, group_sizes, opts, result,
                              dict(batch_size=batch_size, compute_dtype=compute_dtype,
@@ -278,6 +288,7 @@ class _Options:
     awq_clip: bool
     smooth_alpha: float
     preserve_zeros: bool | None
+    schemes: dict[str, QuantScheme] = field(default_factory=dict)  # per Linear
 
 
 def _quantize_calibrated(
@@ -326,7 +337,7 @@ def _quantize_calibrated(
         else:
             hessians = {n: stats.hessian(n) for n in mods} if opts.clip_search and need_hessian else None
             clip = "mse" if opts.clip_search else "minmax"
-            result.store(rtn_quantize_modules(mods, opts.scheme, group_sizes, clip, hessians))
+            result.store(_rtn_mixed(mods, opts.schemes, group_sizes, clip, hessians))
         if opts.scheme.activations is not None:
             kind = opts.scheme.activations
             for m in mods.values():  # later layers calibrate on activation-quantized inputs
@@ -353,12 +364,12 @@ def _gptq_layer(
 ) -> dict[str, QuantizedWeight]:
     """GPTQ for one layer; Linears sharing an input (q/k/v, gate/up) are stacked row-wise and
     quantized in one pass, which is exact since GPTQ treats rows independently."""
-    batches: dict[tuple[int, int | None], list[str]] = {}
+    batches: dict[tuple[int, int | None, QuantScheme], list[str]] = {}
     for name in mods:
-        batches.setdefault((id(stats.stats(name)), group_sizes[name]), []).append(name)
+        batches.setdefault((id(stats.stats(name)), group_sizes[name], opts.schemes.get(name, opts.scheme)), []).append(name)
     out: dict[str, QuantizedWeight] = {}
     uses = [key[0] for key in batches]
-    for (sid, gs), names in batches.items():
+    for (sid, gs, scheme), names in batches.items():
         weights = [mods[n].weight.detach() for n in names]
         w = torch.cat(weights, dim=0)
         mask = None
@@ -374,7 +385,7 @@ def _gptq_layer(
             stats.stats(names[0]).xtx = None
         try:
             qw = gptq_quantize_weight(
-                w, hessian.pop(), opts.scheme, gs, block_size=opts.block_size,
+                w, hessian.pop(), scheme, gs, block_size=opts.block_size,
                 damp=opts.damp, act_order=opts.act_order, clip=opts.clip_search, mask=mask, hessian_owned=True,
             )
         except NumericalError as exc:
@@ -383,4 +394,16 @@ def _gptq_layer(
             module = mods[name]
             module.weight.data.copy_(part.dequantize(module.weight.dtype))
             out[name] = part
+    return out
+
+
+def _rtn_mixed(mods: dict[str, nn.Linear], schemes: dict[str, QuantScheme], group_sizes: dict[str, int | None],
+               clip: str, hessians: dict[str, torch.Tensor] | None = None) -> dict[str, QuantizedWeight]:
+    """RTN of ``mods``, each with its own scheme (one call per scheme)."""
+    out: dict[str, QuantizedWeight] = {}
+    by_scheme: dict[QuantScheme, dict[str, nn.Linear]] = {}
+    for name, module in mods.items():
+        by_scheme.setdefault(schemes[name], {})[name] = module
+    for scheme, part in by_scheme.items():
+        out.update(rtn_quantize_modules(part, scheme, group_sizes, clip, hessians))
     return out

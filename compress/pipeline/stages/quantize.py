@@ -21,6 +21,7 @@ from llmopt.pipeline.stages.base import option
 from llmopt.pipeline.stages.evaluate import evaluate_output
 
 NF4 = "NF4"
+AUTO = "AUTO"
 CALIBRATION_DEFAULTS = {"calib": "austen", "calib_samples": 128, "calib_seq_len": 512}
 
 
@@ -30,7 +31,8 @@ class QuantizeConfig:
 
     model: str = option(help="Model to quantize.", argument=True, runner_owned=True)
     output: str = option(help="Output checkpoint directory.", short="-o", runner_owned=True)
-    scheme: str = option(help="W4A16, W4A16_ASYM, W8A16, W8A8, FP8, FP8_DYNAMIC or NF4 (compressed-tensors names).",
+    scheme: str = option(help="W4A16, W4A16_ASYM, W8A16, W8A8, FP8, FP8_DYNAMIC or NF4 (compressed-tensors names); "
+                              "AUTO: a format per tensor from measured sensitivities (--target-bpw, --target-kld or --plan).",
                          metavar="SCHEME")
     method: str = option("rtn", "rtn, gptq, awq, awq+gptq, smoothquant, smoothquant+gptq.", metavar="METHOD")
     group_size: int | None = option(None, "int4 group size (32/64/128; 0: per-channel). Default 128.", min=0)
@@ -44,6 +46,11 @@ class QuantizeConfig:
                        choices=("float", "int8", "int4"))
     embedding: str = option("float", "Token embedding: float, int8 (per row) or int4 (groups of 32).",
                             choices=("float", "int8", "int4"))
+    target_bpw: float | None = option(None, "AUTO: average stored bits per weight (codes and 16-bit scales) to fill.")
+    target_kld: float | None = option(None, "AUTO: predicted mean KL divergence to stay under, with the fewest bits.")
+    plan: str | None = option(None, "AUTO: reuse a plan (a plan.json, or a checkpoint's llmopt.json) instead of measuring.",
+                              metavar="PATH")
+    sensitivity_samples: int = option(4, "AUTO: calibration windows for the sensitivity pass (one forward + backward each).", min=1)
     act_order: bool | None = option(None, "GPTQ: activation ordering with static groups, so the saved format stays plain [default: on for GPTQ methods].")
     damp: float = option(0.01, "GPTQ: dampening, fraction of the mean Hessian diagonal.")
     alpha: float = option(0.5, "SmoothQuant migration strength.", aliases=("smooth_alpha",))
@@ -58,7 +65,11 @@ class QuantizeConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method != "rtn"
+        return self.method != "rtn" or (self.scheme == AUTO and self.plan is None)
+
+    @property
+    def is_auto(self) -> bool:
+        return self.scheme == AUTO
 
     def parse_scheme(self) -> QuantScheme | None:
         """The scheme object for this request (None for NF4), or LlmoptError for impossible combinations."""
@@ -67,6 +78,8 @@ class QuantizeConfig:
         if self.scheme == NF4:
             return None
         try:
+            if self.is_auto:  # the plan gives each tensor its own scheme; W4A16 g32 describes the run
+                return validate_request("W4A16", self.method, 32, True, bool(self.act_order))
             return validate_request(self.scheme, self.method, self.group_size, True, bool(self.act_order))
         except ValueError as exc:
             raise LlmoptError(str(exc)) from exc
@@ -94,12 +107,33 @@ class QuantizeConfig:
                               "use them with W4A16, W4A16_ASYM or W8A16")
         if any(re.fullmatch(p, "lm_head") for p in self.ignore) and self.head != "float":
             raise LlmoptError(f"--ignore keeps lm_head in float but --head {self.head} asks to quantize it", "drop one of them")
+        self._check_auto()
         self.parse_scheme()
-        if not self.needs_calibration:
+        if not self.needs_calibration and not self.is_auto:
             changed = [f"--{k.replace('_', '-')}" for k, v in CALIBRATION_DEFAULTS.items() if getattr(self, k) != v]
             if changed:
                 raise LlmoptError(f"{', '.join(changed)} only apply to calibrated methods, not {self.method}",
                                   "drop them, or pick --method gptq / awq / smoothquant")
+
+
+    def _check_auto(self) -> None:
+        given = [f"--{k.replace('_', '-')}" for k in ("target_bpw", "target_kld", "plan") if getattr(self, k) is not None]
+        if not self.is_auto:
+            if given:
+                raise LlmoptError(f"{', '.join(given)} only apply to --scheme AUTO", "drop them, or use --scheme AUTO")
+            return
+        if len(given) != 1:
+            raise LlmoptError("--scheme AUTO takes exactly one of --target-bpw, --target-kld and --plan",
+                              "e.g. --scheme AUTO --target-bpw 4.85")
+        if self.method not in ("rtn", "gptq"):
+            raise LlmoptError(f"--scheme AUTO quantizes with rtn or gptq, not {self.method}", "use --method gptq")
+        if self.head != "float" or self.embedding != "float" or self.group_size is not None:
+            raise LlmoptError("--scheme AUTO chooses the head, embedding and group sizes itself",
+                              "drop --head / --embedding / --group-size")
+        if (self.target_bpw is not None and self.target_bpw <= 0) or (self.target_kld is not None and self.target_kld <= 0):
+            raise LlmoptError("--target-bpw / --target-kld must be positive", "e.g. --target-bpw 4.85")
+        if self.plan is not None and not Path(self.plan).is_file():
+            raise LlmoptError(f"plan file {self.plan} does not exist", "give a plan.json or a checkpoint's llmopt.json")
 
 
 def run_quantize(config: QuantizeConfig, progress=None) -> dict:
@@ -131,6 +165,17 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     calib = None
     if config.needs_calibration:
         calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.seed)
+    options: dict = {"head": config.head, "embedding": config.embedding}
+    if config.is_auto:
+        from llmopt.pipeline.stages.auto_plan import plan_for
+
+        options, record["plan"] = plan_for(config, source, calib)
+        record["head"], record["embedding"] = options["head"], options["embedding"]
+        if options["head"] != "float":
+            ignore = [p for p in ignore if p != "lm_head"]
+            record["ignore"] = ignore
+        if config.method == "rtn":
+            calib = None  # measured with it; RTN itself takes none
 
     def provenance(result, estimate) -> dict:
         for line in result.notices:
@@ -153,7 +198,7 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
             tokenizer=tokenizer, provenance=provenance, overwrite=config.overwrite, announce=_announcer(source),
             clip_search=config.clip_search, act_order=config.act_order, damp=config.damp,
             smooth_alpha=config.alpha, progress=progress, show_progress=progress is None,
-            head=config.head, embedding=config.embedding,
+            **options,
         )
     except ValueError as exc:
         raise LlmoptError(str(exc)) from exc

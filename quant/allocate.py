@@ -1,0 +1,115 @@
+"""Choose a format per tensor under a budget, from measured per-tensor costs (:mod:`.sensitivity`).
+
+Greedy on each tensor's lower convex hull of (bits, cost): start every tensor at its smallest
+format and repeatedly take the upgrade with the largest cost reduction per added bit, until the
+bits-per-weight budget is spent (``target_bpw``) or the summed cost is at most ``target_kld``.
+On convex hulls this greedy is the optimum of the continuous relaxation of the knapsack.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from llmopt.quant.sensitivity import Sensitivity, TensorCost
+
+
+@dataclass
+class Plan:
+    formats: dict[str, str]  # tensor name → format name
+    bpw: float  # average stored bits per weight over everything counted
+    predicted_kld: float
+    target: dict
+
+    def to_dict(self) -> dict:
+        return {"version": 1, "target": self.target, "bpw": round(self.bpw, 4),
+                "predicted_kld": self.predicted_kld, "formats": self.formats}
+
+
+def _hull(t: TensorCost) -> list[str]:
+    """Formats on the lower convex hull of (bits, cost), by increasing bits."""
+    pts = sorted(t.costs, key=lambda f: (t.bits[f], t.costs[f]))
+    hull: list[str] = []
+    for f in pts:
+        if hull and t.costs[f] >= t.costs[hull[-1]]:
+            continue  # more bits for no gain
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # drop b when it lies above the segment a→f
+            if (t.costs[b] - t.costs[a]) * (t.bits[f] - t.bits[a]) >= (t.costs[f] - t.costs[a]) * (t.bits[b] - t.bits[a]):
+                hull.pop()
+            else:
+                break
+        hull.append(f)
+    return hull
+
+
+def totals(sens: Sensitivity, formats: dict[str, str]) -> tuple[float, float]:
+    """(average bits per weight, summed cost) of an assignment."""
+    bits = sens.other_bits + sum(t.bits[formats[t.name]] * t.numel for t in sens.tensors)
+    weights = sum(t.numel for t in sens.tensors) + _other_params(sens)
+    return bits / weights, sum(t.costs[formats[t.name]] for t in sens.tensors)
+
+
+def _other_params(sens: Sensitivity) -> int:
+    return sens.other_params
+
+
+def allocate(sens: Sensitivity, target_bpw: float | None = None, target_kld: float | None = None) -> Plan:
+    """The plan for one budget (exactly one of ``target_bpw`` / ``target_kld``)."""
+    if (target_bpw is None) == (target_kld is None):
+        raise ValueError("give exactly one of target_bpw and target_kld")
+    hulls = {t.name: _hull(t) for t in sens.tensors}
+    by_name = {t.name: t for t in sens.tensors}
+    level = {n: 0 for n in hulls}
+    formats = {n: h[0] for n, h in hulls.items()}
+    n_weights = sum(t.numel for t in sens.tensors) + _other_params(sens)
+    budget = None if target_bpw is None else target_bpw * n_weights
+    bits = sens.other_bits + sum(by_name[n].bits[f] * by_name[n].numel for n, f in formats.items())
+    cost = sum(by_name[n].costs[f] for n, f in formats.items())
+    if budget is not None and bits > budget:
+        raise ValueError(f"{target_bpw} bits per weight is below the smallest plan ({bits / n_weights:.3f})")
+
+    def step(name: str) -> tuple[float, float, float] | None:
+        h, i = hulls[name], level[name]
+        if i + 1 >= len(h):
+            return None
+        t = by_name[name]
+        dbits = (t.bits[h[i + 1]] - t.bits[h[i]]) * t.numel
+        dcost = t.costs[h[i]] - t.costs[h[i + 1]]
+        return dcost / dbits, dbits, dcost
+
+    heap = [(-s[0], name) for name in hulls if (s := step(name))]
+    heapq.heapify(heap)
+    while heap:
+        if target_kld is not None and cost <= target_kld:
+            break
+        _, name = heapq.heappop(heap)
+        s = step(name)
+        if s is None:
+            continue
+        _, dbits, dcost = s
+        if budget is not None and bits + dbits > budget:
+            continue  # does not fit; a cheaper upgrade of another tensor might
+        bits += dbits
+        cost -= dcost
+        level[name] += 1
+        formats[name] = hulls[name][level[name]]
+        nxt = step(name)
+        if nxt:
+            heapq.heappush(heap, (-nxt[0], name))
+    target = {"bpw": target_bpw} if target_bpw is not None else {"kld": target_kld}
+    return Plan(formats, bits / n_weights, cost, target)
+
+
+def plan_table(sens: Sensitivity, plan: Plan) -> list[dict]:
+    """Rows for printing: per tensor kind and format, how many tensors, weights and cost."""
+    rows: dict[tuple[str, str], dict] = {}
+    for t in sens.tensors:
+        kind = t.kind if t.kind != "linear" else t.name.rsplit(".", 1)[-1]
+        f = plan.formats[t.name]
+        row = rows.setdefault((kind, f), {"tensor": kind, "format": f, "count": 0, "weights": 0, "cost": 0.0})
+        row["count"] += 1
+        row["weights"] += t.numel
+        row["cost"] += t.costs[f]
+    return sorted(rows.values(), key=lambda r: (r["tensor"], r["format"]))
