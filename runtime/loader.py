@@ -9,29 +9,43 @@ merged so each is one matmul, then the backend lays every linear out for its ker
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from llmopt.core.errors import LlmoptError
-from safetensors import safe_open
 
 from llmopt.formats.schemes import QuantizedWeight, dequantize
 
 from .backends import Backend
 from .config import ModelArch
-from .layers import ConcatLinear, DenseLinear, Linear, QuantLinear, int8_rows, merge_linears
+from .layers import ConcatLinear, DenseLinear, Linear, QuantLinear, SparseMoE, int8_rows, merge_linears
 
 
 @dataclass
 class LayerWeights:
+    """One decoder layer. ``post_norm`` is the norm before the MLP; a dense MLP is ``gate_up`` /
+    ``down``, a mixture of experts ``moe`` (then those are None); Gemma's extra norms on the
+    attention and MLP outputs are ``attn_out_norm`` / ``mlp_out_norm``."""
+
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv: Linear
     o: Linear
-    gate_up: Linear
-    down: Linear
-    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim] (Qwen3), else None
+    gate_up: Linear | None
+    down: Linear | None
+    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim] (Qwen3, Gemma 3), else None
+    moe: SparseMoE | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+
+    def norms(self) -> list[torch.Tensor]:
+        return [t for t in (self.input_norm, self.post_norm, self.qk_norm, self.attn_out_norm, self.mlp_out_norm) if t is not None]
+
+    def linears(self) -> list[Linear]:
+        found = [self.qkv, self.o] + [lin for lin in (self.gate_up, self.down) if lin is not None]
+        return found + (self.moe.linears() if self.moe is not None else [])
 
 
 @dataclass
@@ -62,26 +76,22 @@ class ModelWeights:
         if q is not None:
             total += sum(t.numel() * t.element_size() for t in (q.codes, q.scale, q.zero_point) if t is not None)
         for layer in self.layers:
-            total += sum(t.numel() * t.element_size() for t in (layer.input_norm, layer.post_norm, layer.qk_norm) if t is not None)
-            total += sum(lin.nbytes() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            total += sum(t.numel() * t.element_size() for t in layer.norms())
+            total += sum(lin.nbytes() for lin in layer.linears())
         return total + self.lm_head.nbytes()
 
 
 def _dense_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor in the checkpoint's safetensors (or pytorch .bin) files."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
+    """Every tensor in the checkpoint: its safetensors (through the one checkpoint reader), else
+    pytorch ``.bin`` files."""
+    from llmopt.checkpoints.lazy import LazyCheckpoint, safetensors_files
+
+    if safetensors_files(path):
+        with LazyCheckpoint(path) as checkpoint:
+            return checkpoint.load_all()
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                tensors[key] = handle.get_tensor(key)
-    if not files:
-        for file in sorted(path.glob("pytorch_model*.bin")):
-            tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+    for file in sorted(path.glob("pytorch_model*.bin")):
+        tensors.update(torch.load(file, map_location="cpu", weights_only=True))
     return tensors
 
 
@@ -106,52 +116,83 @@ def _quantized(path: Path, config: dict) -> tuple[dict, dict[str, torch.Tensor],
     raise LlmoptError(f"the runtime cannot read '{method}' checkpoints", "use a dense or compressed-tensors checkpoint (llmopt quantize writes those)")
 
 
-def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backend, lm_head: str = "auto") -> ModelWeights:
+class Reader:
+    """The tensors of one checkpoint, handed out on ``device`` in ``dtype``: norms and other
+    plain tensors (``tensor``) and linears (``linear``: quantized ones stay quantized)."""
+
+    def __init__(self, path: Path, quantized: dict, dense: dict[str, torch.Tensor], dtype: torch.dtype, backend: Backend) -> None:
+        self.path, self.quantized, self.dense, self.dtype = path, quantized, dense, dtype
+        self.backend, self.device = backend, backend.device
+
+    def has(self, module: str) -> bool:
+        """Whether ``module`` is a linear (quantized, or with a ``weight``) of the checkpoint."""
+        return module in self.quantized or f"{module}.weight" in self.dense
+
+    def tensor(self, name: str, required: bool = True) -> torch.Tensor | None:
+        if name not in self.dense:
+            if required:
+                raise LlmoptError(f"{self.path} has no tensor '{name}'", "the checkpoint does not fit its config.json; re-create it")
+            return None
+        t = self.dense[name]
+        return t.to(self.device, self.dtype) if t.is_floating_point() else t.to(self.device)
+
+    def quant(self, module: str, bias: torch.Tensor | None = None) -> QuantLinear:
+        lin = QuantLinear.from_quantized(self.quantized[module], bias)
+        lin.codes, lin.scale = lin.codes.to(self.device), lin.scale.to(self.device)
+        lin.zero_point = None if lin.zero_point is None else lin.zero_point.to(self.device)
+        return lin
+
+    def linear(self, module: str) -> Linear:
+        bias = self.tensor(f"{module}.bias", required=False)
+        if module in self.quantized:
+            return self.quant(module, bias)
+        return DenseLinear.from_weight(self.tensor(f"{module}.weight"), bias)
+
+    def norm(self, name: str, offset: float = 0.0) -> torch.Tensor:
+        """An RMSNorm weight, as ``offset + w`` (Gemma's ``1 + w``) so every kernel multiplies by it."""
+        w = self.tensor(name)
+        return w if not offset else (w.float() + offset).to(w.dtype)
+
+
+def llama_layer(r: Reader, arch: ModelArch, i: int) -> LayerWeights:
+    """A Llama-family decoder layer's weights (``model.layers.i.{self_attn,mlp}.*``)."""
+    p = f"model.layers.{i}"
+    attn, mlp = f"{p}.self_attn", f"{p}.mlp"
+    return LayerWeights(
+        input_norm=r.norm(f"{p}.input_layernorm.weight"),
+        post_norm=r.norm(f"{p}.post_attention_layernorm.weight"),
+        qkv=merge_linears([r.linear(f"{attn}.{n}_proj") for n in "qkv"]),
+        o=r.linear(f"{attn}.o_proj"),
+        gate_up=merge_linears([r.linear(f"{mlp}.gate_proj"), r.linear(f"{mlp}.up_proj")]),
+        down=r.linear(f"{mlp}.down_proj"),
+        qk_norm=qk_norms(r, arch, attn),
+    )
+
+
+def qk_norms(r: Reader, arch: ModelArch, attn: str) -> torch.Tensor | None:
+    """Per-head q and k norm weights stacked ``[heads + kv_heads, head_dim]`` (None without)."""
+    if not arch.qk_norm:
+        return None
+    qn, kn = r.norm(f"{attn}.q_norm.weight", arch.norm_offset), r.norm(f"{attn}.k_norm.weight", arch.norm_offset)
+    return torch.cat([qn.expand(arch.num_heads, -1), kn.expand(arch.num_kv_heads, -1)]).contiguous()
+
+
+LayerLoader = Callable[[Reader, ModelArch, int], "LayerWeights"]
+
+
+def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backend, lm_head: str = "auto",
+                 layer: LayerLoader = llama_layer) -> ModelWeights:
     """Load the decoder's weights from ``path`` for ``arch`` onto ``backend``'s device, laid out
-    for its kernels. ``lm_head``: ``auto`` keeps the output head as the checkpoint stores it; ``bf16`` rounds a
+    for its kernels; ``layer`` reads one decoder layer (the architecture's naming, see
+    ``runtime.models``). ``lm_head``: ``auto`` keeps the output head as the checkpoint stores it; ``bf16`` rounds a
     float head to bfloat16 (the float GEMV widens it in registers); ``int8`` quantizes it per
     output channel (symmetric round-to-nearest) for the int8 kernels."""
     config = json.loads((path / "config.json").read_text())
     quantized, dense, description = _quantized(path, config)
     device = backend.device
-
-    def tensor(name: str, required: bool = True) -> torch.Tensor | None:
-        if name not in dense:
-            if required:
-                raise LlmoptError(f"{path} has no tensor '{name}'", "the checkpoint does not fit its config.json; re-create it")
-            return None
-        t = dense[name]
-        return t.to(device, dtype) if t.is_floating_point() else t.to(device)
-
-    def quant(module: str, bias: torch.Tensor | None = None) -> QuantLinear:
-        lin = QuantLinear.from_quantized(quantized[module], bias)
-        lin.codes, lin.scale = lin.codes.to(device), lin.scale.to(device)
-        lin.zero_point = None if lin.zero_point is None else lin.zero_point.to(device)
-        return lin
-
-    def linear(module: str) -> Linear:
-        bias = tensor(f"{module}.bias", required=False)
-        if module in quantized:
-            return quant(module, bias)
-        return DenseLinear.from_weight(tensor(f"{module}.weight"), bias)
-
-    layers = []
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}"
-        attn, mlp = f"{p}.self_attn", f"{p}.mlp"
-        qk_norm = None
-        if arch.qk_norm:
-            qn, kn = tensor(f"{attn}.q_norm.weight"), tensor(f"{attn}.k_norm.weight")
-            qk_norm = torch.cat([qn.expand(arch.num_heads, -1), kn.expand(arch.num_kv_heads, -1)]).contiguous()
-        layers.append(LayerWeights(
-            input_norm=tensor(f"{p}.input_layernorm.weight"),
-            post_norm=tensor(f"{p}.post_attention_layernorm.weight"),
-            qkv=merge_linears([linear(f"{attn}.{n}_proj") for n in "qkv"]),
-            o=linear(f"{attn}.o_proj"),
-            gate_up=merge_linears([linear(f"{mlp}.gate_proj"), linear(f"{mlp}.up_proj")]),
-            down=linear(f"{mlp}.down_proj"),
-            qk_norm=qk_norm,
-        ))
+    r = Reader(path, quantized, dense, dtype, backend)
+    tensor, quant = r.tensor, r.quant
+    layers = [layer(r, arch, i) for i in range(arch.num_layers)]
     embed_q = _on_device(quantized.get(EMBED_MODULE), device)
     embed = None if embed_q is not None else tensor("model.embed_tokens.weight").contiguous()
     if "lm_head" in quantized:
@@ -169,7 +210,7 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backe
         if embed is None and embed_q is None:  # tied: lookups keep reading the float table
             embed = head.full_weight()
         head = int8_rows(head) if head_kind == "int8" else DenseLinear.from_weight(head.full_weight().to(torch.bfloat16), head.bias)
-    weights = ModelWeights(embed, layers, tensor("model.norm.weight"), head, description, head_kind, embed_q)
+    weights = ModelWeights(embed, layers, r.norm("model.norm.weight", arch.norm_offset), head, description, head_kind, embed_q)
     _check_shapes(weights, arch, path)
     for lin in _linears(weights):
         backend.prepare_linear(lin)
@@ -198,7 +239,7 @@ def _linears(weights: ModelWeights) -> list[DenseLinear | QuantLinear]:
     found: list[DenseLinear | QuantLinear] = []
     todo: list[Linear] = [weights.lm_head]
     for layer in weights.layers:
-        todo += [layer.qkv, layer.o, layer.gate_up, layer.down]
+        todo += layer.linears()
     while todo:
         lin = todo.pop()
         if isinstance(lin, ConcatLinear):
@@ -213,8 +254,9 @@ def _check_shapes(w: ModelWeights, arch: ModelArch, path: Path) -> None:
     expected = [
         ("output head", w.lm_head.out_features, arch.vocab_size),
         ("q/k/v projections", w.layers[0].qkv.out_features, qkv),
-        ("gate/up projections", w.layers[0].gate_up.out_features, 2 * arch.intermediate_size),
     ]
+    if w.layers[0].gate_up is not None:
+        expected.append(("gate/up projections", w.layers[0].gate_up.out_features, 2 * arch.intermediate_size))
     for what, got, want in expected:
         if got != want:
             raise LlmoptError(f"{path}: {what} have shape {got}, config.json implies {want}", "the checkpoint does not fit its config; re-create it")
