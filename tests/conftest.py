@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,32 @@ def save_model(model, path: Path, tokenizer=None) -> Path:
 @pytest.fixture
 def tiny_model_dir(tmp_path) -> Path:
     return save_model(tiny_llama(), tmp_path / "tiny")
+
+
+def _seed(text: str) -> None:
+    """Seed Python's, torch's and numpy's generators from ``text`` (a test's or module's id)."""
+    import random
+
+    import numpy as np
+
+    seed = zlib.crc32(text.encode())
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def seeded_module(request):
+    """Module-scoped fixtures draw seeded random inputs (autouse runs first within its scope)."""
+    _seed(request.module.__name__)
+
+
+@pytest.fixture(autouse=True)
+def seeded_test(request):
+    """Every test draws the same random inputs on every run (and any selection or order): its
+    generators are seeded from its own id. ``random.Random(random.getrandbits(64))`` derives a
+    seeded private generator."""
+    _seed(request.node.nodeid)
 
 
 @pytest.fixture(autouse=True)

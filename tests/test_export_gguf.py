@@ -224,7 +224,10 @@ def test_q8_0_logits_close_through_transformers(dense_dir, tmp_path):
     report = export_gguf(dense_dir, tmp_path / "q8.gguf", "Q8_0", verify=True)
     v = report.verify
     assert v["token_ids_match"]
-    assert v["kld_mean"] < 0.05 and v["top1_agreement"] > 0.85, v
+    # Q8_0 (blocks of 32, int8 codes, fp16 scale) on this model measures KLD 0.0068 and top-1
+    # 0.94 (deterministic: seeded model, fixed text); the bounds leave ~1.5x margin, while a
+    # coarser format fails them (Q6_K gives KLD 0.087, Q4_0 1.1 on the same model)
+    assert 0 < v["kld_mean"] < 0.01 and v["top1_agreement"] >= 0.9, v
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])

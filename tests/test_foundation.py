@@ -35,6 +35,20 @@ def reference_perplexity(model, windows: torch.Tensor) -> float:
     return math.exp(total / count)
 
 
+def reference_kld(base, model, windows: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Exact per-token KL(base || model) over the whole vocabulary and the top-1 agreement, on the
+    positions perplexity scores (each window's last ``seq_len - 1`` tokens)."""
+    klds, agree = [], 0
+    for window in windows:
+        with torch.no_grad():
+            p = torch.log_softmax(base(window[None]).logits[0, :-1].double(), -1)
+            q = torch.log_softmax(model(window[None]).logits[0, :-1].double(), -1)
+        klds.append((p.exp() * (p - q)).sum(-1))
+        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+    kld = torch.cat(klds)
+    return kld, agree / kld.numel()
+
+
 # ---------------------------------------------------------------------------------------------
 # loading
 
@@ -141,6 +155,17 @@ def test_kld_self_is_zero_and_perturbed_is_positive(tmp_path, wiki_data):
     assert other.kld_mean > 0 and other.kld_p99 >= other.kld_median > 0
     assert other.top1_agreement < 1.0
     assert other.baseline_perplexity == pytest.approx(same.perplexity)
+    # the figures themselves: exact at the full vocabulary, a lower bound with the top 32
+    want, agreement = reference_kld(model, perturbed, wiki_data.windows)
+    assert want.numel() == other.tokens == 4 * 95
+    assert other.top1_agreement == pytest.approx(agreement)
+    assert 0 < other.kld_mean <= float(want.mean()) * (1 + 1e-6)
+    full = BaselineCache(tmp_path / "full", top_k=259)
+    evaluate(model, wiki_data, full, store_baseline=True)
+    exact = evaluate(perturbed, wiki_data, full)
+    assert exact.kld_mean == pytest.approx(float(want.mean()), rel=1e-4)
+    assert exact.kld_median == pytest.approx(float(want.median()), rel=1e-3)
+    assert exact.kld_p99 == pytest.approx(float(torch.quantile(want, 0.99)), rel=1e-3)
 
 
 def test_top_k_kld_exact_at_full_vocab_and_lower_bound_below():
@@ -206,10 +231,18 @@ def test_cli_eval_json_and_baseline(tiny_model_dir, tmp_path):
 def test_cli_eval_against_other_model(tmp_path):
     a = save_model(tiny_llama(seed=1), tmp_path / "a")
     b = save_model(tiny_llama(seed=2), tmp_path / "b")
-    result = run_cli("eval", str(b), "--baseline", str(a), "--dataset", str(WIKI), "--seq-len", "64", "--max-windows", "2", "--json")
+    result = run_cli("eval", str(b), "--baseline", str(a), "--dataset", str(WIKI), "--seq-len", "64", "--max-windows", "2",
+                     "--top-k", "259", "--json")
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
-    assert payload["kld_mean"] > 0 and payload["baseline_perplexity"] != payload["perplexity"]
+    windows = eval_data(byte_tokenizer(), str(WIKI), seq_len=64, max_windows=2).windows
+    model_a, model_b = load_model(str(a))[0], load_model(str(b))[0]
+    want, agreement = reference_kld(model_a, model_b, windows)
+    assert payload["tokens"] == want.numel() == 2 * 63
+    assert payload["kld_mean"] == pytest.approx(float(want.mean()), rel=1e-4)  # top-k = vocabulary: exact
+    assert payload["top1_agreement"] == pytest.approx(agreement)
+    assert payload["perplexity"] == pytest.approx(reference_perplexity(model_b, windows), rel=1e-5)
+    assert payload["baseline_perplexity"] == pytest.approx(reference_perplexity(model_a, windows), rel=1e-5)
 
 
 @pytest.mark.parametrize(

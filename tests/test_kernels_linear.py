@@ -227,6 +227,7 @@ def test_engine_cpu_kernels_match_reference(tmp_path, preset, group):
         qkv = llm.engine.weights.layers[0].qkv
         assert (qkv.packed is not None) == (kernels == "cpu")
         outputs[kernels] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert [len(ids) for ids in outputs["cpu"]] == [len(ids) for ids in outputs["reference"]] == [12, 12]
     assert outputs["cpu"] == outputs["reference"]
 
 
@@ -248,6 +249,7 @@ def test_cli_kernels_option(tmp_path):
                                            "--kernels", kernels, "--json"])
         assert result.exit_code == 0, result.output
         ids[kernels] = json.loads(result.stdout)["token_ids"]
+    assert len(ids["cpu"]) == len(ids["reference"]) == 6
     assert ids["cpu"] == ids["reference"]
     for command in ("generate", "bench"):
         help_text = " ".join(CliRunner().invoke(main, [command, "--help"]).output.split())

@@ -171,7 +171,7 @@ def test_tie_rule_rejects_a_real_mismatch():
 
 def test_same_tokens_alone_batched_cached_chunked_and_preempted(models):
     model, path = models("llama")
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     shared = [1] + [rng.randrange(3, VOCAB) for _ in range(23)]
     prompts = [shared + p[1:] for p in random_prompts(3, 2, 20)] + random_prompts(3, 2, 40) + [list(shared)]
     n = 20
@@ -289,7 +289,7 @@ def test_lm_head_setting_is_validated(models):
 def test_block_accounting_after_1000_requests_with_aborts(tmp_path):
     path = save_model(tiny_llama(seed=2, num_hidden_layers=1), tmp_path / "one_layer")
     engine = LLMEngine(path, block_size=4, num_kv_blocks=48, max_num_seqs=16, max_num_batched_tokens=48)
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     stems = random_prompts(5, 4, 24)
     live: list[str] = []
     finals: dict[str, str] = {}

@@ -110,7 +110,7 @@ def paged_cache(lens: list[int], kind: str, rng: random.Random):
 
 @pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
 def test_decode_attention_of_every_backend_matches_the_reference(kind):
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     lens = sorted(rng.randint(1, 60) for _ in range(5))
     q, cache, meta = paged_cache(lens, kind, rng)
     want = ReferenceBackend(CPU, torch.float32).decode_attention(q, meta, cache, 0, 0.2)
@@ -180,7 +180,7 @@ def assert_same_greedy(ours, theirs, what: str) -> None:
 @pytest.mark.parametrize("model,kv", [("float", "auto"), ("float", "int8"), ("W4A16", "auto")])
 def test_engine_on_triton_equals_the_reference_backend(tmp_path, model, kv):
     path = w4a16_checkpoint(tmp_path / "w4") if model == "W4A16" else save_model(tiny_llama(seed=4), tmp_path / "float")
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     shared = [1] + [rng.randrange(3, 259) for _ in range(9)]  # a shared prefix: prefix-cache hits, chunks over cached context
     prompts = [shared + [rng.randrange(3, 259) for _ in range(rng.randint(1, 20))] for _ in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
