@@ -137,7 +137,7 @@ def evaluate_tasks(model: str | os.PathLike, settings: TaskSettings, manager=Non
             model=lm, tasks=list(settings.tasks), num_fewshot=settings.num_fewshot, limit=settings.limit,
             batch_size=settings.batch_size, task_manager=manager, log_samples=True, random_seed=settings.seed,
             numpy_random_seed=settings.seed, torch_random_seed=settings.seed, fewshot_random_seed=settings.seed)
-    except (ConnectionError, OSError, ValueError) as exc:
+    except (ConnectionError, OSError) as exc:  # offline, or a dataset that is not there
         raise LlmoptError(
             f"cannot load a task's data: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
             "the standard tasks download their data from the Hugging Face Hub; offline, use task YAMLs "
