@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="*", default=[4.5, 4.85, 5.5, 6.0])
     parser.add_argument("--sens-samples", type=int, default=4)
     parser.add_argument("--sens-seq-len", type=int, default=512)
+    parser.add_argument("--only", nargs="*", default=None, help="variant names to run (default: all)")
     args = parser.parse_args()
     from llmopt.checkpoints.models import resolve_model
     from llmopt.quant.allocate import allocate, plan_table, totals
@@ -121,6 +122,13 @@ def main() -> None:
         for v in variants.values():
             v["options"].update(calib_samples=32)
     results = {}
+    if args.only:
+        variants = {k: v for k, v in variants.items() if k in args.only}
+    previous = RESULTS / "mixed_precision.json"
+    if previous.exists():  # keep variants measured by an earlier bounded run with the same settings
+        old = json.loads(previous.read_text())
+        if (old.get("method"), old.get("windows")) == (args.method, args.windows):
+            results.update({k: v for k, v in old.get("results", {}).items() if k not in variants})
     for name, v in variants.items():
         path = quantize(name, **v["options"])
         start = time.perf_counter()
