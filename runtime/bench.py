@@ -89,6 +89,7 @@ def single_stream(engine: LLMEngine, pp: int = 512, tg: int = 128, repetitions: 
     tokens, so the prefix cache never helps. A request that errors raises ``RequestFailedError``."""
     rng = random.Random(seed)
     _run_one(engine, _random_prompt(engine, min(pp, 32), rng), 4)  # warm-up
+    engine.reset_metrics()
     pp_s, tg_s, pp_tokens, tg_tokens = [], [], [], []
     for _ in range(repetitions):
         seconds, tokens = time_prompt(engine, pp, rng)
@@ -107,7 +108,19 @@ def single_stream(engine: LLMEngine, pp: int = 512, tg: int = 128, repetitions: 
         "pp_tokens": pp_tokens,
         "tg_tokens": tg_tokens,
         "repetitions": repetitions,
+        **spec_figures(engine),
     }
+
+
+SPEC_FIGURES = ("spec_acceptance_rate", "spec_mean_accepted_length", "spec_draft_s", "spec_verify_s")
+
+
+def spec_figures(engine: LLMEngine) -> dict:
+    """Speculative decoding's figures of the measurement window (empty when it is off)."""
+    if engine.spec is None:
+        return {}
+    m = engine.metrics()
+    return {k: m[k] for k in m if k.startswith("spec_")}
 
 
 def serving(engine: LLMEngine, workload: list[WorkItem], advance: Callable[[int], None] | None = None) -> dict:
@@ -158,4 +171,5 @@ def serving(engine: LLMEngine, workload: list[WorkItem], advance: Callable[[int]
         "kv_bytes_allocated": run["kv_bytes_allocated"],
         "kv_bytes_peak_in_use": run["kv_bytes_peak_in_use"],
         "steps": run["steps"],
+        **{k: run[k] for k in run if k.startswith("spec_")},
     }

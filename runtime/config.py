@@ -53,6 +53,9 @@ class EngineConfig:
     kernels: str = "auto"
     lm_head: str = "auto"
     device: str = "cpu"
+    # speculative decoding (vLLM's shape): {"method": "ngram" | "draft", "model": DRAFT,
+    # "num_speculative_tokens": k, ...}; see runtime.speculative.SpeculativeConfig. None: off
+    speculative_config: dict[str, Any] | None = None
 
     def validate(self) -> None:
         checks = [

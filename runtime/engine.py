@@ -15,16 +15,16 @@ from llmopt.core.errors import LlmoptError
 from .backends import choose_backend
 from .block_manager import BlockManager
 from .config import GIB, EngineConfig, saved_settings, read_arch, resolve_max_model_len
-from .loader import load_weights
 from .metrics import RunStats, request_metrics
 from .kv_cache import KVCache
-from .model import LlamaModel
+from .models import load_model
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from .speculative import SpeculativeConfig, Speculator
 
 
 class LLMEngine:
@@ -46,6 +46,8 @@ class LLMEngine:
         except TypeError as exc:
             raise LlmoptError(f"unknown engine setting: {exc}", f"settings: {', '.join(EngineConfig.__dataclass_fields__)}") from exc
         config.validate()
+        if config.speculative_config:  # a bad setting fails before any weight is loaded
+            SpeculativeConfig.parse(config.speculative_config)
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
@@ -57,7 +59,7 @@ class LLMEngine:
             raise LlmoptError(f"device {config.device!r} was asked for but torch sees no CUDA device here",
                               "use device='cpu', or a CUDA build of torch on a machine with a GPU")
         self.backend = choose_backend(config.kernels, device, dtype)
-        self.weights = load_weights(self.path, self.arch, dtype, self.backend, config.lm_head)
+        self.model, self.weights = load_model(self.path, self.arch, dtype, self.backend, config.lm_head, self.max_model_len)
         bs = config.block_size
         self.bytes_per_block = KVCache.bytes_per_block(self.arch, bs, dtype, config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks
@@ -71,7 +73,7 @@ class LLMEngine:
         self.cache = KVCache(self.arch, num_blocks, bs, dtype, config.kv_cache_dtype, device)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.arch, LlamaModel(self.arch, self.weights, self.backend), self.cache, self.max_model_len, dtype)
+        self.runner = ModelRunner(self.arch, self.model, self.cache, self.max_model_len, dtype)
         self.sampler = Sampler(config.seed, self.backend.argmax)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(self.path)
         self.eos_token_ids = _eos_ids(self.path, self.tokenizer)
@@ -79,7 +81,27 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
+        self.spec = self._speculator(config.speculative_config)
 
+    def _speculator(self, setting) -> Speculator | None:
+        """Speculative decoding as ``speculative_config`` asks (None: off); a draft model gets its
+        own engine (its KV cache as many blocks as the target's) and must share the tokenizer."""
+        if not setting:
+            return None
+        spec = SpeculativeConfig.parse(setting)
+        draft = None
+        if spec.method == "draft":
+            c = self.config
+            draft_config = EngineConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+                                        block_size=c.block_size, num_kv_blocks=self.block_manager.num_blocks,
+                                        max_model_len=self.max_model_len, enable_prefix_caching=True, dtype=c.dtype,
+                                        seed=c.seed, kernels=c.kernels, lm_head=c.lm_head, device=c.device)
+            try:
+                draft = LLMEngine(spec.model, draft_config)
+            except LlmoptError as exc:
+                raise LlmoptError(f"draft model {spec.model}: {exc.problem}", exc.fix) from exc
+            _check_same_vocabulary(self, draft, spec.model)
+        return Speculator(spec, self, draft)
     # -- requests ------------------------------------------------------------------------------
     @property
     def kv_capacity_tokens(self) -> int:
@@ -153,16 +175,26 @@ class LLMEngine:
         self.stats.reset()
         self.scheduler.num_preemptions = self.scheduler.prefix_queried_tokens = self.scheduler.prefix_hit_tokens = 0
         self.block_manager.peak_used = self.block_manager.num_used_blocks
+        if self.spec is not None:
+            self.spec.reset()
 
     def metrics(self) -> dict:
         """Run figures so far: throughput, KV usage, prefix-cache hit rate, preemptions …"""
-        return self.stats.snapshot(self.scheduler, self.block_manager, self.bytes_per_block)
+        figures = self.stats.snapshot(self.scheduler, self.block_manager, self.bytes_per_block)
+        if self.spec is not None:
+            figures.update(self.spec.metrics())
+        return figures
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and compute one step; returns an output per request that got a token or ended."""
         outputs, self._pending = self._pending, []
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        if self.spec is not None:
+            for seq in batch.preempted:
+                self.spec.release(seq)
         if not batch:
             return outputs
         started = time.perf_counter()
@@ -175,30 +207,56 @@ class LLMEngine:
                 outputs.append(self._output(seq, []))
             return outputs
         now = time.perf_counter()
+        verifying = any(seq.spec_tokens for seq, _ in batch.items)
+        if self.spec is not None:
+            self.spec.observe_step(batch.items, now - started, verifying)
         for seq, n in batch.items:
-            seq.num_computed += n
+            seq.num_computed += 1 if seq.spec_tokens else n  # verified proposals are counted once accepted
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = started
             self.block_manager.register_full_blocks(seq)
         self.stats.steps += 1
         self.stats.computed_tokens += batch.num_tokens
         self.stats.busy_seconds += now - started
-        for seq, result in zip(sampled, self.sampler(logits, sampled)):
-            if result.error is not None:
+        if verifying:
+            results = self.spec.verify(logits, sampled, self.sampler)
+        else:
+            results = [(seq, None, result) for seq, result in zip(sampled, self.sampler(logits, sampled))]
+        for seq, verdict, result in results:
+            if verdict is None and result.error is not None:
                 seq.error = result.error
                 self._finish(seq, "error")
                 outputs.append(self._output(seq, []))
                 continue
-            seq.append_token(result.token_id)
+            if verdict is None:
+                tokens, logprobs = [result.token_id], None if result.logprobs is None else [result.logprobs]
+            else:
+                tokens, logprobs = verdict.tokens, verdict.logprobs
+            new = self._append(seq, tokens, logprobs, now)
+            outputs.append(self._output(seq, new))
+        return outputs
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None, now: float) -> list[int]:
+        """Append the step's tokens to ``seq`` until one stops it; each token after the first
+        is an accepted proposal whose KV the step computed. Returns the tokens appended."""
+        new = []
+        for j, token in enumerate(tokens):
+            if j:
+                seq.num_computed += 1
+            seq.append_token(token)
+            new.append(token)
             self.stats.generated_tokens += 1
             if seq.times.first_token is None:
                 seq.times.first_token = now
-            if result.logprobs is not None:
-                seq.logprobs.append(result.logprobs)
-                seq.cumulative_logprob += result.logprobs[result.token_id]
-            self._check_stop(seq, result.token_id)
-            outputs.append(self._output(seq, [result.token_id]))
-        return outputs
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[j])
+                seq.cumulative_logprob += logprobs[j][token]
+            self._check_stop(seq, token)
+            if seq.is_finished:
+                return new
+        if len(tokens) > 1:
+            self.block_manager.register_full_blocks(seq)
+        return new
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
@@ -222,6 +280,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        if self.spec is not None:
+            self.spec.release(seq)
         seq.times.finished = time.perf_counter()
         self.stats.finished_requests += 1
 
@@ -274,3 +334,13 @@ def _eos_ids(path: Path, tokenizer) -> set[int]:
                 return set(value) if isinstance(value, list) else {int(value)}
     eos = getattr(tokenizer, "eos_token_id", None)
     return set() if eos is None else {int(eos)}
+
+
+def _check_same_vocabulary(target: LLMEngine, draft: LLMEngine, name: str) -> None:
+    """A draft must tokenize like the target: same vocabulary size and the same token table."""
+    if target.arch.vocab_size != draft.arch.vocab_size or target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise LlmoptError(
+            f"draft model {name} does not share the target's tokenizer (vocabulary {draft.arch.vocab_size} "
+            f"vs {target.arch.vocab_size} entries, or different tokens)",
+            "use a draft made from the target (llmopt distill / prune drop-layers) or one of the same model family",
+        )

@@ -28,19 +28,22 @@ class ModelRunner:
     def prepare(self, items: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
         """The forward inputs for ``items`` and the sequences that get a new token (in row order)."""
         bs = self.block_size
-        decodes = sorted((s for s, n in items if n == 1), key=lambda s: s.num_computed)
-        chunks = [(s, n) for s, n in items if n > 1]
+        # decode rows (sequence, position), ascending context: one per decoding sequence, and one
+        # per token being verified for a sequence with proposed tokens (speculative decoding:
+        # each attends like a decode token, to the cache up to and including itself)
+        decodes = sorted(((s, s.num_computed + i) for s, n in items if n == 1 or s.spec_tokens for i in range(n)),
+                         key=lambda row: row[1])
+        chunks = [(s, n) for s, n in items if n > 1 and not s.spec_tokens]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
-        for seq in decodes:
-            p = seq.num_computed
-            ids.append(seq.token_ids[p])
+        for seq, p in decodes:
+            ids.append(seq.token_at(p))
             positions.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
-            if p + 1 == seq.num_tokens:
+            if p + 1 >= seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
         prefills = []
@@ -62,33 +65,34 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
         pos_t = torch.tensor(positions, dtype=torch.long)
-        cos, sin = self._rope_rows([(s, 1) for s in decodes] + chunks, pos_t)
+        cos, sin = self._rope_rows([(p + 1, 1) for _, p in decodes] + [(s.num_computed + n, n) for s, n in chunks], pos_t)
         attn = AttentionMetadata(torch.tensor(slots, dtype=torch.long), len(decodes), prefills=prefills)
         if decodes:
             attn.block_tables, attn.context_lens = self._block_tables(decodes)
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long), cos.unsqueeze(1), sin.unsqueeze(1), attn,
-                             torch.tensor(sample_rows, dtype=torch.long))
+                             torch.tensor(sample_rows, dtype=torch.long), pos_t)
         return (batch if self.device.type == "cpu" else batch.to(self.device)), sampled
 
     def _rows(self, block_ids: torch.Tensor) -> torch.Tensor:
         return block_rows(block_ids, self.arch.num_kv_heads, self.cache.num_blocks)
 
-    def _block_tables(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables (padded with block 0) and context lengths of the decode sequences (int64:
+    def _block_tables(self, rows: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables (padded with block 0) and context lengths of the decode rows (int64:
         the C++ kernel's own type, not converted again in every layer)."""
         bs = self.block_size
-        lens = [s.num_computed + 1 for s in seqs]
+        seqs = [s for s, _ in rows]
+        lens = [p + 1 for _, p in rows]
         width = -(-max(lens) // bs)
         tables = [s.block_table[:width] + [0] * (width - min(width, len(s.block_table))) for s in seqs]
         return torch.tensor(tables, dtype=torch.long), torch.tensor(lens, dtype=torch.long)
 
-    def _rope_rows(self, items: list[tuple[Sequence, int]], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_rows(self, items: list[tuple[int, int]], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE rows; ``items`` are (sequence length after the rows, number of rows) in row order."""
         cos, sin = self.rope.for_positions(positions)
         if not self.rope.length_dependent:
             return cos, sin
         row = 0
-        for seq, n in items:  # sequences beyond the original context use length-scaled frequencies
-            seq_len = seq.num_computed + n
+        for seq_len, n in items:  # sequences beyond the original context use length-scaled frequencies
             if seq_len > self.rope.original_max:
                 c, s = self.rope.for_long_sequence(positions[row:row + n], seq_len)
                 cos[row:row + n], sin[row:row + n] = c, s
@@ -96,7 +100,8 @@ class ModelRunner:
         return cos, sin
 
     def run(self, items: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Compute the step; returns logits ``[len(sampled), vocab]`` and the sampled sequences."""
+        """Compute the step; returns logits ``[len(sampled), vocab]`` and the sampled sequences (a
+        sequence with proposed tokens once per verified row, in position order)."""
         batch, sampled = self.prepare(items)
         logits = self.model.forward(batch, self.cache)
         return logits, sampled

@@ -3,7 +3,8 @@
 Every step has a token budget. Running sequences go first, in arrival order: one token each
 when decoding, or the next chunk of a prompt that did not fit before (chunked prefill). Then
 waiting requests are admitted first-come-first-served while budget, the running cap and KV
-blocks allow. When a running sequence needs a block and none is free, the most recently
+blocks allow. A decoding sequence with proposed tokens (speculative decoding, ``spec_tokens``)
+runs them too, trimmed to the budget, and drops them rather than preempt another sequence. When a running sequence needs a block and none is free, the most recently
 admitted running sequence is preempted: its blocks are freed and it goes back to the front of
 the queue to be recomputed later (its prefix is often still cached).
 """
@@ -58,7 +59,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.spec_tokens:  # a decode with proposed tokens: verify as many as the budget allows
+                if n == 1 and budget > 1:
+                    _trim_spec(seq, budget - 1)
+                    n += len(seq.spec_tokens)
+                else:
+                    seq.clear_spec()
             while not self.blocks.allocate(seq, seq.num_computed + n):
+                if seq.spec_tokens:  # drop the proposal before preempting anyone
+                    seq.clear_spec()
+                    n = 1
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -88,6 +99,7 @@ class Scheduler:
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.clear_spec()
         self.blocks.free(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
@@ -103,5 +115,13 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
+        seq.clear_spec()
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+
+def _trim_spec(seq: Sequence, keep: int) -> None:
+    """Keep the first ``keep`` proposed tokens of ``seq`` (and their draft distributions)."""
+    del seq.spec_tokens[keep:]
+    if seq.spec_probs is not None:
+        del seq.spec_probs[keep:]

@@ -58,6 +58,11 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.times = RequestTimes(arrival if arrival is not None else time.perf_counter())
+        # speculative decoding: tokens proposed after the last one, verified by the next step
+        # (never part of ``token_ids``), the draft's distributions when sampled, and the proposer's state
+        self.spec_tokens: list[int] = []
+        self.spec_probs: list | None = None
+        self.spec_state = None
 
     # -- tokens ----------------------------------------------------------------------------
     @property
@@ -78,6 +83,15 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def token_at(self, position: int) -> int:
+        """The token at ``position``, a proposed (speculative) one past the accepted tokens."""
+        n = len(self.token_ids)
+        return self.token_ids[position] if position < n else self.spec_tokens[position - n]
+
+    def clear_spec(self) -> None:
+        self.spec_tokens = []
+        self.spec_probs = None
 
     # -- prefix hashes -----------------------------------------------------------------------
     def block_hash(self, index: int, block_size: int) -> bytes:

@@ -41,6 +41,13 @@ def engine_options(batching: bool = True):
         click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), help=KERNELS_HELP + SAVED),
         click.option("--device", help="Where weights and KV cache live: cpu, cuda or cuda:N." + SAVED),
         click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), help=LM_HEAD_HELP + SAVED),
+        click.option("--speculative-method", type=click.Choice(["ngram", "draft"]),
+                     help="Speculative decoding: ngram (prompt lookup in the prompt and the text so far; pays off on "
+                          "summaries, rewrites, code edits) or draft (a small model, --draft, proposes). Greedy output "
+                          "is unchanged, sampling keeps the model's distribution; k adapts per sequence." + SAVED),
+        click.option("--draft", "draft_model", help="Draft model for --speculative-method draft (any model spec sharing the "
+                                                    "tokenizer, e.g. a `llmopt distill` or `prune drop-layers` student)."),
+        click.option("--spec-tokens", type=click.IntRange(1, 16), help="Most tokens proposed per step and sequence [default: 4]."),
     ]
 
     def decorate(func):
@@ -58,4 +65,9 @@ def engine_settings(params: dict[str, Any]) -> dict[str, Any]:
         value = params.pop(name, None)
         if value is not None:
             settings["enable_prefix_caching" if name == "prefix_caching" else name] = value
+    spec = {key: value for key, value in (("method", params.pop("speculative_method", None)),
+                                          ("model", params.pop("draft_model", None)),
+                                          ("num_speculative_tokens", params.pop("spec_tokens", None))) if value is not None}
+    if spec:  # checked by the engine (SpeculativeConfig): one clear line for a bad combination
+        settings["speculative_config"] = spec
     return settings

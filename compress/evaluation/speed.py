@@ -46,7 +46,7 @@ def load_average() -> list[float] | None:
 def one_round(path: str, plan: SpeedPlan) -> dict:
     """One model's figures for one round (a fresh engine, freed afterwards)."""
     from llmopt.runtime import LLMEngine
-    from llmopt.runtime.bench import make_workload, serving, single_stream
+    from llmopt.runtime.bench import SPEC_FIGURES, make_workload, serving, single_stream
 
     engine = LLMEngine(path)
     try:
@@ -57,8 +57,9 @@ def one_round(path: str, plan: SpeedPlan) -> dict:
     finally:
         del engine
         gc.collect()
+    spec = {f"tg128_{k}": single[k] for k in SPEC_FIGURES if k in single}  # speculative decoding, when the checkpoint's runtime settings turn it on
     return {"pp512_tok_s": single["pp512_tok_s"], "tg128_tok_s": single["tg128_tok_s"],
-            "serving_requests": served["requests"], **{f"serving_{k}": served[k] for k in SERVING_KEYS}}
+            "serving_requests": served["requests"], **{f"serving_{k}": served[k] for k in SERVING_KEYS}, **spec}
 
 
 def summarize(rounds: list[dict]) -> dict:
