@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 from llmopt.core.errors import LlmoptError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 GIB = 1024**3
 # the backends are the modules of runtime/backends (named, not imported, here)
@@ -85,8 +86,24 @@ def _is_device(name: str) -> bool:
 
 
 @dataclass
+class MoeSpec:
+    """A mixture-of-experts MLP: ``top_k`` of ``num_experts`` experts per token (softmax router,
+    weights renormalised over the chosen ones when ``renormalize``), optionally a shared expert
+    (with a sigmoid gate) added to every token; ``sparse_layers[i]`` says whether layer i has
+    experts (the others have a dense MLP of the model's ``intermediate_size``)."""
+
+    num_experts: int
+    top_k: int
+    renormalize: bool
+    expert_intermediate: int
+    shared_intermediate: int
+    sparse_layers: tuple[bool, ...]
+
+
+@dataclass
 class ModelArch:
-    """Shape and options of a Llama-family decoder, read from its config."""
+    """Shape and options of a decoder, read from its config (the fields after ``hf_config`` are
+    the variations the native models implement: see ``runtime.models``)."""
 
     model_type: str
     hidden_size: int
@@ -102,11 +119,24 @@ class ModelArch:
     qk_norm: bool
     sliding_window: int | None
     hf_config: Any  # the transformers config object (RoPE init functions read it)
+    layer_windows: tuple[int | None, ...] = ()  # per layer: attend to the last N tokens, None: all
+    query_scale: float | None = None  # attention scale (None: head_dim ** -0.5)
+    attn_softcap: float | None = None  # attention scores -> c * tanh(s / c)
+    final_softcap: float | None = None  # logits -> c * tanh(l / c)
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+    norm_offset: float = 0.0  # RMSNorm weight used as (offset + w) (Gemma: 1)
+    activation: str = "silu"  # of the gated MLP: silu or gelu_tanh
+    sandwich_norm: bool = False  # norms on the attention and MLP outputs too (Gemma 2 / 3)
+    local_rope: dict | None = None  # RoPE parameters of the sliding-window layers when they differ (Gemma 3)
+    moe: MoeSpec | None = None
 
     @property
     def rope_type(self) -> str:
         params = getattr(self.hf_config, "rope_parameters", None) or {}
         return params.get("rope_type", "default")
+
+
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 
 
 def read_arch(path: Path) -> ModelArch:
@@ -117,26 +147,34 @@ def read_arch(path: Path) -> ModelArch:
         cfg = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as exc:
         raise LlmoptError(f"cannot read {path}/config.json: {str(exc).splitlines()[0]}", "pass a Hugging Face checkpoint directory") from exc
+    return arch_of(cfg, path)
+
+
+def arch_of(cfg: Any, path: Path | str = "the model") -> ModelArch:
+    """:class:`ModelArch` of a transformers config of a natively supported architecture."""
     model_type = getattr(cfg, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise LlmoptError(
-            f"the runtime does not support architecture '{model_type}'",
-            f"it runs the Llama family: {', '.join(SUPPORTED_MODEL_TYPES)} (SmolLM is llama)",
+            f"the runtime does not support architecture '{model_type}' natively",
+            f"native: {', '.join(SUPPORTED_MODEL_TYPES)} (SmolLM is llama)",
         )
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise LlmoptError(f"unsupported activation '{act}' in {path}", "the runtime implements SwiGLU (silu) MLPs only")
+    gemma = model_type in ("gemma2", "gemma3_text")
+    act = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", *GELU_TANH):
+        raise LlmoptError(f"unsupported activation '{act}' in {path}", "the runtime implements SwiGLU and GeLU-tanh gated MLPs")
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     rope = getattr(cfg, "rope_parameters", None) or {}
+    local_rope = None
+    if model_type == "gemma3_text" and "full_attention" in rope:  # RoPE per layer type
+        cfg = copy.copy(cfg)
+        local_rope = dict(rope.get("sliding_attention") or rope["full_attention"])
+        cfg.rope_parameters = rope = dict(rope["full_attention"])
     rope_type = rope.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise LlmoptError(f"unsupported RoPE type '{rope_type}'", f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise LlmoptError("partial rotary embeddings are not supported", "use a model that rotates the whole head")
-    window = getattr(cfg, "sliding_window", None)
-    if model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
-        window = None
     return ModelArch(
         model_type=model_type,
         hidden_size=cfg.hidden_size,
@@ -149,28 +187,68 @@ def read_arch(path: Path) -> ModelArch:
         rms_norm_eps=cfg.rms_norm_eps,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qk_norm=model_type == "qwen3",
-        sliding_window=window,
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        sliding_window=_window(cfg, model_type),
         hf_config=cfg,
+        layer_windows=_layer_windows(cfg, model_type),
+        query_scale=cfg.query_pre_attn_scalar ** -0.5 if gemma else None,
+        attn_softcap=getattr(cfg, "attn_logit_softcapping", None) if gemma else None,
+        final_softcap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
+        embed_scale=cfg.hidden_size ** 0.5 if gemma else None,
+        norm_offset=1.0 if gemma else 0.0,
+        activation="silu" if act == "silu" else "gelu_tanh",
+        sandwich_norm=gemma,
+        local_rope=local_rope,
+        moe=_moe(cfg, model_type),
     )
+
+
+def _window(cfg: Any, model_type: str) -> int | None:
+    window = getattr(cfg, "sliding_window", None) or None
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not getattr(cfg, "use_sliding_window", False):
+        return None
+    return window
+
+
+def _layer_windows(cfg: Any, model_type: str) -> tuple[int | None, ...]:
+    """The attention window of every layer: ``layer_types`` when the config has them (Gemma,
+    Qwen), else the one window (Mistral, Phi-3) everywhere."""
+    window = _window(cfg, model_type)
+    types = getattr(cfg, "layer_types", None)
+    if window is None:
+        return (None,) * cfg.num_hidden_layers
+    if types:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (window,) * cfg.num_hidden_layers
+
+
+def _moe(cfg: Any, model_type: str) -> MoeSpec | None:
+    if model_type == "mixtral":
+        n = cfg.num_local_experts
+        return MoeSpec(n, cfg.num_experts_per_tok, True, cfg.intermediate_size, 0, (True,) * cfg.num_hidden_layers)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        n = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", 0)
+        step, dense = getattr(cfg, "decoder_sparse_step", 1) or 1, set(getattr(cfg, "mlp_only_layers", None) or [])
+        sparse = tuple(i not in dense and n > 0 and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers))
+        shared = getattr(cfg, "shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+        return MoeSpec(n, cfg.num_experts_per_tok, bool(cfg.norm_topk_prob), cfg.moe_intermediate_size, shared, sparse)
+    return None
 
 
 def resolve_max_model_len(arch: ModelArch, asked: int | None) -> int:
     """The longest sequence (prompt + output) the engine accepts.
 
-    Dynamic NTK RoPE extends the context by its factor; sliding-window attention is not
-    implemented, so a model with a window is limited to it.
+    Dynamic NTK RoPE extends the context by its factor; sliding-window layers attend to their
+    window only (``ModelArch.layer_windows``), so a window does not limit the length.
     """
     limit = arch.max_position_embeddings
     if arch.rope_type == "dynamic":
         limit = int(limit * float(arch.hf_config.rope_parameters.get("factor", 1.0)))
-    if arch.sliding_window:
-        limit = min(limit, arch.sliding_window)
     if asked is None:
         return limit
     if asked > limit:
-        reason = "its sliding window" if arch.sliding_window and arch.sliding_window < arch.max_position_embeddings else "max_position_embeddings"
-        raise LlmoptError(f"max_model_len {asked} exceeds the model's limit of {limit} tokens ({reason})", f"use max_model_len <= {limit}")
+        raise LlmoptError(f"max_model_len {asked} exceeds the model's limit of {limit} tokens (max_position_embeddings)",
+                          f"use max_model_len <= {limit}")
     return asked
 
 

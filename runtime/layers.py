@@ -152,3 +152,59 @@ def merge_linears(parts: list[Linear]) -> Linear:
             return QuantLinear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zp,
                                first.group_size, first.activations, first.scheme_name, _cat_bias(parts))
     return ConcatLinear(parts)
+
+
+@dataclass
+class GatedMLP:
+    """``down(act(gate) * up)`` with gate and up merged into one linear (``gate_up``)."""
+
+    gate_up: Linear
+    down: Linear
+    act_mul: Callable[[torch.Tensor], torch.Tensor]  # the backend's silu_mul / gelu_mul
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act_mul(self.gate_up(x)))
+
+    def linears(self) -> list[Linear]:
+        return [self.gate_up, self.down]
+
+
+@dataclass
+class SparseMoE:
+    """A mixture-of-experts MLP: a float router picks ``top_k`` experts per token (softmax over
+    all experts, then the chosen weights renormalised when ``renormalize``: Mixtral, Qwen3-MoE's
+    ``norm_topk_prob``); each expert runs once on the rows routed to it, weighted outputs summed
+    in expert order (as transformers does); a shared expert, gated by ``sigmoid(shared_gate(x))``,
+    is added to every token (Qwen2-MoE)."""
+
+    router: Linear
+    experts: list[GatedMLP]
+    top_k: int
+    renormalize: bool
+    shared: GatedMLP | None = None
+    shared_gate: Linear | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        out = torch.zeros_like(x)
+        for e in chosen.unique().tolist():
+            rows, slot = torch.where(chosen == e)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
+        if self.shared is not None:
+            shared = self.shared(x)
+            out = out + (torch.sigmoid(self.shared_gate(x)) * shared if self.shared_gate is not None else shared)
+        return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token: the weights ``[T, top_k]`` (x's dtype) and indices of its experts."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def linears(self) -> list[Linear]:
+        found = [self.router] + [lin for e in self.experts for lin in e.linears()]
+        if self.shared is not None:
+            found += self.shared.linears()
+        return found + ([self.shared_gate] if self.shared_gate is not None else [])

@@ -67,11 +67,13 @@ class ForwardBatch:
     sin: torch.Tensor  # [T, 1, head_dim]
     attn: AttentionMetadata
     sample_rows: torch.Tensor | None = None  # rows whose next-token logits are needed
+    positions: torch.Tensor | None = None  # [T] each token's position (models with a second RoPE table read it)
 
     def to(self, device: torch.device) -> ForwardBatch:
         rows = None if self.sample_rows is None else self.sample_rows.to(device, non_blocking=True)
+        positions = None if self.positions is None else self.positions.to(device, non_blocking=True)
         return ForwardBatch(self.input_ids.to(device, non_blocking=True), self.cos.to(device, non_blocking=True),
-                            self.sin.to(device, non_blocking=True), self.attn.to(device), rows)
+                            self.sin.to(device, non_blocking=True), self.attn.to(device), rows, positions)
 
 
 def group_by_length(blocks: list[int], cost: int = GROUP_COST_BLOCKS) -> list[tuple[int, int]]:
@@ -133,6 +135,11 @@ class Backend:
         half = gate_up.shape[-1] // 2
         return F.silu(gate_up[:, :half]) * gate_up[:, half:]
 
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` of a merged ``[tokens, 2 * intermediate]`` output (Gemma)."""
+        half = gate_up.shape[-1] // 2
+        return F.gelu(gate_up[:, :half], approximate="tanh") * gate_up[:, half:]
+
     def rope_and_store(self, qkv: torch.Tensor, heads: int, qk_norm: torch.Tensor | None, eps: float, batch: ForwardBatch,
                        cache: KVCache, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[tokens, heads, head_dim]`` of the merged projection ``qkv`` with q and k
@@ -149,8 +156,13 @@ class Backend:
 
     # -- attention ------------------------------------------------------------------------------
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
-                  index: int, scale: float) -> torch.Tensor:
-        """``[tokens, heads * head_dim]`` for the batch's tokens, their K/V already in the cache."""
+                  index: int, scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """``[tokens, heads * head_dim]`` for the batch's tokens, their K/V already in the cache.
+        ``window``: each token sees only the last ``window`` positions (itself included);
+        ``softcap``: scores become ``softcap * tanh(score / softcap)`` (Gemma 2). Either runs
+        :meth:`masked_attention` (plain torch, every backend)."""
+        if window is not None or softcap is not None:
+            return self.masked_attention(q, k, v, meta, cache, index, scale, window, softcap)
         outs = []
         n = meta.num_decodes
         if n:
@@ -180,6 +192,36 @@ class Backend:
                                                  cache.block_size, scale, cache.k_space, cache.v_space,
                                                  cache.k_scale[index], cache.v_scale[index])
                 for start, count, rows, width, mask in groups]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def masked_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
+                         index: int, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+        """Attention with a sliding window and/or score soft-capping, one sequence at a time:
+        each decode token against its context read through its block table, each prompt chunk
+        against its cached context (or itself)."""
+        kv_heads, bs = cache.k[index].shape[0], cache.block_size
+        outs = []
+
+        def context(rows: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+            kc = reference.gather_context(cache.k[index], cache.k_scale[index], rows, bs, cache.k_space, q.dtype)
+            vc = reference.gather_context(cache.v[index], cache.v_scale[index], rows, bs, cache.v_space, q.dtype)
+            dim = q.shape[-1]
+            return kc.view(kv_heads, -1, dim)[:, :ctx], vc.view(kv_heads, -1, dim)[:, :ctx]
+
+        lens = meta.context_lens.tolist() if meta.num_decodes else []
+        for b, ctx in enumerate(lens):
+            rows = reference.block_rows(meta.block_tables[b, :-(-ctx // bs)], kv_heads, cache.num_blocks)
+            kc, vc = context(rows, ctx)
+            outs.append(reference.masked_attention(q[b:b + 1], kc, vc, ctx - 1, scale, window, softcap))
+        for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.length)
+            if chunk.rows is None:
+                kc, vc, start = k[rows].transpose(0, 1), v[rows].transpose(0, 1), 0
+            else:
+                ctx = chunk.mask.shape[1]
+                kc, vc = context(chunk.rows, ctx)
+                start = ctx - chunk.length
+            outs.append(reference.masked_attention(q[rows], kc, vc, start, scale, window, softcap))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     # -- sampling -------------------------------------------------------------------------------

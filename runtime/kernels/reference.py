@@ -181,3 +181,27 @@ def chunked_prefill_attention(
         q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads,
     )
     return out[0].transpose(0, 1).reshape(n, heads * dim)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of ``q`` ``[n, heads, dim]`` at positions ``start ... start + n - 1``
+    over ``k``/``v`` ``[kv_heads, ctx, dim]`` at positions ``0 ... ctx - 1``; a key is seen when
+    its position is at most the query's and, with ``window``, above ``query - window``; scores
+    soft-capped (``softcap * tanh(s / softcap)``) before the mask, softmax in float32 (as
+    transformers' eager attention). Returns ``[n, heads * dim]``."""
+    n, heads, dim = q.shape
+    kv_heads, ctx, _ = k.shape
+    qg = q.reshape(n, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3)  # [kv_heads, group, n, dim]
+    scores = torch.matmul(qg, k.transpose(-1, -2).unsqueeze(1)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    qpos = torch.arange(start, start + n, device=q.device)[:, None]
+    kpos = torch.arange(ctx, device=q.device)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.matmul(probs, v.unsqueeze(1))  # [kv_heads, group, n, dim]
+    return out.permute(2, 0, 1, 3).reshape(n, heads * dim)
