@@ -231,7 +231,7 @@ def test_qwen2_gptq_quantize_eval_compare(sources, tmp_path):
     assert 0 < figures["kld_mean"] < 1 and figures["perplexity"] > 1
     report = tmp_path / "report"
     result = runner.invoke(main, ["compare", str(source), str(out), "--dataset", wiki, "--seq-len", "64",
-                                  "--max-windows", "2", "--repetitions", "1", "--serving-requests", "2", "-o", str(report)])
+                                  "--max-windows", "2", "--repetitions", "1", "--rounds", "1", "--serving-requests", "2", "-o", str(report)])
     assert result.exit_code == 0, result.output
     assert (report / "report.json").is_file()
 

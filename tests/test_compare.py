@@ -35,7 +35,7 @@ def test_compare_tiny_variants(tmp_path):
         variants.append(str(out))
     report_dir = tmp_path / "report"
     result = runner.invoke(main, ["compare", str(base), *variants, "--dataset", str(WIKI), "--seq-len", "128",
-                                  "--max-windows", "2", "--repetitions", "1", "--serving-requests", "3",
+                                  "--max-windows", "2", "--repetitions", "2", "--rounds", "2", "--serving-requests", "3",
                                   "-o", str(report_dir), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -60,7 +60,7 @@ def test_demo_builds_every_variant_and_reports(tmp_path):
     base = save_model(tiny_llama(num_hidden_layers=8, max_position_embeddings=1024), tmp_path / "base")
 
     def settings() -> CompareSettings:
-        return CompareSettings(dataset=str(WIKI), seq_len=128, max_windows=2, repetitions=1, serving_requests=2,
+        return CompareSettings(dataset=str(WIKI), seq_len=128, max_windows=2, repetitions=2, rounds=2, serving_requests=2,
                                prompt_len=(8, 16), output_len=(4, 8))
 
     report = run_demo(tmp_path / "demo", str(base), settings())

@@ -35,13 +35,19 @@ def compare_table(report: dict) -> Table:
 @click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(2))
 @click.option("--max-windows", default=16, show_default=True, type=click.IntRange(0))
 @click.option("--speed/--no-speed", default=True, show_default=True, help="Also measure speed in our runtime.")
-@click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1), help="Single-stream repetitions (median).")
+@click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1), help="Single-stream repetitions in all (median), spread over the rounds.")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1), help="Interleaved speed rounds over the baseline and every variant (median and spread per model).")
 @click.option("--serving-requests", default=16, show_default=True, type=click.IntRange(1))
+@click.option("--tasks", metavar="T1,T2", help="Also score lm-evaluation-harness tasks for every model (needs the tasks extra).")
+@click.option("--num-fewshot", type=click.IntRange(0), help="--tasks: few-shot examples (default: each task's own).")
+@click.option("--limit", type=click.IntRange(1), help="--tasks: score the first N items of each task.")
+@click.option("--include-path", multiple=True, type=click.Path(exists=True, file_okay=False), help="--tasks: a folder of task YAMLs (repeatable).")
 @click.option("-o", "--output", default="out/compare", show_default=True, type=click.Path(file_okay=False), help="Directory for report.md, report.json and pareto.png.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Pareto plot path (default OUTPUT/pareto.png).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @user_errors
-def compare_command(baseline, variants, labels, dataset, seq_len, max_windows, speed, repetitions, serving_requests, output, plot, as_json):
+def compare_command(baseline, variants, labels, dataset, seq_len, max_windows, speed, repetitions, rounds, serving_requests,
+                    tasks, num_fewshot, limit, include_path, output, plot, as_json):
     """Accuracy (perplexity, KLD, top-1 vs BASELINE), speed (our runtime) and size of every VARIANT."""
     from llmopt.evaluation.compare import CompareSettings, compare, write_report
     from llmopt.core.console import out, progress_task
@@ -49,8 +55,12 @@ def compare_command(baseline, variants, labels, dataset, seq_len, max_windows, s
 
     if labels and len(labels) != len(variants) + 1:
         raise LlmoptError(f"{len(labels)} labels for {len(variants) + 1} models", "give one --label per model, baseline first")
+    if not tasks and (num_fewshot is not None or limit is not None or include_path):
+        raise LlmoptError("--num-fewshot, --limit and --include-path apply to --tasks only", "add --tasks or drop them")
     settings = CompareSettings(dataset=dataset, seq_len=seq_len, max_windows=max_windows, speed=speed,
-                               repetitions=repetitions, serving_requests=serving_requests, labels=list(labels))
+                               repetitions=repetitions, rounds=rounds, serving_requests=serving_requests, labels=list(labels),
+                               tasks=[t.strip() for t in (tasks or "").split(",") if t.strip()], task_num_fewshot=num_fewshot,
+                               task_limit=limit, task_include_path=list(include_path))
     steps = (len(variants) + 1) * (2 if speed else 1)
     with progress_task("comparing", steps) as advance:
         report = compare(baseline, list(variants), settings, advance)
