@@ -29,6 +29,7 @@ from llmopt.calibration import (
 )
 from torch import nn
 
+from llmopt.checkpoints.moe import is_expert, is_router, unfuse_experts
 from llmopt.core.errors import NumericalError
 from llmopt.quant.awq import AwqMappingResult, awq_apply_layer, awq_clip_layer
 from llmopt.formats.schemes import (
@@ -48,6 +49,10 @@ from llmopt.quant.smoothquant import SmoothResult, smoothquant_apply_layer
 METHODS = ("rtn", "gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq")
 DEFAULT_IGNORE = ("lm_head",)
 SPARSE_ZERO_FRACTION = 0.1  # preserve_zeros=None: keep zeros of layers at least this sparse
+# An expert whose Linears saw fewer calibration tokens than this (routing sent it few or none)
+# is quantized from its weights alone (RTN, MSE range search) instead of by the calibrated
+# method, whose statistics would be empty or fit to a handful of tokens; never left in float.
+MIN_EXPERT_TOKENS = 16
 
 
 @dataclass
@@ -62,6 +67,7 @@ class QuantizeResult:
     seconds: float = 0.0
     mappings: list[AwqMappingResult | SmoothResult] = field(default_factory=list)
     timings: EngineTimings = field(default_factory=EngineTimings)
+    starved_experts: dict[str, int] = field(default_factory=dict)  # expert Linear -> calibration tokens it saw (< MIN_EXPERT_TOKENS)
     sink: Callable[[dict[str, QuantizedWeight]], None] | None = None
 
     def store(self, weights: dict[str, QuantizedWeight]) -> None:
@@ -130,7 +136,8 @@ def check_method(scheme: QuantScheme, method: str, has_calibration: bool, act_or
 def select_targets(model: nn.Module, ignore: Iterable[str] = ()) -> dict[str, nn.Linear]:
     """Linears of the decoder layers not matched (``re.search``) by any ``ignore`` pattern.
 
-    Embeddings and ``lm_head`` live outside the decoder layers and are never quantized.
+    Embeddings and ``lm_head`` live outside the decoder layers and are never quantized;
+    mixture-of-experts routers stay in float too.
     """
     try:
         patterns = [re.compile(p) for p in ignore]
@@ -140,7 +147,7 @@ def select_targets(model: nn.Module, ignore: Iterable[str] = ()) -> dict[str, nn
     out: dict[str, nn.Linear] = {}
     for layer, prefix in names:
         for name, module in linear_modules(layer, prefix).items():
-            if not any(p.search(name) for p in patterns):
+            if not any(p.search(name) for p in patterns) and not is_router(name):
                 out[name] = module
     return out
 
@@ -241,6 +248,7 @@ def quantize_model(
     if clip_search is None:
         clip_search = method != "rtn"
     ignore = list(ignore)
+    unfuse_experts(model)  # fused 3-D experts (transformers v5) become one Linear per projection
     targets = select_targets(model, ignore)
     if not targets:
         raise ValueError("no Linear layers left to quantize: the ignore patterns match all of them")
@@ -316,9 +324,12 @@ def _quantize_calibrated(
         need_hessian = use_gptq or use_awq or opts.clip_search
         need_channel = use_awq or use_smooth
         observed = linear_modules(layer, prefix) if need_channel else mods
+        experts = any(is_expert(n) for n in observed)  # routing varies by batch: no early stop
         with LinearStats(observed, hessian=need_hessian, channel=need_channel,
-                         hessian_dtype=hessian_dtype) as stats:
+                         hessian_dtype=hessian_dtype, stop_early=not experts) as stats:
             run_layer()
+        if experts:
+            mods = _starved_experts_rtn(mods, stats, opts, group_sizes, result)
         if use_smooth or use_awq:
             mappings, skipped = layer_mappings(layer, prefix)
             if index == 0:
@@ -353,6 +364,26 @@ def _quantize_calibrated(
     finally:
         for h in act_hooks:
             h.remove()
+
+
+def _starved_experts_rtn(mods: dict[str, nn.Linear], stats: LinearStats, opts: _Options,
+                        group_sizes: dict[str, int | None], result: QuantizeResult) -> dict[str, nn.Linear]:
+    """Quantize the expert Linears that saw fewer than ``MIN_EXPERT_TOKENS`` calibration tokens
+    from their weights alone (RTN, MSE range search), record them, and return the others."""
+    seen = {}
+    for name in mods:
+        try:
+            seen[name] = stats.stats(name).n_tokens
+        except KeyError:  # routing sent no token to this expert
+            seen[name] = 0
+    starved = {n: m for n, m in mods.items() if is_expert(n) and seen[n] < MIN_EXPERT_TOKENS}
+    if not starved:
+        return mods
+    result.store(_rtn_mixed(starved, opts.schemes, group_sizes, "mse"))
+    result.starved_experts.update({n: seen[n] for n in starved})
+    result.notices.append(f"{len(starved)} expert Linears saw fewer than {MIN_EXPERT_TOKENS} calibration tokens: "
+                          f"quantized from their weights alone (RTN), e.g. {next(iter(starved))}")
+    return {n: m for n, m in mods.items() if n not in starved}
 
 
 @torch.no_grad()

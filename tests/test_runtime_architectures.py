@@ -10,7 +10,9 @@ import torch
 from conftest import byte_tokenizer, save_model
 from test_runtime import assert_greedy_match, greedy, random_prompts
 
+from llmopt.checkpoints.moe import unfuse_experts
 from llmopt.formats.compressed import read_compressed
+from llmopt.quant.streaming import quantize_streaming
 from llmopt.runtime import LLM
 from llmopt.runtime.layers import QuantLinear, SparseMoE
 
@@ -109,3 +111,26 @@ def test_float_greedy_matches_transformers(built, kind):
     assert (layers[0].moe is not None) == (kind in ("mixtral", "qwen2_moe", "qwen3_moe"))
     if kind == "qwen2_moe":
         assert layers[0].moe.shared is not None and layers[1].moe is None  # mlp_only_layers=[1]: dense
+
+
+@pytest.mark.parametrize("kind", NATIVE)
+def test_w4a16_greedy_matches_transformers(built, kind, tmp_path):
+    """A W4A16 (RTN, group 32) checkpoint stays quantized in the runtime (experts included) and
+    matches transformers running the dequantized weights."""
+    _, path = built(kind)
+    quantize_streaming(path, tmp_path / "w4", "W4A16", "rtn", 32, tokenizer=byte_tokenizer(), check_memory=False,
+                       show_progress=False)
+    weights, _ = read_compressed(tmp_path / "w4")
+    ref = tiny(kind)
+    unfuse_experts(ref)
+    modules = dict(ref.named_modules())
+    for name, qw in weights.items():
+        modules[name].weight.data = qw.dequantize(torch.float32)
+    linears = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear) and n != "lm_head"
+               and not n.endswith(("mlp.gate", "shared_expert_gate"))]
+    assert len(weights) == len(linears) and set(weights) == set(linears)
+    llm = check_parity(ref, tmp_path / "w4", kind, block_size=4, max_num_batched_tokens=24)
+    layer = llm.engine.weights.layers[0]
+    assert isinstance(layer.qkv, QuantLinear)
+    if layer.moe is not None:
+        assert all(isinstance(e.down, QuantLinear) for e in layer.moe.experts)

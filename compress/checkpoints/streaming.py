@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from llmopt.calibration import LayerLifecycle, decoder_layers
+from llmopt.checkpoints.moe import canonical_key, split_fused_tensors, unfuse_experts
 from llmopt.checkpoints.lazy import LazyCheckpoint
 from llmopt.core.errors import LlmoptError
 
@@ -63,6 +64,7 @@ class StreamedModel(LayerLifecycle):
         config = AutoConfig.from_pretrained(self.source)
         with init_empty_weights(include_buffers=False):
             self.model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+        unfuse_experts(self.model)  # one Linear per expert projection, named as checkpoints store them
         self.model.eval()
         self.model.config.dtype = self.stored_dtype  # what the written checkpoint holds
         self._tied = self._head_is_tied()
@@ -113,7 +115,8 @@ class StreamedModel(LayerLifecycle):
         for key in self.ckpt.keys():  # one stored tensor at a time next to the float32 layer
             if key.startswith(prefix):
                 v = self.ckpt.get(key)
-                state[key[len(prefix):]] = v.to(self.compute_dtype) if v.is_floating_point() else v
+                state[canonical_key(key)[len(prefix):]] = v.to(self.compute_dtype) if v.is_floating_point() else v
+        state = split_fused_tensors(state)
         wanted = set(layer.state_dict())
         missing = wanted - set(state)
         if missing:
