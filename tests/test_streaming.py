@@ -126,3 +126,44 @@ def test_streamed_prune_is_identical_to_in_memory(tmp_path, method, sparsity, pa
     assert record["sparsity"] == expected["sparsity"]
     assert record["parameters"] == expected["parameters"]
     _assert_same(tmp_path / "a", tmp_path / "b")
+
+
+def test_inverse_factor_matches_the_textbook_formula():
+    """The memory-lean factor equals (H + λI) shifted with a full identity, retries included."""
+    from llmopt.quant.gptq import _inverse_hessian_factor
+
+    def reference(h, damp):
+        eye = torch.eye(h.shape[0], dtype=h.dtype)
+        for attempt in range(6):
+            k, info = torch.linalg.cholesky_ex(h.flip(0, 1) + damp * 10**attempt * h.diagonal().mean().item() * eye)
+            if info.item() == 0:
+                return torch.linalg.solve_triangular(k, eye, upper=False).flip(0, 1)
+
+    gen = torch.Generator().manual_seed(0)
+    for rows, damp in ((512, 0.01), (20, 1e-6)):  # full rank; rank-deficient (needs retries)
+        x = torch.randn(rows, 96, generator=gen, dtype=torch.float64)
+        h = 2 * x.T @ x / rows
+        assert torch.equal(_inverse_hessian_factor(h, damp), reference(h, damp))
+
+
+def test_gptq_codes_do_not_depend_on_thread_count():
+    import contextlib
+
+    import llmopt.quant.gptq as gptq
+    from llmopt.formats.schemes import get_scheme
+
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(192, 128, generator=gen), torch.randn(256, 128, generator=gen)
+    h = (2 * x.T @ x / 256).double()
+    scheme = get_scheme("W4A16", 32)
+    one = gptq.gptq_quantize_weight(w, h, scheme, 32, act_order=True, clip=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gptq, "column_loop_threads", lambda t: contextlib.nullcontext())
+            two = gptq.gptq_quantize_weight(w, h, scheme, 32, act_order=True, clip=True)
+    finally:
+        torch.set_num_threads(before)
+    assert one.codes.shape == two.codes.shape and torch.equal(one.codes, two.codes)
+    assert torch.equal(one.scale, two.scale)
