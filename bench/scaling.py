@@ -185,7 +185,7 @@ def write_results(rows: list[dict], costs: list[dict] | None = None) -> None:
         "forward pass); `calibrate` is the observation pass (forward + statistics hooks); `solve` is the rest "
         "of each layer's work (GPTQ / SparseGPT solves, RTN); `load/write` reads layers from the mmap and writes shards.",
         "",
-        "| model | params | method | load | wall s | CPU s | CPU s / B params | peak RSS MiB | bound MiB | RSS / bound | RSS / bf16 size | forward s | calibrate s | solve s | load/write s |",
+        "| model | params | method | load | wall s | CPU s | CPU s / B params | peak RSS MiB | bound MiB | RSS / bound | RSS / checkpoint size | forward s | calibrate s | solve s | load/write s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -196,7 +196,7 @@ def write_results(rows: list[dict], costs: list[dict] | None = None) -> None:
             f"{r['cpu_s'] / (r['params'] / 1e9):.1f} | {r['peak_rss_mib']} | {r['bound_mib']} | "
             f"{r['peak_rss_mib'] / r['bound_mib']:.2f} | {r['peak_rss_mib'] * 1024**2 / r['stored_bytes']:.2f} | "
             f"{ph['forward']} | {ph.get('calibrate', '–')} | {solve} | {ph['load']} |")
-    lines += ["", "Linear fit of wall time against parameters (synthetic sizes, per method):", ""]
+    lines += ["", "Linear fits of time against parameters (synthetic sizes; per method, wall and CPU time):", ""]
     for method, f in fit.items():
         lines.append(f"- {method}: {f['slope_s_per_b']:.1f} s per billion parameters + {f['intercept_s']:.1f} s "
                      f"(R² {f['r2']:.3f}, {f['points']} sizes)")
@@ -215,18 +215,25 @@ def write_results(rows: list[dict], costs: list[dict] | None = None) -> None:
 def _linear_fit(rows: list[dict]) -> dict:
     out = {}
     for method in METHODS:
-        pts = [(r["params"] / 1e9, r["wall_s"]) for r in rows if r["method"] == method and r["model"] != "demo"]
-        if len(pts) < 2:
-            continue
-        n = len(pts)
-        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-        sxx = sum((x - mx) ** 2 for x, _ in pts)
-        slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
-        icpt = my - slope * mx
-        ss = sum((y - my) ** 2 for _, y in pts)
-        res = sum((y - (icpt + slope * x)) ** 2 for x, y in pts)
-        out[method] = {"slope_s_per_b": slope, "intercept_s": icpt, "r2": 1 - res / ss if ss else 1.0, "points": n}
+        for key in ("wall_s", "cpu_s"):
+            fit = _fit([(r["params"] / 1e9, r[key]) for r in rows if r["method"] == method and r["model"] != "demo"])
+            if fit:
+                out[f"{method} {key[:-2]}"] = fit
     return out
+
+
+def _fit(pts: list[tuple[float, float]]) -> dict | None:
+    """Least-squares line through ``(billions of parameters, seconds)`` points."""
+    if len(pts) < 2:
+        return None
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    icpt = my - slope * mx
+    ss = sum((y - my) ** 2 for _, y in pts)
+    res = sum((y - (icpt + slope * x)) ** 2 for x, y in pts)
+    return {"slope_s_per_b": slope, "intercept_s": icpt, "r2": 1 - res / ss if ss else 1.0, "points": n}
 
 
 def _plot(rows: list[dict]) -> None:
@@ -257,6 +264,7 @@ def main() -> None:
     parser.add_argument("--child", nargs=3, metavar=("SOURCE", "METHOD", "OUT"))
     parser.add_argument("--cost", nargs="*", help="calibration-cost runs on the demo model instead (default: all)")
     parser.add_argument("--cost-child", nargs=2, metavar=("NAME", "OUT"))
+    parser.add_argument("--report", action="store_true", help="only rewrite the report from the JSON")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (each layer calibrated there)")
     args = parser.parse_args()
     global DEVICE
@@ -266,6 +274,10 @@ def main() -> None:
         return
     if args.cost_child:
         cost_child(*args.cost_child)
+        return
+    if args.report:  # rewrite the .md and plot from the .json only
+        data = json.loads((RESULTS / f"{_name()}.json").read_text())
+        write_results(data["rows"], data.get("calibration_cost", []))
         return
     scratch = Path(args.scratch)
     if args.cost is not None:
