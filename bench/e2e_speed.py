@@ -13,7 +13,10 @@ runs once per checkpoint for comparison. Then:
 * the latency goal of the product brief: W4A16 g32, Poisson arrivals at 1 request/s, prompts
   of 32–64 tokens, 128 output tokens, 64 requests (p50 TTFT ≤ 150 ms, p50 TPOT ≤ 50 ms);
 * llama.cpp's F32, Q8_0 and Q4_0 of the same model through ``llama-cpp-python`` when it is
-  importable (optional; it compiles from source), generation tokens/s measured the same way.
+  importable (optional; it compiles from source), generation tokens/s measured the same way;
+* the bandwidth roofline (``bandwidth.py``): the read bandwidth of a streaming read over a 1 GiB
+  buffer with the same threads, once per round, and per variant the bytes one decoded token
+  reads (from the checkpoint) and the fraction of that bandwidth its tg128 achieves.
 
 Results: ``bench/results/e2e_speed.{json,md}``. Every figure comes from this run, so ratios
 compare like with like on a shared machine.
@@ -30,6 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
+from bandwidth import bytes_per_token, read_bandwidth
 from common import llmopt, log
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +137,10 @@ def main() -> None:
     # slow spell hits all variants alike; each figure is the median over rounds.
     kernels: dict[str, list[dict]] = {label: [] for label in VARIANTS}
     peer_rounds: dict[str, list[dict]] = {label: [] for label in gguf}
+    bandwidth: list[float] = []  # the roofline: streaming read bandwidth, same threads, every round
     for r in range(args.rounds):
+        bandwidth.append(read_bandwidth(args.threads))
+        log(f"round {r + 1}/{args.rounds} read bandwidth {bandwidth[-1] / 1e9:.1f} GB/s")
         for label, model in models.items():
             kernels[label].append(single(model, args.threads, "auto", *BENCH_OPTIONS.get(label, [])))
             log(f"round {r + 1}/{args.rounds} {label}: {kernels[label][-1]}")
@@ -147,8 +154,16 @@ def main() -> None:
             rows[label]["reference"] = single(model, args.threads, "reference", repetitions=2)
             log(f"{label} reference path: {rows[label]['reference']}")
     peers = {label: {**median_rounds(v), "rounds": v} for label, v in peer_rounds.items()}
+    bw = statistics.median(bandwidth)
+    for label, model in models.items():
+        head = dict(zip(BENCH_OPTIONS.get(label, [])[::2], BENCH_OPTIONS.get(label, [])[1::2])).get("--lm-head", "auto")
+        per_token = bytes_per_token(model, context=64, head=head)  # tg128 from a one-token prompt: 64 tokens of context on average
+        tg = rows[label]["kernels"]["tg128_tok_s"]
+        rows[label]["roofline"] = {"bytes_per_token": per_token, "achieved_gb_s": tg * per_token["total"] / 1e9,
+                                   "fraction_of_read_bandwidth": tg * per_token["total"] / bw}
     result = {"machine": platform.machine(), "threads": args.threads, "date": time.strftime("%Y-%m-%d"),
-              "rounds": args.rounds, "variants": rows, "llamacpp": peers, "targets": TARGETS}
+              "rounds": args.rounds, "variants": rows, "llamacpp": peers, "targets": TARGETS,
+              "read_bandwidth_gb_s": bw / 1e9, "read_bandwidth_rounds_gb_s": [b / 1e9 for b in bandwidth]}
     if not args.skip_serving:
         for label in ("float32", "W4A16 g32"):
             log(f"{label}: serving 32 requests")
@@ -210,6 +225,19 @@ def render(result: dict) -> str:
         if s:
             lines.append(f"- Serving 32 requests ({label}): {s['output_tok_s']:.1f} output tok/s, TTFT p50 "
                          f"{s['ttft_p50_s'] * 1000:.0f} ms, TPOT p50 {s['tpot_p50_s'] * 1000:.0f} ms.")
+    if "read_bandwidth_gb_s" in result:
+        bw = result["read_bandwidth_gb_s"]
+        lines += ["", f"Bandwidth roofline: streaming read of a 1 GiB buffer with the same {result['threads']} threads, once per "
+                  f"round in this run: **{bw:.1f} GB/s** (rounds {', '.join(f'{b:.1f}' for b in result['read_bandwidth_rounds_gb_s'])}). "
+                  "Bytes per decoded token from the checkpoint (every weight once, a tied embedding once as the head, "
+                  "an untied one a row) plus the float32 KV of 64 tokens of context (tg128's mean).", "",
+                  "| variant | MB per token (weights + KV) | achieved GB/s | fraction of read bandwidth |", "|---|---|---|---|"]
+        for label, r in rows.items():
+            roof = r.get("roofline")
+            if roof:
+                lines.append(f"| {label} | {roof['bytes_per_token']['total'] / 1e6:.1f} | {roof['achieved_gb_s']:.1f} | "
+                             f"{100 * roof['fraction_of_read_bandwidth']:.0f}% |")
+        lines.append("")
     goal = result.get("latency_goal")
     if goal:
         lines.append(f"- Latency goal (W4A16 g32, Poisson 1 request/s, prompts 32–64, 128 output tokens, 64 requests): "
