@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 259  # the byte tokenizer's
 SCHEMES = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8", "FP8_DYNAMIC", "NF4"]
-RUNTIME_TYPES = {"llama", "mistral", "qwen2", "qwen3"}  # what llmopt.runtime.LLM supports
+RUNTIME_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"}  # what llmopt.runtime.LLM runs natively
 
 # Tolerances (float32 everywhere, logits of magnitude ~1-10):
 # - our loader and transformers' loader run the same torch modules on the same dequantized
