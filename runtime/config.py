@@ -17,6 +17,7 @@ GIB = 1024**3
 # the backends are the modules of runtime/backends (named, not imported, here)
 KERNEL_CHOICES = ("auto", *sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent / "backends")]) if m.name != "base"))
 LM_HEAD_CHOICES = ("auto", "bf16", "int8")
+MODEL_IMPL_CHOICES = ("auto", "native", "transformers")
 
 
 @dataclass
@@ -38,6 +39,9 @@ class EngineConfig:
     113 MB, most of a W4A16 model's weight traffic), at a small accuracy cost (WikiText-2, demo
     model, against the float32 head: mean KLD 2.7e-4 / 9.5e-4 nats, top-1 agreement 98% / 97%;
     ``bench/results/lm_head.md``).
+    ``model_impl`` (vLLM's option): ``auto`` runs an architecture's native model when there is one
+    (``runtime.models``), else transformers' modeling code with the runtime's paged attention and
+    linears (``runtime.models.generic``); ``native`` refuses the latter, ``transformers`` forces it.
     """
 
     max_num_seqs: int = 64
@@ -54,6 +58,7 @@ class EngineConfig:
     kernels: str = "auto"
     lm_head: str = "auto"
     device: str = "cpu"
+    model_impl: str = "auto"
     # speculative decoding (vLLM's shape): {"method": "ngram" | "draft", "model": DRAFT,
     # "num_speculative_tokens": k, ...}; see runtime.speculative.SpeculativeConfig. None: off
     speculative_config: dict[str, Any] | None = None
@@ -71,6 +76,7 @@ class EngineConfig:
             (self.kernels in KERNEL_CHOICES, f"kernels must be one of {', '.join(KERNEL_CHOICES)}, not {self.kernels!r}"),
             (self.lm_head in LM_HEAD_CHOICES, f"lm_head must be one of {', '.join(LM_HEAD_CHOICES)}, not {self.lm_head!r}"),
             (_is_device(self.device), f"device must be cpu, cuda or cuda:N, not {self.device!r}"),
+            (self.model_impl in MODEL_IMPL_CHOICES, f"model_impl must be one of {', '.join(MODEL_IMPL_CHOICES)}, not {self.model_impl!r}"),
             (self.kv_cache_dtype in ("auto", "fp8", "int8"), f"kv_cache_dtype must be auto, fp8 or int8, not {self.kv_cache_dtype!r}"),
         ]
         for ok, problem in checks:
@@ -129,6 +135,7 @@ class ModelArch:
     sandwich_norm: bool = False  # norms on the attention and MLP outputs too (Gemma 2 / 3)
     local_rope: dict | None = None  # RoPE parameters of the sliding-window layers when they differ (Gemma 3)
     moe: MoeSpec | None = None
+    generic: bool = False  # run through transformers' modeling code (runtime.models.generic)
 
     @property
     def rope_type(self) -> str:
@@ -139,14 +146,18 @@ class ModelArch:
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 
 
-def read_arch(path: Path) -> ModelArch:
-    """The architecture of the checkpoint at ``path``; unsupported ones are a clear error."""
+def read_arch(path: Path, model_impl: str = "auto") -> ModelArch:
+    """The architecture of the checkpoint at ``path`` (``model_impl``: see :class:`EngineConfig`);
+    unsupported ones are a clear error."""
     from transformers import AutoConfig
 
     try:
         cfg = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as exc:
         raise LlmoptError(f"cannot read {path}/config.json: {str(exc).splitlines()[0]}", "pass a Hugging Face checkpoint directory") from exc
+    native = getattr(cfg, "model_type", None) in SUPPORTED_MODEL_TYPES
+    if model_impl == "transformers" or (model_impl == "auto" and not native):
+        return generic_arch(cfg, path)
     return arch_of(cfg, path)
 
 
@@ -200,6 +211,36 @@ def arch_of(cfg: Any, path: Path | str = "the model") -> ModelArch:
         sandwich_norm=gemma,
         local_rope=local_rope,
         moe=_moe(cfg, model_type),
+    )
+
+
+def generic_arch(cfg: Any, path: Path | str = "the model") -> ModelArch:
+    """:class:`ModelArch` of a causal LM run through transformers' modeling code with the runtime's
+    paged attention (``runtime.models.generic``); one that path cannot run is refused with the
+    reason. The attention shapes read here are checked against a probe forward at load."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    name = getattr(cfg, "model_type", None)
+    fix = f"native: {', '.join(SUPPORTED_MODEL_TYPES)}; other causal LMs run when their transformers code supports custom attention"
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise LlmoptError(f"the runtime cannot run '{name}' ({path}): it is an encoder-decoder model", fix)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    if model_class is None:
+        raise LlmoptError(f"the runtime cannot run '{name}' ({path}): transformers has no causal-LM class for it", fix)
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise LlmoptError(f"the runtime cannot run '{name}' ({path}): its transformers modeling code ({model_class.__name__}) "
+                          "does not support custom attention functions", fix)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if getattr(cfg, "multi_query", False):  # GPT-BigCode
+        kv_heads = 1
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
+    return ModelArch(
+        model_type=name, hidden_size=cfg.hidden_size, intermediate_size=getattr(cfg, "intermediate_size", 0) or 0,
+        num_layers=cfg.num_hidden_layers, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, vocab_size=cfg.vocab_size, rms_norm_eps=0.0,
+        max_position_embeddings=limit, tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qk_norm=False, sliding_window=None, hf_config=cfg, layer_windows=(None,) * cfg.num_hidden_layers, generic=True,
     )
 
 

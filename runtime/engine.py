@@ -51,7 +51,7 @@ class LLMEngine:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        self.arch = read_arch(self.path)
+        self.arch = read_arch(self.path, config.model_impl)
         dtype = getattr(torch, config.dtype)
         self.max_model_len = resolve_max_model_len(self.arch, config.max_model_len)
         device = torch.device(config.device)

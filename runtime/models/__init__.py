@@ -26,7 +26,12 @@ NATIVE = {
 
 
 def load_model(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backend, lm_head: str, max_model_len: int):
-    """The native model of ``arch`` with its weights from ``path`` on ``backend``: ``(model, weights)``."""
+    """The model of ``arch`` (native, or transformers' code when ``arch.generic``: ``models.generic``)
+    with its weights from ``path`` on ``backend``: ``(model, weights)``."""
+    if arch.generic:
+        from . import generic
+
+        return generic.load_model(path, arch, dtype, backend, lm_head, max_model_len)
     module = importlib.import_module(f"{__name__}.{NATIVE[arch.model_type]}")
     weights: ModelWeights = load_weights(path, arch, dtype, backend, lm_head, module.load_layer)
     return module.Model(arch, weights, backend, max_model_len, dtype), weights
