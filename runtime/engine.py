@@ -38,13 +38,14 @@ class LLMEngine:
     def __init__(self, model: str | os.PathLike, config: EngineConfig | None = None, *, tokenizer=None, **overrides) -> None:
         from llmopt.checkpoints.models import resolve_model
 
+        try:  # the settings given are checked before the model is even looked for
+            replace(config or EngineConfig(), **overrides).validate()
+        except TypeError as exc:
+            raise LlmoptError(f"unknown engine setting: {exc}", f"settings: {', '.join(EngineConfig.__dataclass_fields__)}") from exc
         self.path = resolve_model(model)
         # precedence: keyword overrides, then an explicit config, then the checkpoint's saved settings
         self.saved_settings = saved_settings(self.path) if config is None else {}
-        try:
-            config = replace(config or EngineConfig(**self.saved_settings), **overrides)
-        except TypeError as exc:
-            raise LlmoptError(f"unknown engine setting: {exc}", f"settings: {', '.join(EngineConfig.__dataclass_fields__)}") from exc
+        config = replace(config or EngineConfig(**self.saved_settings), **overrides)
         config.validate()
         if config.speculative_config:  # a bad setting fails before any weight is loaded
             SpeculativeConfig.parse(config.speculative_config)
