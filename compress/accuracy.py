@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from llmopt.core.data import DEFAULT_EVAL, load_text, tokenize_documents
+from llmopt.core.data import DEFAULT_EVAL, load_text
 from llmopt.core.errors import LlmoptError
 from llmopt.core.paths import cache_dir
 
@@ -76,7 +76,7 @@ def eval_data(
     if seq_len < 2:
         raise LlmoptError(f"--seq-len {seq_len} is too short", "use at least 2 tokens (2048 is the convention)")
     source = load_text(dataset)
-    ids = torch.cat(tokenize_documents(tokenizer, source)) if source.documents else torch.zeros(0, dtype=torch.long)
+    ids = _leading_ids(tokenizer, source.documents, max_windows * seq_len if max_windows else None)
     n = ids.numel() // seq_len
     if n == 0:
         raise LlmoptError(
@@ -88,6 +88,33 @@ def eval_data(
     windows = ids[: n * seq_len].reshape(n, seq_len)
     digest = hashlib.sha256(windows.numpy().tobytes()).hexdigest()
     return EvalData(windows, source.name, digest)
+
+
+BOUNDARY_TOKENS = 64  # tokens near a cut in the text may differ from the whole text's: never kept
+
+
+def _leading_ids(tokenizer, documents: list[str], needed: int | None) -> torch.Tensor:
+    """The first ``needed`` token ids of the documents, one after another (all of them when None),
+    equal to tokenizing every document whole: a document is tokenized in growing prefixes and
+    only tokens well before a prefix's cut are kept."""
+    parts: list[torch.Tensor] = []
+    have = 0
+    for doc in documents:
+        if needed is not None and have >= needed:
+            break
+        chars = len(doc) if needed is None else min(len(doc), 8 * (needed - have) + 4096)
+        while True:
+            ids = tokenizer(doc[:chars], add_special_tokens=False, return_attention_mask=False)["input_ids"]
+            if chars >= len(doc):
+                break
+            if len(ids) - BOUNDARY_TOKENS >= needed - have:
+                ids = ids[: len(ids) - BOUNDARY_TOKENS]
+                break
+            chars = min(len(doc), 2 * chars)
+        parts.append(torch.tensor(ids, dtype=torch.long))
+        have += len(ids)
+    ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return ids if needed is None else ids[:needed]
 
 
 def _log_probs(model, window: torch.Tensor) -> torch.Tensor:
