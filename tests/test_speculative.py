@@ -249,3 +249,18 @@ def test_cli_generate_with_prompt_lookup_and_a_bad_draft(models):
                                "--draft", str(models["other_vocab"])])
     assert bad.exit_code == 2 and "does not share the target's tokenizer" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_a_checkpoints_saved_runtime_settings_turn_speculation_on(models, tmp_path):
+    """A recipe's ``runtime: {speculative_config: ...}`` block (saved in llmopt.json) is the engine's default."""
+    import json
+    import shutil
+
+    from llmopt.runtime import LLMEngine
+
+    path = tmp_path / "with-spec"
+    shutil.copytree(models["target"], path)
+    (path / "llmopt.json").write_text(json.dumps({"runtime": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}}))
+    engine = LLMEngine(path, block_size=4)
+    assert engine.spec is not None and engine.spec.config.num_speculative_tokens == 2
+    assert LLMEngine(path, block_size=4, speculative_config=None).spec is None
