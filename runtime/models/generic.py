@@ -292,8 +292,9 @@ def _checkpoint_names(hf: nn.Module, keys: list[str], path: Path) -> dict[str, s
 
 
 def _check_probe(model: GenericModel, arch: ModelArch, path: Path) -> None:
-    """Refuse a model whose forward does not attend through the interface once per layer with
-    the shapes its config implies (the KV cache is sized from those)."""
+    """Refuse a model whose forward does not attend through the interface once per layer with one
+    head shape; that shape (heads, KV heads, head dim) becomes ``arch``'s: the KV cache, allocated
+    after the model loads, is sized from it."""
     name = arch.model_type
     fix = "run it with transformers directly; the runtime's generic path needs attention through transformers' interface"
     try:
@@ -304,13 +305,15 @@ def _check_probe(model: GenericModel, arch: ModelArch, path: Path) -> None:
     if len(seen) != arch.num_layers:
         raise LlmoptError(f"the runtime cannot run '{name}' ({path}): its forward made {len(seen)} attention calls "
                           f"through transformers' interface, not one per layer ({arch.num_layers})", fix)
-    want = (arch.num_heads, arch.num_kv_heads, arch.head_dim)
-    for heads, kv_heads, dim, unsupported in seen:
+    for *_, unsupported in seen:
         if unsupported:
             raise LlmoptError(f"the runtime cannot run '{name}' ({path}): its attention uses {unsupported[0]} (attention sinks)", fix)
-        if (heads, kv_heads, dim) != want:
-            raise LlmoptError(f"the runtime cannot run '{name}' ({path}): attention has heads/kv heads/head dim "
-                              f"{(heads, kv_heads, dim)}, its config implies {want}", fix)
+    shapes = {call[:3] for call in seen}
+    if len(shapes) != 1:
+        raise LlmoptError(f"the runtime cannot run '{name}' ({path}): its layers attend with different head shapes "
+                          f"{sorted(shapes)}", fix)
+    # what the code actually does sizes the KV cache (a config may carry fields its model ignores)
+    arch.num_heads, arch.num_kv_heads, arch.head_dim = shapes.pop()
 
 
 Model = GenericModel
