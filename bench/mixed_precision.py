@@ -70,7 +70,7 @@ def measure(path: Path, windows: int) -> dict:
     from llmopt.formats.gguf_export import export_gguf
 
     row: dict = {"checkpoint_bytes": sum(f.stat().st_size for f in path.glob("*.safetensors"))}
-    gguf = path.with_suffix(".gguf")
+    gguf = path.parent / f"{path.name}.gguf"
     if not gguf.exists():
         export_gguf(path, gguf, "auto")
     row["gguf_bytes"] = gguf.stat().st_size
@@ -104,8 +104,6 @@ def main() -> None:
         "W4A16 g32 + int8 embedding/head": dict(scheme="W4A16", group_size=32, head="int8", embedding="int8"),
         "W8A16": dict(scheme="W8A16"),
     }
-    for name, opts in uniform.items():
-        variants[f"{name} {args.method}"] = {"options": {**opts, "method": args.method}}
     for budget in args.budgets:
         plan = allocate(sens, target_bpw=budget)
         record = {**plan.to_dict(), "shapes": {t.name: list(t.shape) for t in sens.tensors},
@@ -118,6 +116,8 @@ def main() -> None:
             "bpw": round(totals(sens, plan.formats)[0], 4), "predicted_kld": plan.predicted_kld,
             "plan_table": record["table"],
         }
+    for name, opts in uniform.items():
+        variants[f"{name} {args.method}"] = {"options": {**opts, "method": args.method}}
     if args.method != "rtn":
         for v in variants.values():
             v["options"].update(calib_samples=32)
