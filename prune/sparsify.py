@@ -6,6 +6,11 @@ OWL profile a first engine pass over the dense model measures each layer's outli
 (from Wanda scores) to set per-layer sparsities. Linears sharing an input (q/k/v, gate/up)
 share one set of statistics; SparseGPT stacks them row-wise (exact, since every row is pruned
 and reconstructed independently).
+
+Mixture-of-experts layers: fused experts are unfused first (``checkpoints.moe``) so every expert
+projection is a Linear pruned on the tokens routed to it; routers stay dense. An expert
+projection that saw fewer than ``MIN_EXPERT_TOKENS`` calibration tokens (routing starved it) is
+pruned by magnitude, from its weights alone, and reported: never left dense, never a crash.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from llmopt.calibration import (
 )
 from torch import nn
 
+from llmopt.checkpoints.moe import is_expert, is_router, unfuse_experts
 from llmopt.core.errors import NumericalError
 from llmopt.prune.magnitude import magnitude_mask
 from llmopt.prune.masks import Pattern, nm_valid, outlier_ratio, owl_sparsities
@@ -35,6 +41,7 @@ from llmopt.prune.wanda import wanda_mask, wanda_scores
 
 MASK_METHODS = ("magnitude", "wanda", "sparsegpt")
 PROFILES = ("uniform", "owl")
+MIN_EXPERT_TOKENS = 16  # an expert projection seeing fewer calibration tokens is pruned by magnitude
 
 
 @dataclass
@@ -61,6 +68,7 @@ class SparsifyResult:
     seconds: float = 0.0
     notices: list[str] = field(default_factory=list)
     layer_zeros: list[dict[str, tuple[int, int, bool]]] = field(default_factory=list)  # name: (zeros, size, N:M valid)
+    starved_experts: dict[str, int] = field(default_factory=dict)  # "layer i: name" -> calibration tokens seen
     timings: EngineTimings = field(default_factory=EngineTimings)  # the pruning pass
     owl_timings: EngineTimings | None = None  # OWL's observation pass
 
@@ -95,6 +103,7 @@ def sparsify_model(
     if calibrated and calib_ids is None:
         raise ValueError(f"{options.method} with the {options.profile} profile needs calibration data")
     start = time.perf_counter()
+    unfuse_experts(model)  # fused 3-D experts (transformers v5): one Linear per expert projection
     n_layers = len(decoder_layers(model))
     result = SparsifyResult([options.sparsity if options.pattern is None else options.pattern.sparsity] * n_layers)
     run = {"batch_size": options.batch_size, "progress": progress, "show_progress": show_progress, "device": device}
@@ -107,7 +116,8 @@ def sparsify_model(
         result.layer_targets = owl_sparsities(result.outlier_ratios, options.sparsity, options.owl_lambda)
 
     def prune_layer(index: int, layer: nn.Module, run_layer: Any) -> None:
-        mods = linear_modules(layer)
+        unfuse_experts(layer)  # a streamed layer arrives fused
+        mods = prunable(layer)
         sparsity = None if options.pattern is not None else result.layer_targets[index]
         if options.method == "magnitude":
             for module in mods.values():
@@ -117,6 +127,7 @@ def sparsify_model(
         wanda = options.method == "wanda"
         with LinearStats(mods, hessian=not wanda, channel=wanda) as stats:
             run_layer()
+        all_mods, mods = mods, _starved_by_magnitude(mods, stats, sparsity, options, index, result)
         if wanda:
             for name, module in mods.items():
                 module.weight.data.mul_(wanda_mask(module.weight, stats.l2_norm(name), sparsity, options.pattern))
@@ -125,7 +136,7 @@ def sparsify_model(
                 _sparsegpt_layer(mods, stats, sparsity, options)
             except NumericalError as exc:
                 raise exc.at(f"decoder layer {index}") from exc
-        result.layer_zeros.append(_zeros(mods, options.pattern))
+        result.layer_zeros.append(_zeros(all_mods, options.pattern))
 
     if calibrated and options.method != "magnitude":
         run_sequential(model, calib_ids, prune_layer, description=f"{options.method}", lifecycle=lifecycle,
@@ -134,11 +145,40 @@ def sparsify_model(
         for_each_layer(model, lambda index, layer: prune_layer(index, layer, lambda: None),
                        lifecycle=lifecycle, device=device)
     result.seconds = time.perf_counter() - start
+    if result.starved_experts:
+        result.notices.append(f"{len(result.starved_experts)} expert Linears saw fewer than {MIN_EXPERT_TOKENS} calibration "
+                              f"tokens: pruned by magnitude (weights alone), e.g. {next(iter(result.starved_experts))}")
     return result
+
+
+def prunable(layer: nn.Module) -> dict[str, nn.Linear]:
+    """The Linears of a decoder layer that pruning touches: all but MoE routers."""
+    return {n: m for n, m in linear_modules(layer).items() if not is_router(f".{n}")}
+
+
+def _tokens_seen(stats: LinearStats, name: str) -> int:
+    try:
+        return stats.stats(name).n_tokens
+    except KeyError:  # routing sent no token to this expert
+        return 0
+
+
+def _starved_by_magnitude(mods: dict[str, nn.Linear], stats: LinearStats, sparsity: float | None, options: SparsifyOptions,
+                          index: int, result: SparsifyResult) -> dict[str, nn.Linear]:
+    """Prune the expert Linears that saw fewer than ``MIN_EXPERT_TOKENS`` tokens by magnitude,
+    record them, and return the others (pruned from their statistics)."""
+    seen = {n: _tokens_seen(stats, n) for n in mods}
+    starved = {n: m for n, m in mods.items() if is_expert(f".{n}") and seen[n] < MIN_EXPERT_TOKENS}
+    for name, module in starved.items():
+        module.weight.data.mul_(magnitude_mask(module.weight, sparsity, options.pattern))
+        result.starved_experts[f"layer {index}: {name}"] = seen[name]
+    return {n: m for n, m in mods.items() if n not in starved}
 
 
 def _sparsegpt_layer(mods: dict[str, nn.Linear], stats: LinearStats, sparsity: float | None, options: SparsifyOptions) -> None:
     for names in stats.shared_groups():
+        if not all(n in mods for n in names):  # a starved expert's group (pruned by magnitude)
+            continue
         weights = [mods[n].weight for n in names]
         try:
             w, _ = sparsegpt_prune_weight(
@@ -159,10 +199,12 @@ def owl_outlier_ratios(
     ratios: list[float] = []
 
     def observe(index: int, layer: nn.Module, run_layer: Any) -> None:
-        mods = linear_modules(layer)
+        unfuse_experts(layer)
+        mods = prunable(layer)
         with LinearStats(mods, hessian=False, channel=True) as stats:
             run_layer()
-        ratios.append(outlier_ratio([wanda_scores(mod.weight, stats.l2_norm(n)) for n, mod in mods.items()], m))
+        seen = {n: mod for n, mod in mods.items() if _tokens_seen(stats, n) > 0}
+        ratios.append(outlier_ratio([wanda_scores(mod.weight, stats.l2_norm(n)) for n, mod in seen.items()], m))
 
     run_sequential(model, calib_ids, observe, description="OWL outlier ratios", return_hidden=False, **run)
     return ratios
@@ -204,7 +246,7 @@ def sparsity_report(model: nn.Module, pattern: Pattern | None = None) -> dict:
     valid = True
     for prefix, layer in zip(layer_prefixes(model), decoder_layers(model)):
         lz = lt = 0
-        for name, module in linear_modules(layer, prefix).items():
+        for name, module in {prefix + n: m for n, m in prunable(layer).items()}.items():
             w = module.weight
             z = int((w == 0).sum())
             modules[name] = round(z / w.numel(), 6)
