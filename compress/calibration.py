@@ -317,10 +317,15 @@ def resolve_device(device: str | torch.device | None) -> torch.device | None:
     text = str(device)
     if text == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(text)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        from llmopt.core.errors import LlmoptError
+    from llmopt.core.errors import LlmoptError
 
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise LlmoptError(f"unknown --device {text!r}", "use cpu, cuda, cuda:N or auto") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise LlmoptError(f"--device {text!r} is not supported", "use cpu, cuda, cuda:N or auto")
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise LlmoptError("--device cuda was asked for but torch sees no CUDA GPU", "use --device cpu or auto")
     return dev
 

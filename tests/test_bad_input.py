@@ -80,6 +80,9 @@ CASES = [
     (Q + ["--scheme", "W4A16", "--act-order"], "act-order"),
     (Q + ["--scheme", "W4A16", "--ignore", "("], "invalid ignore pattern"),
     (Q + ["--scheme", "W4A16", "--ignore", ".*"], "no Linear layers left"),
+    (Q + ["--scheme", "W4A16", "--device", "tpu"], "unknown --device 'tpu'"),
+    (Q + ["--scheme", "W4A16", "--device", "cuda"], "no CUDA GPU"),
+    (P + ["--method", "drop-layers", "--num", "1", "--device", "cpu:0"], "not drop-layers"),
     (Q + ["--scheme", "W4A16", "--method", "gptq", "--calib", "{empty}"], "calibration"),
     (Q + ["--scheme", "W4A16", "--method", "gptq", "--calib", "{missing}"], "not found"),
     # quantize: outputs

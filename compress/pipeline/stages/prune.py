@@ -45,6 +45,8 @@ class PruneConfig:
     calib_seq_len: int = option(512, "Tokens per calibration window.", min=8)
     seed: int = option(0, "Seed for the calibration sample offsets.")
     damp: float = option(0.01, "sparsegpt: dampening, fraction of the mean Hessian diagonal.")
+    device: str = option("auto", "Where each layer is calibrated: cpu, cuda (cuda:N) or auto (the GPU when there is one); "
+                         "layers stream through it one at a time, so a model larger than the GPU fits.")
     overwrite: bool = option(False, "Replace an existing output directory.", runner_owned=True)
     eval: bool = option(False, "Evaluate the result against MODEL afterwards (16 windows of 2048) and record it.",
                         aliases=("run_evaluation",))
@@ -78,6 +80,12 @@ class PruneConfig:
         """Refuse impossible requests up front (bad values, options of another method)."""
         from llmopt.core.errors import LlmoptError
 
+        from llmopt.calibration import resolve_device
+
+        resolve_device(self.device)  # a bad name, or cuda without a GPU, fails now
+        if self.method in ("drop-layers", "width") and self.device not in ("auto", "cpu"):
+            raise LlmoptError(f"--device applies to the streamed methods (magnitude, wanda, sparsegpt), not {self.method}",
+                              "drop --device")
         self.settings().validate(config)
         if not self.needs_calibration:
             changed = [name for name, on in (("--calib", self.calib != "austen"), ("--calib-samples", self.calib_samples is not None),
@@ -120,7 +128,7 @@ def run_prune(config: PruneConfig, progress=None) -> dict:
             return finish_record(record, start)
 
         prune_streaming(source, Path(config.output), settings, calib, tokenizer=tokenizer, provenance=provenance,
-                        overwrite=config.overwrite, progress=progress, show_progress=progress is None)
+                        overwrite=config.overwrite, progress=progress, show_progress=progress is None, device=config.device)
     else:
         record.update(prune_model(model, settings, calib, ranking=ranking, progress=progress, show_progress=progress is None))
         _save(model, tokenizer, model_config, config, finish_record(record, start))

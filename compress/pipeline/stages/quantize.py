@@ -55,6 +55,8 @@ class QuantizeConfig:
     damp: float = option(0.01, "GPTQ: dampening, fraction of the mean Hessian diagonal.")
     alpha: float = option(0.5, "SmoothQuant migration strength.", aliases=("smooth_alpha",))
     clip_search: bool | None = option(None, "Search each group's clipping range (default: on for calibrated methods).")
+    device: str = option("auto", "Where each layer is calibrated: cpu, cuda (cuda:N) or auto (the GPU when there is one); "
+                         "layers stream through it one at a time, so a model larger than the GPU fits.")
     overwrite: bool = option(False, "Replace an existing output directory.", runner_owned=True)
     eval: bool = option(False, "Evaluate the result against MODEL afterwards (16 windows of 2048) and record it.",
                         aliases=("run_evaluation",))
@@ -86,6 +88,11 @@ class QuantizeConfig:
 
     def check(self) -> None:
         """Refuse impossible requests, and options that do not apply, before any work starts."""
+        from llmopt.calibration import resolve_device
+
+        resolve_device(self.device)  # a bad name, or cuda without a GPU, fails now
+        if self.scheme == NF4 and self.device not in ("auto", "cpu"):
+            raise LlmoptError("NF4 is quantized by bitsandbytes on the CPU here; --device does not apply", "drop --device")
         for pattern in self.ignore:
             try:
                 re.compile(pattern)
@@ -197,7 +204,7 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
             source, output, scheme, config.method, config.group_size, calib, ignore, config.strict_groups,
             tokenizer=tokenizer, provenance=provenance, overwrite=config.overwrite, announce=_announcer(source),
             clip_search=config.clip_search, act_order=config.act_order, damp=config.damp,
-            smooth_alpha=config.alpha, progress=progress, show_progress=progress is None,
+            smooth_alpha=config.alpha, progress=progress, show_progress=progress is None, device=config.device,
             **options,
         )
     except ValueError as exc:
