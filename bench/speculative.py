@@ -147,7 +147,11 @@ def main() -> None:
     parser.add_argument("--spec-tokens", type=int, default=4)
     parser.add_argument("--requests", type=int, default=16, help="serving requests (0 skips serving)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--render", action="store_true", help="only rewrite speculative.md from speculative.json")
     args = parser.parse_args()
+    if args.render:
+        (args.out / "speculative.md").write_text(render(json.loads((args.out / "speculative.json").read_text())))
+        return
 
     from llmopt.runtime import LLMEngine
 
@@ -197,8 +201,8 @@ def render(r: dict) -> str:
              f"{r['threads']} threads, {r['machine']}, torch {r['torch']}, k ≤ {r['spec_tokens']}, {r['rounds']} interleaved rounds "
              f"in one process; load average before {r['load_average_before']}, after {r['load_average_after']} "
              f"(a shared 2-core machine: other engineers' jobs ran alongside). Decode tok/s = 1 / TPOT per request, median.",
-             "", "| workload | configuration | decode tok/s | vs plain | acceptance | tokens per verify | draft s | verify s | greedy identical |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "", "| workload | configuration | decode tok/s | per round | vs plain | acceptance | tokens per verify | draft s | verify s | greedy identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for key, title in (("prompt_lookup", "rewrite / summarize (held-out Gutenberg)"), ("draft_model", "chat, draft model")):
         block = r.get(key)
         if not block:
@@ -210,7 +214,8 @@ def render(r: dict) -> str:
             length = f"{e['spec_mean_accepted_length']:.2f}" if "spec_mean_accepted_length" in e else ""
             ds = f"{e['spec_draft_s']:.1f}" if "spec_draft_s" in e else ""
             vs = f"{e['spec_verify_s']:.1f}" if "spec_verify_s" in e else ""
-            lines.append(f"| {title} | {name} | {e['decode_tok_s_median']:.1f} | {e['speedup_vs_plain']:.2f}× | {acc} | {length} | "
+            rounds = ", ".join(f"{x:.2f}" for x in e["decode_tok_s"])
+            lines.append(f"| {title} | {name} | {e['decode_tok_s_median']:.2f} | {rounds} | {e['speedup_vs_plain']:.2f}× | {acc} | {length} | "
                          f"{ds} | {vs} | {'yes' if e['greedy_identical_to_plain'] else 'NO'} |")
     lines.append("")
     pl = r.get("prompt_lookup", {})
@@ -221,15 +226,29 @@ def render(r: dict) -> str:
     dm = r.get("draft_model")
     if dm:
         a, f = dm["draft adaptive k"], dm["draft fixed k"]
-        lines.append(f"- Draft model ({dm['draft_size_ratio']:.2f} of the target's bytes): fixed k {f['speedup_vs_plain']:.2f}×, "
-                     f"adaptive k **{a['speedup_vs_plain']:.2f}×** plain (targets ≥ {TARGETS['draft_speedup']}×, adaptive ≥ "
-                     f"{TARGETS['adaptive_floor']}×); acceptance {f.get('spec_acceptance_rate', 0):.2f} at fixed k.")
+        acc = f.get("spec_acceptance_rate", 0.0)
+        lines.append(f"- Draft model `{r['draft']}` ({dm['draft_size_ratio']:.2f} of the target's bytes): fixed k "
+                     f"{f['speedup_vs_plain']:.2f}× plain at acceptance {acc:.2f}; adaptive k {a['speedup_vs_plain']:.2f}× "
+                     f"(proposed {a.get('spec_proposed_tokens', 0)} tokens in all, accepted {a.get('spec_accepted_tokens', 0)}). "
+                     f"Target ≥ {TARGETS['draft_speedup']}×: {'met' if f['speedup_vs_plain'] >= TARGETS['draft_speedup'] else 'missed'}"
+                     + (" — a draft whose proposals are never accepted cannot speed anything up; adaptive k switched "
+                        "speculation off after its first proposals, so its figure is plain decoding measured again (its "
+                        "difference from plain is the machine's noise between rounds), and it stays above the "
+                        f"{TARGETS['adaptive_floor']}× floor where fixed k does not." if acc < 0.05 else "."))
     sv = r.get("serving")
     if sv:
         s = sv["ngram"]["ratio_vs_plain"]
         lines.append(f"- Serving (bench/runtime_vs_hf.py's workload shape, {len(sv['plain']['total_tok_s'])} rounds): prompt lookup on "
                      f"gives **{s:.2f}×** plain total throughput ({sv['plain']['total_tok_s_median']:.1f} → "
                      f"{sv['ngram']['total_tok_s_median']:.1f} tok/s; target ≥ {TARGETS['serving_floor']}×).")
+    if pl.get("plain", {}).get("decode_tok_s_median", 100) < 10:
+        lines.append("- Caveat: these decode rates are about 100× below this machine's unloaded float32 rate "
+                     "(bench/results/e2e_speed.md): with a load average above 10 on 2 cores, each of the step's "
+                     "~200 two-thread kernels waits for both threads to be scheduled, so a step costs the same "
+                     "whether it verifies 1 or 5 tokens. That regime favours speculation (fewer steps per token); "
+                     "on an idle machine the prompt-lookup gain is bounded by the tokens per verify step "
+                     f"({pl['ngram'].get('spec_mean_accepted_length', 0):.2f}) less the extra rows' cost, and "
+                     "has to be measured again there.")
     lines.append(f"- Run time {r['seconds']:.0f} s.")
     return "\n".join(lines) + "\n"
 
