@@ -243,9 +243,10 @@ def render(r: dict) -> str:
                      f"{sv['ngram']['total_tok_s_median']:.1f} tok/s; target ≥ {TARGETS['serving_floor']}×).")
     if pl.get("plain", {}).get("decode_tok_s_median", 100) < 10:
         lines.append("- Caveat: these decode rates are about 100× below this machine's unloaded float32 rate "
-                     "(bench/results/e2e_speed.md): with a load average above 10 on 2 cores, each of the step's "
-                     "~200 two-thread kernels waits for both threads to be scheduled, so a step costs the same "
-                     "whether it verifies 1 or 5 tokens. That regime favours speculation (fewer steps per token); "
+                     "(bench/results/e2e_speed.md) under a load average above 10 on 2 cores. Our explanation, not measured "
+                     "per kernel here: each of a step's ~200 two-thread kernels waits for both threads to be scheduled, "
+                     "so a step costs about the same whether it verifies 1 or 5 tokens, which favours speculation "
+                     "(fewer steps per token); "
                      "on an idle machine the prompt-lookup gain is bounded by the tokens per verify step "
                      f"({pl['ngram'].get('spec_mean_accepted_length', 0):.2f}) less the extra rows' cost, and "
                      "has to be measured again there.")
