@@ -78,8 +78,10 @@ def test_stage_keys_accept_cli_option_names(tmp_path):
           - export: {format: gguf, type: q8_0, dense-type: f16}
     """)
     recipe = load_recipe(str(path))
-    assert recipe.stages[0].options["run_evaluation"] is True
-    assert {k: str(v).lower() for k, v in recipe.stages[1].options.items()} == {"fmt": "gguf", "gguf_type": "q8_0", "dense_type": "f16"}
+    assert recipe.stages[0].options["eval"] is True
+    assert {k: str(v).lower() for k, v in recipe.stages[1].options.items()} == {"format": "gguf", "type": "q8_0", "dense_type": "f16"}
+    older = write(tmp_path, "model: demo\nstages:\n  - quantize: {scheme: W8A8, method: smoothquant, smooth_alpha: 0.7, run_evaluation: true}\n", "old.yaml")
+    assert load_recipe(str(older)).stages[0].options == {"scheme": "W8A8", "method": "smoothquant", "alpha": 0.7, "eval": True}
     bad = write(tmp_path, "model: demo\nstages:\n  - export: {fromat: gguf}\n", "bad.yaml")
     with pytest.raises(RecipeError, match="unknown option 'fromat'.*format"):
         load_recipe(str(bad))
@@ -110,7 +112,7 @@ def test_llmcompressor_recipe_mapping(tmp_path):
     (stage,) = recipe.stages
     assert stage.kind == "quantize"
     assert stage.options["method"] == "smoothquant+gptq" and stage.options["scheme"] == "W8A8"
-    assert stage.options["smooth_alpha"] == 0.8 and stage.options["damp"] == 0.05
+    assert stage.options["alpha"] == 0.8 and stage.options["damp"] == 0.05
     assert list(stage.options["ignore"]) == [".*mlp.down_proj$"]
 
     groups = write(tmp_path, """

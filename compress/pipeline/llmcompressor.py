@@ -141,6 +141,6 @@ def _scaling_options(pending: tuple[str, dict] | None, method: str) -> dict[str,
     if name == "SmoothQuantModifier":
         options: dict[str, Any] = {"method": "smoothquant" if method == "rtn" else "smoothquant+gptq"}
         if "smoothing_strength" in args:
-            options["smooth_alpha"] = float(args["smoothing_strength"])
+            options["alpha"] = float(args["smoothing_strength"])
         return options
     return {"method": "awq" if method == "rtn" else "awq+gptq"}

@@ -93,7 +93,10 @@ def _config(kind: str) -> type:
 
 def convert_options(kind: str, options: dict[str, Any], where: str) -> dict[str, Any]:
     """Check a stage's options against its config's fields and convert their types."""
-    config = _config(kind)
+    try:
+        config = _config(kind)
+    except RecipeError as exc:
+        raise RecipeError(f"{where}: {exc.problem}", exc.fix) from exc
     keys = recipe_keys(config)
     by_name = {f.name: f for f in fields_of(config)}
     out = {}
