@@ -37,7 +37,7 @@ RESULTS = ROOT / "bench" / "results"
 VOCAB = 259
 NATIVE = ["llama", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
 GENERIC_ONLY = ["gpt_neox", "opt", "starcoder2"]
-PP, TG = 16, 64
+PP, TG = 16, 32
 
 
 def byte_tokenizer():
@@ -167,12 +167,16 @@ def main() -> None:
         if not args.skip_demo:
             demo.append(demo_decode(args.threads))
             log(f"  demo float32 tg128: {demo[-1]:.1f} tok/s")
-    load.append(os.getloadavg()[0])
+        save(args, rates, refused, demo, load + [os.getloadavg()[0]], r + 1)  # every round: an interrupted run keeps its rounds
+    log("wrote bench/results/runtime_architectures.{json,md}")
+
+
+def save(args, rates: dict, refused: dict, demo: list[float], load: list[float], rounds: int) -> None:
     recorded = json.loads((RESULTS / "e2e_speed.json").read_text())["variants"]["float32"]["kernels"]["tg128_tok_s"]
     rows = {label: {"decode_tok_s": statistics.median(v), "rounds": v} for label, v in rates.items()}
     result = {
         "machine": platform.machine(), "cpus": os.cpu_count(), "threads": args.threads, "date": time.strftime("%Y-%m-%d"),
-        "rounds": args.rounds, "repetitions": args.repetitions, "prompt_tokens": PP, "decode_tokens": TG,
+        "rounds": rounds, "repetitions": args.repetitions, "prompt_tokens": PP, "decode_tokens": TG,
         "load_average_1min": load, "variants": rows, "cannot_run": refused,
         "demo_float32_tg128": {"this_run": statistics.median(demo) if demo else None, "rounds": demo,
                                "e2e_speed_json": recorded},
@@ -180,7 +184,6 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "runtime_architectures.json").write_text(json.dumps(result, indent=2) + "\n")
     (RESULTS / "runtime_architectures.md").write_text(report(result))
-    log("wrote bench/results/runtime_architectures.{json,md}")
 
 
 def report(result: dict) -> str:
