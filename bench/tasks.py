@@ -45,8 +45,8 @@ def build(label: str, out: Path) -> tuple[Path, list[str], float | None]:
 
 
 def main() -> None:
-    from llmopt.evaluation.tasks import BUNDLED_TASKS, differences, evaluate_tasks, parse_tasks
-    from llmopt.evaluation.tasks import TaskSettings, check_tasks, task_rows, tasks_markdown
+    from llmopt.tasks.scores import BUNDLED_TASKS, differences, evaluate_tasks, parse_tasks
+    from llmopt.tasks.scores import TaskSettings, check_tasks, task_rows, tasks_markdown
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/llmopt-bench-tasks", help="where the variants are built")
@@ -90,7 +90,7 @@ def main() -> None:
 
 def standard_command(tasks) -> str:
     """The command that evaluates the standard set (works now, from Python)."""
-    return ("HF_HUB_OFFLINE=0 .venv/bin/python -c \"from llmopt.evaluation.tasks import run_tasks, tasks_markdown; "
+    return ("HF_HUB_OFFLINE=0 .venv/bin/python -c \"from llmopt.tasks.scores import run_tasks, tasks_markdown; "
             f"print(tasks_markdown(run_tasks('MODEL', '{','.join(tasks)}', baseline='demo')))\"")
 
 

@@ -20,7 +20,7 @@ LAYERS = [
     ["llmopt.core", "llmopt.corpora"],
     ["llmopt.formats", "llmopt.checkpoints", "llmopt.calibration", "llmopt.accuracy"],
     ["llmopt.runtime"],
-    ["llmopt.quant", "llmopt.prune", "llmopt.distill"],
+    ["llmopt.quant", "llmopt.prune", "llmopt.distill", "llmopt.tasks"],
     ["llmopt.pipeline"],
     ["llmopt.evaluation"],
     ["llmopt.serve"],

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rows(name: str, split: str = "test") -> list[dict]:
-    from llmopt.evaluation.tasks import TASK_DATA
+    from llmopt.tasks.scores import TASK_DATA
 
     rows = [json.loads(line) for line in (TASK_DATA / name).read_text().splitlines() if line.strip()]
     return [r for r in rows if r["split"] == split]
@@ -58,7 +58,7 @@ def _continuation_logprob(model, tokenizer, context: str, continuation: str) -> 
 
 @pytest.mark.parametrize("variant", ["float", "w4a16"])
 def test_multiple_choice_matches_direct_transformers(checkpoints, variant):
-    from llmopt.evaluation.tasks import run_tasks
+    from llmopt.tasks.scores import run_tasks
 
     result = run_tasks(checkpoints[variant], "llmopt_tiny_mc", num_fewshot=0, batch_size=5, use_cache=False)
     task = result["tasks"]["llmopt_tiny_mc"]
@@ -85,7 +85,7 @@ def test_loglikelihood_values_and_rolling(checkpoints):
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
 
-    from llmopt.evaluation.task_model import LlmoptLM
+    from llmopt.tasks.harness_model import LlmoptLM
 
     lm = LlmoptLM(checkpoints["float"], batch_size=3)
     model, tokenizer = _reference(checkpoints["float"])
@@ -153,7 +153,7 @@ def test_generation_exact_match_equals_direct_greedy(checkpoints, variant, tmp_p
     """A generation task whose targets are, for every other item, the model's own greedy answer
     from transformers' ``generate`` (the rest a string it never writes): the adapter (through
     llmopt's runtime) must score exactly those items as matches."""
-    from llmopt.evaluation.tasks import run_tasks
+    from llmopt.tasks.scores import run_tasks
 
     model, tokenizer = _reference(checkpoints[variant])
     docs = _rows("tiny_gen.jsonl")[:24]
@@ -178,7 +178,7 @@ def test_generation_exact_match_equals_direct_greedy(checkpoints, variant, tmp_p
 
 
 def test_baseline_differences_are_paired(checkpoints):
-    from llmopt.evaluation.tasks import run_tasks, task_rows, tasks_markdown
+    from llmopt.tasks.scores import run_tasks, task_rows, tasks_markdown
 
     result = run_tasks(checkpoints["w4a16"], ["llmopt_tiny_mc"], num_fewshot=0, limit=20, baseline=checkpoints["float"])
     mine = result["tasks"]["llmopt_tiny_mc"]["items"]["acc"]
@@ -195,7 +195,7 @@ def test_baseline_differences_are_paired(checkpoints):
 
 def test_bad_task_requests_are_one_line_errors(tiny_model_dir, tmp_path):
     pytest.importorskip("lm_eval")
-    from llmopt.evaluation.tasks import run_tasks
+    from llmopt.tasks.scores import run_tasks
 
     with pytest.raises(LlmoptError, match="unknown task: no_such_task") as info:
         run_tasks(tiny_model_dir, "llmopt_tiny_mc,no_such_task", include_path=[])
@@ -207,7 +207,7 @@ def test_bad_task_requests_are_one_line_errors(tiny_model_dir, tmp_path):
 
 
 def test_missing_extra_names_the_install_command(tiny_model_dir, monkeypatch):
-    from llmopt.evaluation.tasks import run_tasks
+    from llmopt.tasks.scores import run_tasks
 
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if lm-eval were not installed
     with pytest.raises(LlmoptError) as info:
@@ -219,7 +219,7 @@ def test_missing_extra_names_the_install_command(tiny_model_dir, monkeypatch):
 def test_compare_puts_task_scores_beside_kld_and_speed(checkpoints, tmp_path):
     from conftest import CORPORA
     from llmopt.evaluation.compare import CompareSettings, compare, write_report
-    from llmopt.evaluation.tasks import run_tasks
+    from llmopt.tasks.scores import run_tasks
 
     settings = CompareSettings(dataset=str(CORPORA / "wikitext-2-raw" / "wiki.test.raw"), seq_len=128, max_windows=2,
                                repetitions=1, serving_requests=2, prompt_len=(8, 16), output_len=(4, 8),
@@ -242,3 +242,28 @@ def test_compare_puts_task_scores_beside_kld_and_speed(checkpoints, tmp_path):
     assert files["tasks_plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(LlmoptError, match="unknown task"):
         compare(str(checkpoints["float"]), [], CompareSettings(tasks=["nope"]))
+
+
+def test_cli_eval_tasks_equals_run_tasks(checkpoints):
+    """`llmopt eval MODEL --tasks … --baseline …` prints the scores run_tasks computes; perplexity
+    options are refused beside --tasks, and task options without it."""
+    from click.testing import CliRunner
+
+    from llmopt.cli.main import main
+    from llmopt.tasks.scores import run_tasks
+
+    args = ["eval", str(checkpoints["w4a16"]), "--tasks", "llmopt_tiny_mc", "--num-fewshot", "0", "--limit", "12",
+            "--baseline", str(checkpoints["float"])]
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout)
+    direct = run_tasks(checkpoints["w4a16"], "llmopt_tiny_mc", num_fewshot=0, limit=12, baseline=checkpoints["float"])
+    assert len(printed["tasks"]["llmopt_tiny_mc"]["items"]["acc"]) == 12
+    assert printed["tasks"] == json.loads(json.dumps(direct["tasks"]))
+    assert printed["differences"] == json.loads(json.dumps(direct["differences"]))
+    table = CliRunner().invoke(main, args)
+    assert table.exit_code == 0 and "llmopt_" in table.stdout and "task accuracy" in table.stdout  # (a narrow terminal wraps cells)
+    for extra, message in ((["--seq-len", "64"], "apply to perplexity"), ([], "apply to --tasks only")):
+        argv = [*args[:2], *extra, *(["--tasks", "llmopt_tiny_mc"] if extra else ["--limit", "3"])]
+        bad = CliRunner().invoke(main, argv)
+        assert bad.exit_code == 2 and message in bad.stderr, bad.output

@@ -20,13 +20,15 @@ def eval_command(as_json: bool, **params):
     are cached, so evaluating several variants against it computes them once.
 
     """
-    from llmopt.cli.tables import eval_table
+    from llmopt.cli.tables import eval_table, task_table
     from llmopt.core.console import out
     from llmopt.pipeline.stages.evaluate import run_evaluate
 
     payload = run_evaluate(config_from_cli(EvalConfig, params))
     if as_json:
         emit_json(payload)
+    elif params.get("tasks"):
+        out.print(task_table(payload))
     else:
         title = f"{params['model']}" + (f" vs {params['baseline']}" if params.get("baseline") else "")
         out.print(eval_table(title, payload))

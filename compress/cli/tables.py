@@ -37,6 +37,30 @@ def eval_table(title: str, result: dict) -> Table:
 
 
 
+def task_table(result: dict) -> Table:
+    """Task scores with standard errors, and with a baseline its scores and the paired difference."""
+    from llmopt.tasks.scores import task_rows
+
+    rows = task_rows(result)
+    baseline = any("baseline" in r for r in rows)
+    table = Table(title=f"{result.get('model')} — task accuracy (lm-evaluation-harness)", title_justify="left")
+    for column in ("task", "metric", "items", "shots", "value ± stderr") + (("baseline", "difference ± stderr") if baseline else ()):
+        table.add_column(column, justify="left" if column in ("task", "metric") else "right")
+
+    def pm(value, stderr, signed: bool = False) -> str:
+        if value is None:
+            return "—"
+        text = f"{100 * value:+.1f}" if signed else f"{100 * value:.1f}"
+        return text + (f" ± {100 * stderr:.1f}" if stderr is not None else "")
+
+    for r in rows:
+        cells = [r["task"], r["metric"], str(r["n"]), str(r["num_fewshot"]), pm(r["value"], r["stderr"])]
+        if baseline:
+            cells += [pm(r.get("baseline"), r.get("baseline_stderr")), pm(r.get("difference"), r.get("difference_stderr"), True)]
+        table.add_row(*cells)
+    return table
+
+
 def _bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmopt.evaluation.tasks import TaskSettings, check_tasks, differences, evaluate_tasks, summary
+from llmopt.tasks.scores import TaskSettings, check_tasks, differences, evaluate_tasks, summary
 
 
 def task_settings(settings) -> TaskSettings | None:
@@ -18,7 +18,7 @@ def task_settings(settings) -> TaskSettings | None:
     tasks = list(getattr(settings, "tasks", None) or [])
     if not tasks:
         return None
-    from llmopt.evaluation.tasks import parse_tasks
+    from llmopt.tasks.scores import parse_tasks
 
     return TaskSettings(tasks=parse_tasks(tasks), num_fewshot=getattr(settings, "task_num_fewshot", None),
                         limit=getattr(settings, "task_limit", None), batch_size=getattr(settings, "task_batch_size", 8),

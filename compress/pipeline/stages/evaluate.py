@@ -8,6 +8,9 @@ from llmopt.accuracy import DEFAULT_MAX_WINDOWS, DEFAULT_SEQ_LEN, DEFAULT_TOP_K,
 from llmopt.pipeline.stages.base import option
 
 
+PERPLEXITY_DEFAULTS = {"dataset": "wikitext2", "seq_len": DEFAULT_SEQ_LEN, "max_windows": DEFAULT_MAX_WINDOWS, "top_k": DEFAULT_TOP_K}
+
+
 @dataclass
 class EvalConfig:
     """Everything ``llmopt eval`` / a recipe's ``evaluate:`` block takes."""
@@ -19,7 +22,24 @@ class EvalConfig:
     seq_len: int = option(DEFAULT_SEQ_LEN, "Tokens per window.", min=2)
     max_windows: int = option(DEFAULT_MAX_WINDOWS, "Score the first N windows (0: the whole text, ~150 windows of 2048 for WikiText-2).", min=0)
     top_k: int = option(DEFAULT_TOP_K, "Baseline log-probs cached per token for KLD (the rest is merged into one bucket).", min=1)
+    tasks: str | None = option(None, "Score lm-evaluation-harness tasks instead of perplexity (comma list; needs the tasks "
+                               "extra: pip install 'llmopt[tasks]'), e.g. hellaswag,arc_easy or the bundled llmopt_tiny_mc.", metavar="T1,T2")
+    num_fewshot: int | None = option(None, "--tasks: few-shot examples (default: each task's own).", min=0)
+    limit: int | None = option(None, "--tasks: score the first N items of each task.", min=1)
+    batch_size: int = option(8, "--tasks: sequences per log-likelihood batch.", min=1)
+    include_path: tuple[str, ...] = option((), "--tasks: a folder of task YAMLs (repeatable).", metavar="DIR")
     output: str | None = option(None, "Also write the JSON figures to this file.", short="-o", runner_owned=True)
+
+    def check(self) -> None:
+        """Options of one kind of evaluation are refused with the other."""
+        from llmopt.core.errors import LlmoptError
+
+        if self.tasks:
+            changed = [f"--{k.replace('_', '-')}" for k, v in PERPLEXITY_DEFAULTS.items() if getattr(self, k) != v]
+            if changed:
+                raise LlmoptError(f"{', '.join(changed)} apply to perplexity, not to --tasks", "drop them, or run eval without --tasks")
+        elif self.num_fewshot is not None or self.limit is not None or self.include_path or self.batch_size != 8:
+            raise LlmoptError("--num-fewshot, --limit, --batch-size and --include-path apply to --tasks only", "add --tasks or drop them")
 
 
 def run_evaluate(config: EvalConfig, progress=None) -> dict:
@@ -28,6 +48,14 @@ def run_evaluate(config: EvalConfig, progress=None) -> dict:
 
     from llmopt.accuracy import save_json
 
+    if config.tasks:
+        from llmopt.tasks.scores import run_tasks
+
+        payload = run_tasks(config.model, config.tasks, config.num_fewshot, config.limit, config.batch_size,
+                            baseline=config.baseline, include_path=config.include_path)
+        if config.output:
+            save_json(Path(config.output), payload)
+        return payload
     result = run_eval(config.model, config.baseline, config.dataset, config.seq_len, config.max_windows or None, config.top_k)
     payload = {"model": config.model, "baseline": config.baseline, **result.to_dict()}
     if config.output:

@@ -6,7 +6,7 @@ converted GGUF files, pruned and distilled checkpoints alike), in right-padded b
 (``generate_until``) runs in llmopt's runtime where it supports the architecture (paged KV,
 continuous batching), else through transformers' ``generate`` one request at a time.
 
-This module imports ``lm_eval``; import it only after :func:`llmopt.evaluation.tasks.require_lm_eval`.
+This module imports ``lm_eval``; import it only after :func:`llmopt.tasks.scores.require_lm_eval`.
 """
 
 from __future__ import annotations

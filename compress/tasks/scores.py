@@ -2,7 +2,7 @@
 
 ``run_tasks("out/w4-gptq", ["arc_easy", "hellaswag"], baseline="demo")`` evaluates a model (any
 spec llmopt loads) with the harness's own task definitions and metrics, through the adapter in
-:mod:`llmopt.evaluation.task_model`, and returns every task's scores with standard errors and,
+:mod:`llmopt.tasks.harness_model`, and returns every task's scores with standard errors and,
 against a baseline, the paired differences with their standard errors.
 
 Two tiny tasks ship with llmopt and need no download: ``llmopt_tiny_mc`` (multiple choice, 40
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from llmopt.core.errors import LlmoptError
 
-TASK_DATA = Path(__file__).resolve().parent / "task_data"
+TASK_DATA = Path(__file__).resolve().parent / "data"
 BUNDLED_TASKS = ("llmopt_tiny_mc", "llmopt_tiny_gen")
 STANDARD_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "gsm8k")
 INSTALL = "pip install 'llmopt[tasks]'"
@@ -129,7 +129,7 @@ def evaluate_tasks(model: str | os.PathLike, settings: TaskSettings, manager=Non
     import lm_eval
     from lm_eval.utils import handle_non_serializable
 
-    from llmopt.evaluation.task_model import LlmoptLM
+    from llmopt.tasks.harness_model import LlmoptLM
 
     lm = LlmoptLM(path, batch_size=settings.batch_size, generation=settings.generation)
     try:
