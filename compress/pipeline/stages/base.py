@@ -35,6 +35,23 @@ def option(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] |
     return field(default=default, metadata=meta)
 
 
+def device_option() -> Any:
+    """The ``device`` field of the calibrating stages."""
+    return option("auto", "Where each layer is calibrated: cpu, cuda (cuda:N) or auto (the GPU when there is one); "
+                  "layers stream through it one at a time, so a model larger than the GPU fits.")
+
+
+def overwrite_option() -> Any:
+    """The ``overwrite`` field of every stage that writes a checkpoint."""
+    return option(False, "Replace an existing output directory.", runner_owned=True)
+
+
+def eval_option() -> Any:
+    """The ``eval`` field: evaluate a stage's output against its input afterwards."""
+    return option(False, "Evaluate the result against MODEL afterwards (16 windows of 2048) and record it.",
+                  aliases=("run_evaluation",))
+
+
 @dataclass(frozen=True)
 class FieldInfo:
     """One config field, its type reduced to what the CLI and recipes handle."""

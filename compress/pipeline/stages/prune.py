@@ -17,7 +17,7 @@ from pathlib import Path
 from llmopt.checkpoints.models import float_source, load_model
 from llmopt.checkpoints.provenance import finish_record, versions, write_provenance
 from llmopt.core.atomic import atomic_dir, check_output
-from llmopt.pipeline.stages.base import option
+from llmopt.pipeline.stages.base import device_option, eval_option, option, overwrite_option
 from llmopt.pipeline.stages.evaluate import evaluate_output
 
 DEFAULT_SAMPLES = 128
@@ -45,11 +45,9 @@ class PruneConfig:
     calib_seq_len: int = option(512, "Tokens per calibration window.", min=8)
     seed: int = option(0, "Seed for the calibration sample offsets.")
     damp: float = option(0.01, "sparsegpt: dampening, fraction of the mean Hessian diagonal.")
-    device: str = option("auto", "Where each layer is calibrated: cpu, cuda (cuda:N) or auto (the GPU when there is one); "
-                         "layers stream through it one at a time, so a model larger than the GPU fits.")
-    overwrite: bool = option(False, "Replace an existing output directory.", runner_owned=True)
-    eval: bool = option(False, "Evaluate the result against MODEL afterwards (16 windows of 2048) and record it.",
-                        aliases=("run_evaluation",))
+    device: str = device_option()
+    overwrite: bool = overwrite_option()
+    eval: bool = eval_option()
 
     def __post_init__(self) -> None:
         self.method = self.method.lower()

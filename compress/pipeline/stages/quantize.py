@@ -17,7 +17,7 @@ from llmopt.checkpoints.provenance import finish_record, versions
 from llmopt.core.atomic import check_output
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.schemes import QuantScheme
-from llmopt.pipeline.stages.base import option
+from llmopt.pipeline.stages.base import device_option, eval_option, option, overwrite_option
 from llmopt.pipeline.stages.evaluate import evaluate_output
 
 NF4 = "NF4"
@@ -55,11 +55,9 @@ class QuantizeConfig:
     damp: float = option(0.01, "GPTQ: dampening, fraction of the mean Hessian diagonal.")
     alpha: float = option(0.5, "SmoothQuant migration strength.", aliases=("smooth_alpha",))
     clip_search: bool | None = option(None, "Search each group's clipping range (default: on for calibrated methods).")
-    device: str = option("auto", "Where each layer is calibrated: cpu, cuda (cuda:N) or auto (the GPU when there is one); "
-                         "layers stream through it one at a time, so a model larger than the GPU fits.")
-    overwrite: bool = option(False, "Replace an existing output directory.", runner_owned=True)
-    eval: bool = option(False, "Evaluate the result against MODEL afterwards (16 windows of 2048) and record it.",
-                        aliases=("run_evaluation",))
+    device: str = device_option()
+    overwrite: bool = overwrite_option()
+    eval: bool = eval_option()
 
     def __post_init__(self) -> None:
         self.scheme = self.scheme.upper()
