@@ -240,22 +240,5 @@ def report_from_zeros(prefixes: list[str], layer_zeros: list[dict[str, tuple[int
 def sparsity_report(model: nn.Module, pattern: Pattern | None = None) -> dict:
     """Measured sparsity of every decoder-layer Linear, per layer and overall, and whether
     every Linear satisfies ``pattern`` (when given)."""
-    modules: dict[str, float] = {}
-    layers: list[float] = []
-    zeros = total = 0
-    valid = True
-    for prefix, layer in zip(layer_prefixes(model), decoder_layers(model)):
-        lz = lt = 0
-        for name, module in {prefix + n: m for n, m in prunable(layer).items()}.items():
-            w = module.weight
-            z = int((w == 0).sum())
-            modules[name] = round(z / w.numel(), 6)
-            lz, lt = lz + z, lt + w.numel()
-            if pattern is not None:
-                valid = valid and nm_valid(w, pattern)
-        layers.append(round(lz / lt, 6) if lt else 0.0)
-        zeros, total = zeros + lz, total + lt
-    report = {"overall": round(zeros / total, 6) if total else 0.0, "layers": layers, "modules": modules}
-    if pattern is not None:
-        report["pattern_valid"] = valid
-    return report
+    counts = [_zeros(prunable(layer), pattern) for layer in decoder_layers(model)]
+    return report_from_zeros(layer_prefixes(model), counts, pattern)
