@@ -98,6 +98,30 @@ def tiny_llama(seed: int | None = None, **overrides):
     return model
 
 
+def randomize(model):
+    """Weights far from their init: matrices N(0, 0.15), norms and biases moved off their trivial values."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def lazy_models(root: Path, build):
+    """``get(kind) -> (model, checkpoint directory)``: ``build(kind)`` saved under ``root``, once per kind."""
+    cache: dict = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            model = build(kind)
+            cache[kind] = (model, save_model(model, root / kind))
+        return cache[kind]
+
+    return get
+
+
 def save_model(model, path: Path, tokenizer=None) -> Path:
     model.save_pretrained(path)
     (tokenizer or byte_tokenizer()).save_pretrained(path)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import byte_tokenizer, save_model
+from conftest import byte_tokenizer, lazy_models, randomize, save_model
 from safetensors.torch import save_file
 from test_runtime_architectures import check_parity
 
@@ -47,28 +47,13 @@ def tiny(kind: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config(kind), dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.15)
-            else:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+    return randomize(AutoModelForCausalLM.from_config(config(kind), dtype=torch.float32, attn_implementation="eager").eval())
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("generic")
-    cache = {}
-
-    def get(kind: str):
-        if kind not in cache:
-            model = tiny(kind)
-            cache[kind] = (model, save_model(model, root / kind))
-        return cache[kind]
-
-    return get
+    return lazy_models(root, tiny)
 
 
 def settings(kind: str) -> dict:
