@@ -314,3 +314,24 @@ def test_self_baseline_from_cache_matches_computed(tiny_model_dir):
     assert (again.kld_mean, again.top1_agreement, again.tokens) == (0.0, 1.0, first.tokens)
     reference = reference_perplexity(load_model(str(tiny_model_dir))[0], eval_data(byte_tokenizer(), str(WIKI), 64, 3).windows)
     assert again.perplexity == pytest.approx(reference, rel=1e-5)
+
+
+def test_tokenized_documents_are_cached_by_tokenizer_and_text(monkeypatch):
+    """A corpus is tokenized once per tokenizer definition: the second call reads the cache
+    (the same ids), and a tokenizer that differs gets its own entry."""
+    from conftest import byte_tokenizer
+    from llmopt.core import data
+
+    source = data.TextSource("t", ["hello world, " * 50, "another document"], ["a", "b"])
+    tok = byte_tokenizer()
+    first = data.tokenize_documents(tok, source)
+    assert [len(t) for t in first] == [len(tok(d, add_special_tokens=False)["input_ids"]) for d in source.documents]
+    data._TOKEN_CACHE.clear()  # force the disk cache
+    calls = []
+    monkeypatch.setattr(type(tok), "__call__", lambda self, *a, **k: calls.append(a) or {"input_ids": []})
+    again = data.tokenize_documents(tok, source)
+    assert not calls and len(again) == 2 and all(torch.equal(a, b) for a, b in zip(first, again))
+    other = byte_tokenizer()
+    other.backend_tokenizer.add_tokens(["hello"])
+    data.tokenize_documents(other, source)
+    assert len(calls) == 2  # a different tokenizer is not served from the first one's cache

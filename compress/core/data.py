@@ -113,14 +113,64 @@ def _load_hf(spec: str, name: str | None = None) -> TextSource:
 
 
 def tokenize_documents(tokenizer, source: TextSource) -> list:
-    """Token ids of each document (no special tokens), as 1-D int64 tensors."""
+    """Token ids of each document (no special tokens), as 1-D int64 tensors.
+
+    Cached on disk by the tokenizer's full definition and the document's text, so the stages of
+    a recipe (and later runs) tokenize a calibration corpus once."""
     import torch
 
+    identity = _tokenizer_identity(tokenizer)
     out = []
     for doc in source.documents:
-        ids = tokenizer(doc, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        out.append(torch.tensor(ids, dtype=torch.long))
+        key = None if identity is None else hashlib.sha256(f"{identity}|".encode() + doc.encode()).hexdigest()[:24]
+        cached = _TOKEN_CACHE.get(key) if key else None
+        if cached is None and key:
+            cached = _load_tokens(key)
+        if cached is None:
+            ids = tokenizer(doc, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+            cached = torch.tensor(ids, dtype=torch.long)
+            if key:
+                _save_tokens(key, cached)
+        if key:
+            _TOKEN_CACHE[key] = cached
+        out.append(cached)
     return out
+
+
+_TOKEN_CACHE: dict = {}  # this process's tokenized documents, by key
+
+
+def _tokenizer_identity(tokenizer) -> str | None:
+    """A digest of everything that decides a fast tokenizer's output (None: not cacheable)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    return hashlib.sha256(backend.to_str().encode()).hexdigest()
+
+
+def _load_tokens(key: str):
+    import torch
+
+    from llmopt.core.paths import cache_dir
+
+    path = cache_dir("tokens") / f"{key}.pt"
+    try:
+        return torch.load(path, weights_only=True) if path.is_file() else None
+    except (OSError, RuntimeError, EOFError):  # a damaged cache entry is recomputed
+        return None
+
+
+def _save_tokens(key: str, ids) -> None:
+    import torch
+
+    from llmopt.core.atomic import atomic_file
+    from llmopt.core.paths import cache_dir
+
+    try:
+        with atomic_file(cache_dir("tokens") / f"{key}.pt") as tmp:
+            torch.save(ids, tmp)
+    except OSError:  # a read-only cache only costs the time to tokenize again
+        pass
 
 
 def calibration_ids(tokenizer, spec: str = DEFAULT_CALIB, samples: int = 128, seq_len: int = 512, seed: int = 0):
