@@ -65,7 +65,9 @@ def main() -> None:
         runs["demo_second_run"] = _timed(".venv/bin/llmopt demo", clone, env, work / "demo2.log")
     if args.only in (None, "tests"):
         runs["tests"] = _timed("bash scripts/install.sh && .venv/bin/python -m pytest -q", clone, env, work / "tests.log")
-    record = {"commit": commit, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+    for run in runs.values():
+        run["commit"] = commit
+    record = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "shared_beside_clone": (clone.parent / "shared").exists(), "runs": runs}
     path = RESULTS / "fresh_clone.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
@@ -73,12 +75,12 @@ def main() -> None:
     record["runs"] = {**old_runs, **runs}
     path.write_text(json.dumps(record, indent=2) + "\n")
     lines = ["# The README's commands on a fresh clone", "",
-             f"Commit `{commit[:10]}`, {record['cpus']} CPUs, no `../shared` beside the clone, empty user cache "
+             f"{record['cpus']} CPUs, no `../shared` beside the clone, empty user cache "
              "(written by `bench/fresh_clone.py`).", "",
-             "| run | exit | wall | peak RSS | tests | load avg before → after (1 min) |", "|---|---|---|---|---|---|"]
+             "| run | commit | exit | wall | peak RSS | tests | load avg before → after (1 min) |", "|---|---|---|---|---|---|---|"]
     for name, r in record["runs"].items():
         minutes = f"{int(r['wall_seconds'] // 60)} min {r['wall_seconds'] % 60:.0f} s"
-        lines.append(f"| {name} | {r['exit_status']} | {minutes} | {r['peak_rss_mib']} MiB | {r['test_summary'] or '—'} | "
+        lines.append(f"| {name} | {r.get('commit', '?')[:10]} | {r['exit_status']} | {minutes} | {r['peak_rss_mib']} MiB | {r['test_summary'] or '—'} | "
                      f"{r['load_before'][0]} → {r['load_after'][0]} |")
     (RESULTS / "fresh_clone.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
