@@ -50,7 +50,12 @@ def _timed(command: str, cwd: Path, env: dict, log: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("demo", "tests"))
+    parser.add_argument("--report", action="store_true", help="Rewrite the report from the JSON only.")
     args = parser.parse_args()
+    if args.report:
+        record = json.loads((RESULTS / "fresh_clone.json").read_text())
+        _write(_with_commits(record))
+        return
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     work = Path(tempfile.mkdtemp(prefix="llmopt-fresh-"))  # /tmp: no ../shared beside the clone
     clone = work / "llmopt"
@@ -70,10 +75,24 @@ def main() -> None:
     record = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "shared_beside_clone": (clone.parent / "shared").exists(), "runs": runs}
     path = RESULTS / "fresh_clone.json"
-    old = json.loads(path.read_text()) if path.is_file() else {}
+    old = _with_commits(json.loads(path.read_text())) if path.is_file() else {}
     old_runs = old.get("runs", {}) if args.only else {}
     record["runs"] = {**old_runs, **runs}
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    _write(record)
+    shutil.rmtree(work, ignore_errors=True)
+    sys.exit(max(r["exit_status"] for r in runs.values()))
+
+
+def _with_commits(record: dict) -> dict:
+    """Runs recorded before commits were kept per run take the file's commit."""
+    for run in record.get("runs", {}).values():
+        run.setdefault("commit", record.get("commit", "?"))
+    record.pop("commit", None)
+    return record
+
+
+def _write(record: dict) -> None:
+    (RESULTS / "fresh_clone.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = ["# The README's commands on a fresh clone", "",
              f"{record['cpus']} CPUs, no `../shared` beside the clone, empty user cache "
              "(written by `bench/fresh_clone.py`).", "",
@@ -84,8 +103,6 @@ def main() -> None:
                      f"{r['load_before'][0]} → {r['load_after'][0]} |")
     (RESULTS / "fresh_clone.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    shutil.rmtree(work, ignore_errors=True)
-    sys.exit(max(r["exit_status"] for r in runs.values()))
 
 
 if __name__ == "__main__":
