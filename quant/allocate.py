@@ -3,6 +3,8 @@
 Greedy on each tensor's lower convex hull of (bits, cost): start every tensor at its smallest
 format and repeatedly take the upgrade with the largest cost reduction per added bit, until the
 bits-per-weight budget is spent (``target_bpw``) or the summed cost is at most ``target_kld``.
+Bits are counted as stored in the checkpoint (codes + 16-bit scales) or, with ``size="gguf"``, as
+the ``--type auto`` GGUF file stores them (the block type carrying each format's codes).
 On convex hulls this greedy is the optimum of the continuous relaxation of the knapsack.
 """
 
@@ -20,15 +22,17 @@ class Plan:
     bpw: float  # average stored bits per weight over everything counted
     predicted_kld: float
     target: dict
+    size: str = "checkpoint"
 
     def to_dict(self) -> dict:
-        return {"version": 1, "target": self.target, "bpw": round(self.bpw, 4),
+        return {"version": 1, "target": self.target, "size": self.size, "bpw": round(self.bpw, 4),
                 "predicted_kld": self.predicted_kld, "formats": self.formats}
 
 
-def _hull(t: TensorCost) -> list[str]:
+def _hull(t: TensorCost, size: str = "checkpoint") -> list[str]:
     """Formats on the lower convex hull of (bits, cost), by increasing bits."""
-    pts = sorted(t.costs, key=lambda f: (t.bits[f], t.costs[f]))
+    bits = t.sized(size)
+    pts = sorted(t.costs, key=lambda f: (bits[f], t.costs[f]))
     hull: list[str] = []
     for f in pts:
         if hull and t.costs[f] >= t.costs[hull[-1]]:
@@ -36,7 +40,7 @@ def _hull(t: TensorCost) -> list[str]:
         while len(hull) >= 2:
             a, b = hull[-2], hull[-1]
             # drop b when it lies above the segment a→f
-            if (t.costs[b] - t.costs[a]) * (t.bits[f] - t.bits[a]) >= (t.costs[f] - t.costs[a]) * (t.bits[b] - t.bits[a]):
+            if (t.costs[b] - t.costs[a]) * (bits[f] - bits[a]) >= (t.costs[f] - t.costs[a]) * (bits[b] - bits[a]):
                 hull.pop()
             else:
                 break
@@ -44,9 +48,9 @@ def _hull(t: TensorCost) -> list[str]:
     return hull
 
 
-def totals(sens: Sensitivity, formats: dict[str, str]) -> tuple[float, float]:
-    """(average bits per weight, summed cost) of an assignment."""
-    bits = sens.other_bits + sum(t.bits[formats[t.name]] * t.numel for t in sens.tensors)
+def totals(sens: Sensitivity, formats: dict[str, str], size: str = "checkpoint") -> tuple[float, float]:
+    """(average bits per weight, summed cost) of an assignment, bits counted as ``size``."""
+    bits = sens.other(size) + sum(t.sized(size)[formats[t.name]] * t.numel for t in sens.tensors)
     weights = sum(t.numel for t in sens.tensors) + _other_params(sens)
     return bits / weights, sum(t.costs[formats[t.name]] for t in sens.tensors)
 
@@ -55,17 +59,20 @@ def _other_params(sens: Sensitivity) -> int:
     return sens.other_params
 
 
-def allocate(sens: Sensitivity, target_bpw: float | None = None, target_kld: float | None = None) -> Plan:
-    """The plan for one budget (exactly one of ``target_bpw`` / ``target_kld``)."""
+def allocate(sens: Sensitivity, target_bpw: float | None = None, target_kld: float | None = None,
+             size: str = "checkpoint") -> Plan:
+    """The plan for one budget (exactly one of ``target_bpw`` / ``target_kld``), bits counted as ``size``."""
     if (target_bpw is None) == (target_kld is None):
         raise ValueError("give exactly one of target_bpw and target_kld")
-    hulls = {t.name: _hull(t) for t in sens.tensors}
+    if size == "gguf" and any(not t.gguf for t in sens.tensors):
+        raise ValueError("these sensitivities have no GGUF sizes: measure them again")
+    hulls = {t.name: _hull(t, size) for t in sens.tensors}
     by_name = {t.name: t for t in sens.tensors}
     level = {n: 0 for n in hulls}
     formats = {n: h[0] for n, h in hulls.items()}
     n_weights = sum(t.numel for t in sens.tensors) + _other_params(sens)
     budget = None if target_bpw is None else target_bpw * n_weights
-    bits = sens.other_bits + sum(by_name[n].bits[f] * by_name[n].numel for n, f in formats.items())
+    bits = sens.other(size) + sum(by_name[n].sized(size)[f] * by_name[n].numel for n, f in formats.items())
     cost = sum(by_name[n].costs[f] for n, f in formats.items())
     if budget is not None and bits > budget:
         raise ValueError(f"{target_bpw} bits per weight is below the smallest plan ({bits / n_weights:.3f})")
@@ -75,7 +82,7 @@ def allocate(sens: Sensitivity, target_bpw: float | None = None, target_kld: flo
         if i + 1 >= len(h):
             return None
         t = by_name[name]
-        dbits = (t.bits[h[i + 1]] - t.bits[h[i]]) * t.numel
+        dbits = (t.sized(size)[h[i + 1]] - t.sized(size)[h[i]]) * t.numel
         dcost = t.costs[h[i]] - t.costs[h[i + 1]]
         return dcost / dbits, dbits, dcost
 
@@ -99,7 +106,7 @@ def allocate(sens: Sensitivity, target_bpw: float | None = None, target_kld: flo
         if nxt:
             heapq.heappush(heap, (-nxt[0], name))
     target = {"bpw": target_bpw} if target_bpw is not None else {"kld": target_kld}
-    return Plan(formats, bits / n_weights, cost, target)
+    return Plan(formats, bits / n_weights, cost, target, size)
 
 
 def plan_table(sens: Sensitivity, plan: Plan) -> list[dict]:

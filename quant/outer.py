@@ -1,8 +1,9 @@
 """Quantize the token embedding and the output head (the matrices outside the decoder layers).
 
-Formats (``OUTER_FORMATS``): ``int8`` — one scale per row, symmetric (W8A16's rule, the
-runtime's int8 head kernels, GGUF Q8_0 exactly); ``int4`` — symmetric groups of 32 along the
-row (W4A16 g32, GGUF Q4_0 exactly). Scales are chosen by a per-(row, group) clipping search
+Formats (``OUTER_CHOICES``): ``int8`` — one scale per row, symmetric (W8A16's rule, the
+runtime's int8 head kernels, GGUF Q8_0 exactly); ``int6`` / ``int5`` / ``int4`` — symmetric
+groups of 32 along the row (int5: GGUF Q5_0 exactly, int4: W4A16 g32 and Q4_0 exactly, int6:
+Q8_0 blocks holding 6-bit codes). Scales are chosen by a per-(row, group) clipping search
 (least squared error, weighted by the per-column input energy when a Hessian diagonal of the
 head's input is given).
 
@@ -17,9 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmopt.formats.schemes import QuantizedWeight, QuantScheme, get_scheme, search_qparams
+from llmopt.formats.schemes import QuantizedWeight, QuantScheme, get_scheme, int_weight_scheme, search_qparams
 
-OUTER_CHOICES = ("float", "int8", "int4")
+OUTER_CHOICES = ("float", "int8", "int6", "int5", "int4")
+OUTER_GROUP = 32  # the group size of the grouped embedding/head formats
 EMBED = "model.embed_tokens"
 HEAD = "lm_head"
 
@@ -30,8 +32,8 @@ def outer_scheme(kind: str) -> QuantScheme | None:
         return None
     if kind == "int8":
         return get_scheme("W8A16")
-    if kind == "int4":
-        return get_scheme("W4A16", 32)
+    if kind in ("int6", "int5", "int4"):
+        return int_weight_scheme(int(kind[3:]), OUTER_GROUP)
     raise ValueError(f"unknown embedding/head format {kind!r}: choose one of {', '.join(OUTER_CHOICES)}")
 
 

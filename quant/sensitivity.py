@@ -21,13 +21,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from llmopt.formats.schemes import QuantScheme, compute_qparams, effective_group_size, fake_quantize, get_scheme
-from llmopt.quant.outer import EMBED, HEAD, outer_scheme
+from llmopt.formats.schemes import QuantScheme, compute_qparams, effective_group_size, fake_quantize, int_weight_scheme
+from llmopt.quant.outer import EMBED, HEAD, outer_scheme, quantize_matrix
 
-# candidate formats: name → (preset, group size); float is the stored dtype
-LINEAR_FORMATS = {"int4_g128": ("W4A16", 128), "int4_g64": ("W4A16", 64), "int4_g32": ("W4A16", 32), "int8": ("W8A16", 0)}
-OUTER_FORMATS = ("int4", "int8")
+# candidate formats of a decoder Linear: name → (bits, group size (None: one scale per row),
+# symmetric). The GGUF block type each is exported to without rounding again is in
+# ``gguf_bits``; int4a is asymmetric (a zero point per group: GGUF Q4_1).
+LINEAR_FORMATS: dict[str, tuple[int, int | None, bool]] = {
+    "int4_g128": (4, 128, True), "int4_g64": (4, 64, True), "int4_g32": (4, 32, True), "int4a_g32": (4, 32, False),
+    "int5_g32": (5, 32, True), "int6_g32": (6, 32, True), "int8_g32": (8, 32, True), "int8": (8, None, True),
+}
+OUTER_FORMATS = ("int4", "int5", "int6", "int8")
 FLOAT = "float"
+SIZES = ("checkpoint", "gguf")  # how bits are counted: codes + 16-bit scales, or the GGUF file's blocks
+GGUF_FLOAT_BITS = 16  # float matrices of a quantized checkpoint are written as F16
 
 
 def format_scheme(name: str, in_features: int) -> QuantScheme | None:
@@ -35,9 +42,8 @@ def format_scheme(name: str, in_features: int) -> QuantScheme | None:
     if name == FLOAT:
         return None
     if name in LINEAR_FORMATS:
-        preset, group = LINEAR_FORMATS[name]
-        scheme = get_scheme(preset, group)
-        return scheme.with_group_size(effective_group_size(in_features, scheme.group_size))
+        bits, group, symmetric = LINEAR_FORMATS[name]
+        return int_weight_scheme(bits, effective_group_size(in_features, group), symmetric)
     return outer_scheme(name)
 
 
@@ -51,6 +57,18 @@ def format_bits(name: str, in_features: int, float_bits: int) -> float:
     return scheme.bits_per_weight
 
 
+def gguf_bits(name: str, in_features: int) -> float:
+    """Bits per weight of the format in a ``--type auto`` GGUF file: the block type that carries its
+    codes (Q4_0 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5), F16 when none does or for float."""
+    scheme = format_scheme(name, in_features)
+    group = None if scheme is None else (scheme.group_size or in_features)
+    if scheme is None or group % 32 or in_features % 32:
+        return float(GGUF_FLOAT_BITS)
+    if scheme.num_bits in (4, 5):
+        return scheme.num_bits + (0.5 if scheme.symmetric else 1.0)
+    return 8.5
+
+
 @dataclass
 class TensorCost:
     """One quantizable tensor: its size and the estimated KLD cost of each candidate format."""
@@ -60,13 +78,18 @@ class TensorCost:
     shape: tuple[int, int]
     costs: dict[str, float]  # format name → nats per token
     bits: dict[str, float]  # format name → stored bits per weight
+    gguf: dict[str, float] = field(default_factory=dict)  # format name → bits per weight in a GGUF file
 
     @property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
 
+    def sized(self, size: str) -> dict[str, float]:
+        """Bits per weight of each format, counted as ``size`` (one of ``SIZES``)."""
+        return self.gguf if size == "gguf" else self.bits
+
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "shape": list(self.shape), "costs": self.costs, "bits": self.bits}
+        return {"kind": self.kind, "shape": list(self.shape), "costs": self.costs, "bits": self.bits, "gguf": self.gguf}
 
 
 @dataclass
@@ -77,13 +100,18 @@ class Sensitivity:
     other_params: int = 0
     notes: list[str] = field(default_factory=list)
 
+    def other(self, size: str) -> int:
+        """Bits of everything else: as stored, or F32 in a GGUF file (norms, biases)."""
+        return 32 * self.other_params if size == "gguf" else self.other_bits
+
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "other_bits": self.other_bits, "other_params": self.other_params,
                 "tensors": {t.name: t.to_dict() for t in self.tensors}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Sensitivity":
-        tensors = [TensorCost(n, v["kind"], tuple(v["shape"]), v["costs"], v["bits"]) for n, v in d["tensors"].items()]
+        tensors = [TensorCost(n, v["kind"], tuple(v["shape"]), v["costs"], v["bits"], v.get("gguf", {}))
+                   for n, v in d["tensors"].items()]
         return cls(tensors, d["other_bits"], d["tokens"], d.get("other_params", 0))
 
 
@@ -115,10 +143,18 @@ def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0
     finals: list[torch.Tensor] = []
     handles = []
 
+    inputs: dict[int, tuple[torch.Tensor, str]] = {}  # this window's Linear inputs: q/k/v, gate/up share one
+    shared: dict[str, str] = {}  # Linear → the Linear whose input second moment it shares
+
     def linear_hook(name):
         def hook(module, args, out):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-            hess[name] += x.T @ x
+            seen = inputs.get(id(args[0]))
+            if seen is not None and seen[0] is args[0]:
+                shared[name] = seen[1]
+            else:
+                inputs[id(args[0])] = (args[0], name)
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+                hess[name] += x.T @ x
             def grad_hook(g: torch.Tensor) -> None:
                 fisher[name].add_(g.detach().reshape(-1, g.shape[-1]).double().pow(2).sum(0))
 
@@ -150,12 +186,14 @@ def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0
         for window in calib_ids:
             ids = window.unsqueeze(0)
             current_ids[:] = [ids]
+            inputs.clear()
             logits = model(ids).logits.float()[0]
             sampled = torch.multinomial(torch.softmax(logits.detach(), -1), 1, generator=gen).squeeze(1)
             loss = torch.nn.functional.cross_entropy(logits, sampled, reduction="sum")
             loss.backward()
             tokens += ids.numel()
     finally:
+        inputs.clear()
         for h in handles:
             h.remove()
         embed.weight.grad = None
@@ -165,48 +203,49 @@ def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0
     out: list[TensorCost] = []
     with torch.no_grad():
         for name, m in linears.items():
-            h = (hess[name] / tokens).float()
+            h = (hess[shared.get(name, name)] / tokens).float()
             f = (fisher[name] / tokens).float()
-            costs, bits = {}, {}
+            costs, bits, gbits = {}, {}, {}
             for fmt in LINEAR_FORMATS:
                 scheme = format_scheme(fmt, dim[name])
                 dw = _weight_error(m.weight, scheme)
                 costs[fmt] = 0.5 * float((f * ((dw @ h) * dw).sum(1)).sum())
                 bits[fmt] = format_bits(fmt, dim[name], float_bits)
-            costs[FLOAT], bits[FLOAT] = 0.0, float(float_bits)
-            out.append(TensorCost(name, "linear", tuple(m.weight.shape), costs, bits))
+                gbits[fmt] = gguf_bits(fmt, dim[name])
+            costs[FLOAT], bits[FLOAT], gbits[FLOAT] = 0.0, float(float_bits), gguf_bits(FLOAT, dim[name])
+            out.append(TensorCost(name, "linear", tuple(m.weight.shape), costs, bits, gbits))
         final = torch.cat(finals)
-        base_logp = None
-        emb_w = embed.weight.float()
         g2 = emb_grad.float() / tokens
-        for role in (["tied"] if tied else ["embedding", "head"]):
-            costs, bits = {}, {}
-            for fmt in OUTER_FORMATS:
-                scheme = outer_scheme(fmt)
-                cost = 0.0
-                if role in ("tied", "embedding"):
-                    dw = _weight_error(emb_w, scheme)
-                    cost += 0.5 * float((g2 * dw.pow(2)).sum())
-                if role in ("tied", "head"):
-                    hw = head.weight.float()
-                    cost += _head_kld(final, hw, hw + _weight_error(hw, scheme), head_chunk)
-                costs[fmt] = cost
-                bits[fmt] = format_bits(fmt, hidden, float_bits)
-            costs[FLOAT], bits[FLOAT] = 0.0, float(float_bits)
+        roles = ["tied"] if tied else ["embedding", "head"]
+        for role in roles:
+            w = (embed if role in ("tied", "embedding") else head).weight.float()
+            # the outer matrices are quantized as quantize_outer does it (RTN with the clipping search)
+            errors = {fmt: quantize_matrix(w, outer_scheme(fmt)).dequantize() - w for fmt in OUTER_FORMATS}
+            costs = {fmt: 0.0 for fmt in OUTER_FORMATS}
+            if role in ("tied", "embedding"):
+                for fmt, dw in errors.items():
+                    costs[fmt] += 0.5 * float((g2 * dw.pow(2)).sum())
+            if role in ("tied", "head"):
+                for fmt, kld in _head_kld(final, w, {f: w + dw for f, dw in errors.items()}, head_chunk).items():
+                    costs[fmt] += kld
+            del errors
+            bits = {fmt: format_bits(fmt, hidden, float_bits) for fmt in OUTER_FORMATS}
+            gbits = {fmt: gguf_bits(fmt, hidden) for fmt in OUTER_FORMATS}
+            costs[FLOAT], bits[FLOAT], gbits[FLOAT] = 0.0, float(float_bits), gguf_bits(FLOAT, hidden)
             name = EMBED if role in ("tied", "embedding") else HEAD
-            out.append(TensorCost(name, role, (vocab, hidden), costs, bits))
-        del base_logp
+            out.append(TensorCost(name, role, (vocab, hidden), costs, bits, gbits))
     counted = {id(m.weight) for m in linears.values()} | {id(embed.weight), id(head.weight)}
     rest = [p for p in model.parameters() if id(p) not in counted]
     other = sum(p.numel() * p.element_size() * 8 for p in rest)
     return Sensitivity(out, other, tokens, sum(p.numel() for p in rest))
 
 
-def _head_kld(final: torch.Tensor, w: torch.Tensor, wq: torch.Tensor, chunk: int) -> float:
-    """Mean KL(float head ‖ quantized head) over the rows of ``final``."""
-    total = 0.0
+def _head_kld(final: torch.Tensor, w: torch.Tensor, quantized: dict[str, torch.Tensor], chunk: int) -> dict[str, float]:
+    """Mean KL(float head ‖ quantized head) over the rows of ``final``, for each quantized head."""
+    total = dict.fromkeys(quantized, 0.0)
     for x in torch.split(final, chunk):
         p = torch.log_softmax(x @ w.T, -1)
-        q = torch.log_softmax(x @ wq.T, -1)
-        total += float((p.exp() * (p - q)).sum())
-    return total / final.shape[0]
+        for name, wq in quantized.items():
+            q = torch.log_softmax(x @ wq.T, -1)
+            total[name] += float((p.exp() * (p - q)).sum())
+    return {name: t / final.shape[0] for name, t in total.items()}

@@ -14,6 +14,7 @@ from llmopt.core.errors import LlmoptError
 from llmopt.formats.compressed import load_dequantized, read_compressed
 from llmopt.pipeline.stages.quantize import QuantizeConfig, run_quantize
 from llmopt.quant.allocate import allocate, totals
+from llmopt.quant.outer import quantize_matrix
 from llmopt.quant.sensitivity import Sensitivity, TensorCost, format_scheme, measure_sensitivity
 from llmopt.formats.schemes import compute_qparams, fake_quantize
 from llmopt.runtime import LLM, SamplingParams
@@ -49,6 +50,22 @@ def test_allocation_meets_budgets_and_more_bits_cost_less():
         allocate(sens, target_bpw=4.0)
 
 
+def test_allocation_counts_gguf_bits():
+    """With ``size="gguf"`` the budget counts each format's GGUF block size: a format that is
+    smaller in the checkpoint but not in the file (g128 vs g32, both Q4_0) is never worth it."""
+    sens = _synthetic()
+    for t in sens.tensors:
+        t.gguf = {"a": 4.5, "b": 4.5, "c": 8.5, "float": 16.0}
+    plan = allocate(sens, target_bpw=6.0, size="gguf")
+    assert plan.size == "gguf" and plan.to_dict()["size"] == "gguf"
+    gguf_bpw, cost = totals(sens, plan.formats, "gguf")
+    assert gguf_bpw <= 6.0 + 1e-9 and gguf_bpw == pytest.approx(plan.bpw)
+    assert "a" not in plan.formats.values()  # same file size as b, higher cost
+    assert cost == pytest.approx(plan.predicted_kld)
+    nominal = allocate(sens, target_bpw=6.0)
+    assert totals(sens, nominal.formats, "gguf")[0] > 6.0  # the nominal plan overshoots in the file
+
+
 def test_allocation_is_optimal_on_a_small_case():
     """The greedy plan costs no more than the best of all assignments within the budget."""
     import itertools
@@ -80,6 +97,12 @@ def test_predicted_costs_track_true_kld():
     assert sens.tokens == 8 * 64
     names = [t.name for t in sens.tensors]
     assert "lm_head" in names and "model.embed_tokens" in names and len(names) == 2 * 7 + 2
+    linear = sens.tensors[0]
+    assert linear.kind == "linear" and set(linear.gguf) == set(linear.bits) == set(linear.costs)
+    assert [linear.gguf[f] for f in ("int4_g128", "int4_g32", "int4a_g32", "int5_g32", "int6_g32", "int8", "float")] == \
+        [4.5, 4.5, 5.0, 5.5, 8.5, 8.5, 16.0]
+    # more bits, less error: each width's cost below the narrower one's
+    assert linear.costs["int8_g32"] < linear.costs["int6_g32"] < linear.costs["int5_g32"] < linear.costs["int4_g32"]
     with torch.no_grad():
         ref_logp = torch.log_softmax(model(ids).logits.float(), -1)
     predicted, true = [], []
@@ -88,8 +111,11 @@ def test_predicted_costs_track_true_kld():
         fmt = "int4_g32" if t.kind == "linear" else "int4"
         scheme = format_scheme(fmt, t.shape[1])
         w = module.weight.data.clone()
-        scale, zp = compute_qparams(w, scheme, scheme.group_size)
-        module.weight.data = fake_quantize(w, scale, zp, scheme, scheme.group_size)
+        if t.kind == "linear":
+            scale, zp = compute_qparams(w, scheme, scheme.group_size)
+            module.weight.data = fake_quantize(w, scale, zp, scheme, scheme.group_size)
+        else:  # the embedding / head: as quantize_outer quantizes them (with the clipping search)
+            module.weight.data = quantize_matrix(w, scheme).dequantize()
         true.append(_kld(model, ids, ref_logp))
         module.weight.data = w
         predicted.append(t.costs[fmt])
@@ -151,6 +177,8 @@ def test_auto_checkpoint_loads_and_plan_is_reused(tmp_path, calib_text):
     (["--scheme", "AUTO"], "exactly one of"),
     (["--scheme", "AUTO", "--target-bpw", "5", "--target-kld", "0.1"], "exactly one of"),
     (["--scheme", "W4A16", "--target-bpw", "5"], "only apply to --scheme AUTO"),
+    (["--scheme", "W4A16", "--size-of", "gguf"], "only apply to --scheme AUTO"),
+    (["--scheme", "AUTO", "--plan", "missing.json", "--size-of", "gguf"], "--plan reuses a plan"),
     (["--scheme", "AUTO", "--target-bpw", "5", "--method", "awq"], "rtn or gptq"),
     (["--scheme", "AUTO", "--target-bpw", "5", "--head", "int8"], "chooses the head"),
     (["--scheme", "AUTO", "--plan", "missing.json"], "does not exist"),
@@ -161,3 +189,62 @@ def test_bad_auto_options(tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert not (tmp_path / "out").exists()
+
+
+EXPECTED_GGUF = {"int4_g128": "Q4_0", "int4_g64": "Q4_0", "int4_g32": "Q4_0", "int4a_g32": "Q4_1", "int5_g32": "Q5_0",
+                 "int6_g32": "Q8_0", "int8_g32": "Q8_0", "int8": "Q8_0", "int5": "Q5_0"}
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_every_format_saved_loaded_run_and_exported(tmp_path, calib_text, method):
+    """A plan using every candidate format (and an int5 tied embedding/head): the codes saved are
+    on each format's grid, our loader and the runtime agree, and the GGUF export carries each
+    tensor's codes in the block type of its format."""
+    from gguf import GGUFReader
+    from llmopt.formats.gguf_export import export_gguf
+    from llmopt.quant.sensitivity import LINEAR_FORMATS
+
+    model = tiny_llama(seed=11)
+    src = save_model(model, tmp_path / "src")
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    formats = {n: list(LINEAR_FORMATS)[i % len(LINEAR_FORMATS)] for i, n in enumerate(names)}
+    formats["model.embed_tokens"] = "int5"
+    shapes = {n: list(model.get_submodule(n).weight.shape) for n in formats}
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"formats": formats, "shapes": shapes, "kinds": {"model.embed_tokens": "tied"}}))
+    run_quantize(QuantizeConfig(model=str(src), output=str(tmp_path / "q"), scheme="AUTO", plan=str(plan), method=method,
+                                calib=str(calib_text), calib_samples=4, calib_seq_len=64))
+    weights, _ = read_compressed(tmp_path / "q")
+    assert sorted(weights) == sorted(formats)
+    for name, fmt in formats.items():
+        qw = weights[name]
+        scheme = format_scheme(fmt, shapes[name][1])
+        assert (qw.scheme.num_bits, qw.group_size, qw.scheme.symmetric) == (scheme.num_bits, scheme.group_size, scheme.symmetric), name
+        assert qw.codes.shape == tuple(shapes[name])
+        assert int(qw.codes.min()) >= scheme.qmin and int(qw.codes.max()) <= scheme.qmax, name
+        if scheme.num_bits > 4:  # the extra levels are used
+            assert int(qw.codes.min()) < -8 or int(qw.codes.max()) > 7, name
+    ours = load_dequantized(tmp_path / "q")
+    for name in names:
+        assert torch.equal(ours.get_submodule(name).weight.data, weights[name].dequantize()), name
+    assert torch.equal(ours.lm_head.weight.data, weights["model.embed_tokens"].dequantize())
+    prompt = [1, 5, 9, 30, 44, 2, 7]
+    llm = LLM(tmp_path / "q")
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1))[0]
+    assert len(out.token_ids) == 6
+    with torch.no_grad():
+        logp = torch.log_softmax(ours(torch.tensor([prompt + out.token_ids])).logits[0].float(), -1)
+    for i, tok in enumerate(out.token_ids):
+        row = logp[len(prompt) - 1 + i]
+        top2 = torch.topk(row, 2).values
+        assert tok == int(row.argmax()) or float(top2[0] - top2[1]) < 1e-3
+        assert out.logprobs[i][tok] == pytest.approx(float(row[tok]), abs=2e-3)
+    report = export_gguf(tmp_path / "q", tmp_path / "q.gguf")
+    assert all(v["codes_identical"] for v in report.by_type.values() if v["codes_identical"] is not None)
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(tmp_path / "q.gguf")).tensors}
+    assert types["token_embd.weight"] == "Q5_0" and "output.weight" not in types
+    gguf_names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                  "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    for name in names:
+        layer, kind = name.split(".")[2], name.rsplit(".", 1)[1]
+        assert types[f"blk.{layer}.{gguf_names[kind]}.weight"] == EXPECTED_GGUF[formats[name]], name

@@ -338,6 +338,37 @@ def test_int4_asymmetric_to_q4_1(tmp_path):
     assert report.by_type["Q4_1"]["codes_identical"] is True
 
 
+@pytest.mark.parametrize("bits,symmetric,qtype", [(5, True, T.Q5_0), (5, False, T.Q5_1), (6, True, T.Q8_0), (6, False, T.Q8_0)])
+def test_narrow_codes_carried_exactly(tmp_path, bits, symmetric, qtype):
+    """5-bit codes go to Q5_0 / Q5_1 and 6-bit ones to Q8_0 unchanged; gguf's own dequantizer
+    gives our dequantized weights bit for bit (symmetric, fp16 scales) or within the fp16 offset."""
+    from llmopt.formats.schemes import int_weight_scheme
+
+    scheme = int_weight_scheme(bits, 32, symmetric)
+    weights = quantized_dir(tmp_path / "q", scheme, 32, fp16_scales=True)
+    qw = weights["model.layers.1.mlp.down_proj"]
+    assert int(qw.codes.min()) >= -(2 ** (bits - 1)) and int(qw.codes.max()) <= 2 ** (bits - 1) - 1
+    assert int(qw.codes.min()) < -8 or int(qw.codes.max()) > 7  # really wider than int4
+    report = export_gguf(tmp_path / "q", tmp_path / "q.gguf")
+    t = read_tensors(tmp_path / "q.gguf")["blk.1.ffn_down.weight"]
+    assert t.tensor_type == qtype
+    assert report.by_type[qtype.name]["codes_identical"] is True
+    assert report.by_type[qtype.name]["tensors"] == 14
+    got, want = values(t), qw.dequantize().numpy()
+    assert got.shape == want.shape
+    if symmetric:
+        assert np.array_equal(got, want)
+    else:  # only the block offset is rounded to fp16
+        span = float(((2 ** bits) * qw.scale).max())
+        assert np.abs(got - want).max() <= span * 2**-11
+    if qtype == T.Q5_0:  # the low nibbles and fifth bits decoded here, independently of the exporter
+        b = np.ascontiguousarray(t.data).reshape(-1, 22)
+        high = np.unpackbits(b[:, 2:6], axis=1, bitorder="little")
+        low = np.concatenate([b[:, 6:] & 15, b[:, 6:] >> 4], axis=1)
+        codes = ((low | (high << 4)).astype(np.int16) - 16).reshape(qw.codes.shape)
+        assert np.array_equal(codes, qw.codes.numpy())
+
+
 def test_auto_without_exact_mapping_and_unmappable_types(tmp_path):
     quantized_dir(tmp_path / "fp8", get_scheme("FP8"), None)
     report = export_gguf(tmp_path / "fp8", tmp_path / "fp8.gguf")

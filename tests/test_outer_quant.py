@@ -51,6 +51,8 @@ CASES = [  # (tied, head, embedding)
     (True, "float", "int4"),
     (False, "int8", "float"),
     (False, "int4", "int8"),
+    (True, "int5", "int5"),
+    (False, "int6", "int5"),
 ]
 
 
@@ -79,8 +81,9 @@ def test_saved_codes_loader_runtime(tmp_path, tied, head, embedding):
         assert torch.equal(outer[name].scale, expected.scale), name
         rel = float((outer[name].dequantize() - w.detach()).norm() / w.detach().norm())
         assert 0 < rel < (0.01 if kind == "int8" else 0.12), (name, rel)
-        qmax = 127 if kind == "int8" else 7
-        assert int(outer[name].codes.max()) <= qmax and int(outer[name].codes.min()) >= -qmax - 1
+        scheme = outer_scheme(kind)
+        assert int(outer[name].codes.max()) <= scheme.qmax and int(outer[name].codes.min()) >= scheme.qmin
+        assert (outer[name].group_size is None) == (kind == "int8")
     # a tied head of one format is stored once, without a float copy
     from safetensors import safe_open
 

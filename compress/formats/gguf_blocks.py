@@ -5,6 +5,9 @@ Layouts (one block, little-endian, as ggml stores them; ``d``/``m`` are float16)
 * ``Q4_0`` (32 weights, 18 bytes): ``d``, 16 bytes of nibbles; weight ``j`` is in the low nibble of
   byte ``j`` (j < 16) or the high nibble of byte ``j - 16``; ``w = d * (u - 8)``, ``u`` in [0, 15].
 * ``Q4_1`` (32 weights, 20 bytes): ``d``, ``m``, nibbles as Q4_0; ``w = d * u + m``.
+* ``Q5_0`` (32 weights, 22 bytes): ``d``, ``qh`` (uint32: bit ``j`` is the fifth bit of weight ``j``),
+  16 bytes of low nibbles laid out as Q4_0's; ``w = d * (u - 16)``, ``u`` in [0, 31].
+* ``Q5_1`` (32 weights, 24 bytes): ``d``, ``m``, ``qh``, low nibbles; ``w = d * u + m``.
 * ``Q8_0`` (32 weights, 34 bytes): ``d``, 32 int8 ``q``; ``w = d * q``.
 * ``Q4_K`` (256 weights, 144 bytes): ``d``, ``dmin``, 12 bytes holding eight 6-bit sub-block scales
   and mins, 128 bytes of nibbles (sub-blocks of 32); ``w = d * sc * u - dmin * mn``.
@@ -16,7 +19,8 @@ Our codes are signed (int4 in [-8, 7]) with ``w = (q - z) * s``; the exact mappi
 * int4 symmetric → Q4_0: ``u = q + 8``, ``d = fp16(s)``;
 * int4 asymmetric → Q4_1: ``u = q + 8`` and ``w = (u - 8 - z) * s = s * u - (z + 8) * s``, so
   ``d = fp16(s)``, ``m = fp16(-(z + 8) * s)``;
-* int8 (or int4, symmetric or not) → Q8_0: ``q8 = q - z``, ``d = fp16(s)``.
+* int5 symmetric → Q5_0 (``u = q + 16``), int5 asymmetric → Q5_1 (``m = fp16(-(z + 16) * s)``);
+* int8 (or any narrower integer codes, symmetric or not) → Q8_0: ``q8 = q - z``, ``d = fp16(s)``.
 
 Only the scales are rounded (to float16); the integer codes are carried over unchanged.
 gguf's own ``quants.quantize`` (the llama.cpp reference) is used for dense Q4_0/Q4_1/Q5_0/Q8_0;
@@ -29,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-USER_TYPES = ("auto", "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # the GGUF types `--type` accepts
+USER_TYPES = ("auto", "F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # the GGUF types `--type` accepts
 
 QK = 32  # weights per Q4_0 / Q4_1 / Q5_0 / Q8_0 block
 QK_K = 256  # weights per K-quant super-block
@@ -78,6 +82,27 @@ def encode_q4_1(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+def _fifth_bits(u: np.ndarray) -> np.ndarray:
+    """``[n, 32]`` values in [0, 31] → ``[n, 4]`` bytes: the little-endian uint32 of their fifth bits."""
+    return np.packbits((u >> 4).astype(np.uint8), axis=-1, bitorder="little")
+
+
+def encode_q5_0(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q5_0 bytes ``[rows, cols/32*22]`` from int5 codes (in [-16, 15]) and block scales."""
+    rows = codes.shape[0]
+    u = (codes.astype(np.int16) + 16).astype(np.uint8).reshape(-1, QK)
+    out = np.concatenate([_f16_bytes(d.reshape(-1)), _fifth_bits(u), _nibbles(u & 0x0F)], axis=1)
+    return out.reshape(rows, -1)
+
+
+def encode_q5_1(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Q5_1 bytes from int5 codes (``u = q + 16``), block scales ``d`` and offsets ``m``."""
+    rows = codes.shape[0]
+    u = (codes.astype(np.int16) + 16).astype(np.uint8).reshape(-1, QK)
+    out = np.concatenate([_f16_bytes(d.reshape(-1)), _f16_bytes(m.reshape(-1)), _fifth_bits(u), _nibbles(u & 0x0F)], axis=1)
+    return out.reshape(rows, -1)
+
+
 def encode_q8_0(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
     """Q8_0 bytes from int8-range codes ``[rows, cols]`` and block scales ``[rows, cols/32]``."""
     rows = codes.shape[0]
@@ -87,15 +112,19 @@ def encode_q8_0(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 
 def stored_codes(data: np.ndarray, qtype: T, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """The integer codes and fp16 scales ``d`` stored in a Q4_0 / Q4_1 / Q8_0 tensor's bytes.
+    """The integer codes and fp16 scales ``d`` stored in a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 tensor's bytes.
 
-    Codes are returned in our signed convention (``u - 8`` for the 4-bit types), shape
-    ``[rows, cols]``; ``d`` has shape ``[rows, cols/32]`` (float32).
+    Codes are returned in our signed convention (``u - 8`` for the 4-bit types, ``u - 16`` for
+    the 5-bit ones), shape ``[rows, cols]``; ``d`` has shape ``[rows, cols/32]`` (float32).
     """
     blocks = np.ascontiguousarray(data.reshape(-1)).reshape(-1, _type_bytes(qtype))
     d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
     if qtype == T.Q8_0:
         codes = blocks[:, 2:].copy().view(np.int8)
+    elif qtype in (T.Q5_0, T.Q5_1):
+        start = 2 if qtype == T.Q5_0 else 4
+        high = np.unpackbits(blocks[:, start : start + 4], axis=-1, bitorder="little")
+        codes = (_unnibble(blocks[:, start + 4 :]) | (high << 4)).astype(np.int8) - 16
     else:
         start = 2 if qtype == T.Q4_0 else 4
         codes = _unnibble(blocks[:, start:]).astype(np.int8) - 8

@@ -4,9 +4,10 @@ What each tensor becomes:
 
 * 1-D tensors (norms, biases): F32, as llama.cpp keeps them.
 * Linears quantized by us (compressed-tensors): their integer codes are carried over unchanged
-  when a GGUF block type holds them — int4 symmetric → Q4_0, int4 asymmetric → Q4_1, int8
-  symmetric → Q8_0 (any group size that is a multiple of 32, per-channel included: a group
-  spans whole blocks that share its scale). Only the scales are rounded, to float16.
+  when a GGUF block type holds them — int4 symmetric → Q4_0, int4 asymmetric → Q4_1, int5
+  symmetric → Q5_0, int5 asymmetric → Q5_1, int8 symmetric and int6 / int7 → Q8_0 (any group
+  size that is a multiple of 32, per-channel included: a group spans whole blocks that share
+  its scale). Only the scales are rounded, to float16.
   ``--type auto`` takes the first exact mapping, or F16 (near-lossless) when there is none
   (FP8, int8 asymmetric, groups not a multiple of 32). An explicit integer type that would need
   the weights rounded again is refused unless ``requantize`` is set.
@@ -48,13 +49,13 @@ from llmopt.formats.gguf_vocab import Vocab, build_vocab, write_vocab
 from llmopt.checkpoints.models import read_config, resolve_model
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
-CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q8_0}
+CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}
 FOUR_BIT = {T.Q4_0, T.Q4_1, T.Q4_K}
-FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q4_0: T.F16, T.Q4_1: T.F16, T.Q5_0: T.F16, T.Q8_0: T.F16}
+FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q4_0: T.F16, T.Q4_1: T.F16, T.Q5_0: T.F16, T.Q5_1: T.F16, T.Q8_0: T.F16}
 FILE_TYPES = {
     T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16, T.BF16: LlamaFileType.MOSTLY_BF16,
     T.Q8_0: LlamaFileType.MOSTLY_Q8_0, T.Q4_0: LlamaFileType.MOSTLY_Q4_0, T.Q4_1: LlamaFileType.MOSTLY_Q4_1,
-    T.Q5_0: LlamaFileType.MOSTLY_Q5_0, T.Q4_K: LlamaFileType.MOSTLY_Q4_K_S, T.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+    T.Q5_0: LlamaFileType.MOSTLY_Q5_0, T.Q5_1: LlamaFileType.MOSTLY_Q5_1, T.Q4_K: LlamaFileType.MOSTLY_Q4_K_S, T.Q6_K: LlamaFileType.MOSTLY_Q6_K,
 }
 F16_MAX = 65504.0
 
@@ -295,7 +296,9 @@ def carry_types(qw: Any) -> list[T]:
     bits, sym = qw.scheme.num_bits, qw.scheme.symmetric
     if bits == 4:
         return [T.Q4_0, T.Q4_1, T.Q8_0] if sym else [T.Q4_1, T.Q8_0]
-    if bits == 8 and sym:
+    if bits == 5:
+        return [T.Q5_0, T.Q5_1, T.Q8_0] if sym else [T.Q5_1, T.Q8_0]
+    if bits < 8 or sym:  # q - z of codes up to 7 bits stays within int8
         return [T.Q8_0]
     return []
 
@@ -518,13 +521,18 @@ def encode(p: Planned) -> tuple[np.ndarray, T | None]:
         codes = p.expected_codes
         if p.qtype == T.Q4_0:
             return blocks.encode_q4_0(codes, p.expected_d), T.Q4_0
+        if p.qtype == T.Q5_0:
+            return blocks.encode_q5_0(codes, p.expected_d), T.Q5_0
         if p.qtype == T.Q8_0:
             return blocks.encode_q8_0(codes, p.expected_d), T.Q8_0
         cols = codes.shape[1]
         group = qw.group_size or cols
         scale = qw.scale.float().repeat_interleave(group // blocks.QK, dim=1)
         zp = torch.zeros_like(scale) if qw.zero_point is None else qw.zero_point.float().repeat_interleave(group // blocks.QK, dim=1)
-        m = (-(zp + 8) * scale).numpy()
+        half = 2 ** (qw.scheme.num_bits - 1)  # u = q + half
+        m = (-(zp + half) * scale).numpy()
+        if p.qtype == T.Q5_1:
+            return blocks.encode_q5_1(codes, p.expected_d, m), T.Q5_1
         return blocks.encode_q4_1(codes, p.expected_d, m), T.Q4_1
     x = p.reference().numpy()
     if p.qtype == T.F32:

@@ -88,6 +88,18 @@ def get_scheme(name: str, group_size: int | None = None) -> QuantScheme:
     return scheme
 
 
+def int_weight_scheme(num_bits: int, group_size: int | None, symmetric: bool = True) -> QuantScheme:
+    """A weight-only integer scheme of any width (2 to 8 bits): the preset of that width when
+    there is one (``W4A16``, ``W4A16_ASYM``, ``W8A16``), else ``W<bits>A16`` (as read back from a
+    checkpoint's config)."""
+    if not 2 <= num_bits <= 8:
+        raise ValueError(f"integer weights take 2 to 8 bits, not {num_bits}")
+    for preset in PRESETS.values():
+        if (preset.num_bits, preset.weight_type, preset.symmetric, preset.activations) == (num_bits, "int", symmetric, None):
+            return preset.with_group_size(group_size)
+    return QuantScheme(f"W{num_bits}A16", num_bits, group_size=group_size, symmetric=symmetric)
+
+
 def effective_group_size(in_features: int, asked: int | None) -> int | None:
     """Largest group size dividing ``in_features`` and not larger than ``asked``.
 
@@ -131,9 +143,10 @@ def compute_qparams(
         return (absmax / FP8_MAX).clamp(min=1e-12), None
     if scheme.symmetric:
         absmax = wg.abs().amax(dim=-1) * clip_ratio
-        # Use the full negative code as llama.cpp's Q4_0 does: absmax maps onto qmin's magnitude
-        # only when the extreme value is negative; dividing by (qmax + 0.5) balances both signs.
-        scale = absmax / (scheme.qmax + 0.5) if scheme.num_bits == 4 else absmax / scheme.qmax
+        # Below 8 bits use the full negative code as llama.cpp's Q4_0 / Q5_0 do: absmax maps onto
+        # qmin's magnitude only when the extreme value is negative; dividing by (qmax + 0.5)
+        # balances both signs. 8-bit keeps absmax / 127 (W8A16, Q8_0).
+        scale = absmax / (scheme.qmax + 0.5) if scheme.num_bits < 8 else absmax / scheme.qmax
         return scale.clamp(min=1e-12), None
     wmin = (wg.amin(dim=-1) * clip_ratio).clamp(max=0)
     wmax = (wg.amax(dim=-1) * clip_ratio).clamp(min=0)

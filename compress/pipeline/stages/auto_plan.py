@@ -29,7 +29,7 @@ def plan_for(config: Any, source: Path, calib: torch.Tensor | None) -> tuple[dic
         sens = measure_sensitivity(model, calib[: config.sensitivity_samples], seed=config.seed)
         del model
         try:
-            plan = allocate(sens, config.target_bpw, config.target_kld)
+            plan = allocate(sens, config.target_bpw, config.target_kld, config.size_of)
         except ValueError as exc:
             raise LlmoptError(str(exc), "raise the target") from exc
         record = plan.to_dict()
@@ -39,6 +39,7 @@ def plan_for(config: Any, source: Path, calib: torch.Tensor | None) -> tuple[dic
         record["table"] = plan_table(sens, plan)
         bpw, _ = totals(sens, plan.formats)
         record["bpw"] = round(bpw, 4)
+        record["gguf_bpw"] = round(totals(sens, plan.formats, "gguf")[0], 4)
     _print_table(record)
     return options_from_plan(record), record
 
@@ -89,7 +90,8 @@ def _print_table(record: dict) -> None:
 
     rows = record.get("table") or []
     target = ", ".join(f"{k} {v}" for k, v in record.get("target", {}).items())
-    err.print(f"plan ({target}): {record.get('bpw')} bits per weight, predicted mean KLD {record.get('predicted_kld', 0):.4f}")
+    gguf = f" ({record['gguf_bpw']} in a GGUF file)" if "gguf_bpw" in record else ""
+    err.print(f"plan ({target}): {record.get('bpw')} bits per weight{gguf}, predicted mean KLD {record.get('predicted_kld', 0):.4f}")
     if rows:
         err.print(f"  {'tensor':<14}{'format':<11}{'count':>6}{'weights':>13}{'cost':>10}")
         for r in rows:

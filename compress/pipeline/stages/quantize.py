@@ -42,12 +42,15 @@ class QuantizeConfig:
     calib_seq_len: int = option(512, "Tokens per calibration window.", min=8)
     seed: int = option(0, "Seed for the calibration sample offsets.")
     ignore: tuple[str, ...] = option((), "Keep matching Linears in float (repeatable; lm_head stays float unless --head says otherwise).", metavar="REGEX")
-    head: str = option("float", "Output head: float, int8 (per row) or int4 (groups of 32); a tied head shares the embedding's.",
-                       choices=("float", "int8", "int4"))
-    embedding: str = option("float", "Token embedding: float, int8 (per row) or int4 (groups of 32).",
-                            choices=("float", "int8", "int4"))
+    head: str = option("float", "Output head: float, int8 (per row) or int6 / int5 / int4 (groups of 32); a tied head shares the embedding's.",
+                       choices=("float", "int8", "int6", "int5", "int4"))
+    embedding: str = option("float", "Token embedding: float, int8 (per row) or int6 / int5 / int4 (groups of 32).",
+                            choices=("float", "int8", "int6", "int5", "int4"))
     target_bpw: float | None = option(None, "AUTO: average stored bits per weight (codes and 16-bit scales) to fill.")
     target_kld: float | None = option(None, "AUTO: predicted mean KL divergence to stay under, with the fewest bits.")
+    size_of: str = option("checkpoint", "AUTO: count bits as stored in the checkpoint (codes + 16-bit scales) or in the "
+                          "exported --type auto GGUF file (Q4_0 4.5, Q5_0 5.5, Q8_0 8.5 … bits per weight).",
+                          choices=("checkpoint", "gguf"))
     plan: str | None = option(None, "AUTO: reuse a plan (a plan.json, or a checkpoint's llmopt.json) instead of measuring.",
                               metavar="PATH")
     sensitivity_samples: int = option(4, "AUTO: calibration windows for the sensitivity pass (one forward + backward each).", min=1)
@@ -124,6 +127,7 @@ class QuantizeConfig:
     def _check_auto(self) -> None:
         given = [f"--{k.replace('_', '-')}" for k in ("target_bpw", "target_kld", "plan") if getattr(self, k) is not None]
         if not self.is_auto:
+            given += ["--size-of"] if self.size_of != "checkpoint" else []
             if given:
                 raise LlmoptError(f"{', '.join(given)} only apply to --scheme AUTO", "drop them, or use --scheme AUTO")
             return
@@ -137,6 +141,8 @@ class QuantizeConfig:
                               "drop --head / --embedding / --group-size")
         if (self.target_bpw is not None and self.target_bpw <= 0) or (self.target_kld is not None and self.target_kld <= 0):
             raise LlmoptError("--target-bpw / --target-kld must be positive", "e.g. --target-bpw 4.85")
+        if self.plan is not None and self.size_of != "checkpoint":
+            raise LlmoptError("--size-of chooses how a new plan counts bits; --plan reuses a plan as it is", "drop --size-of")
         if self.plan is not None and not Path(self.plan).is_file():
             raise LlmoptError(f"plan file {self.plan} does not exist", "give a plan.json or a checkpoint's llmopt.json")
 
