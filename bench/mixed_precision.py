@@ -1,28 +1,35 @@
 """Mixed precision on the demo model: auto plans (``--scheme AUTO``) at several bit budgets next to
-uniform schemes, all quantized and evaluated in this one run on the same windows.
+uniform schemes and llama.cpp's own files, all quantized and evaluated in this one run on the
+same windows.
 
 1. per-tensor sensitivities measured once (``llmopt.quant.sensitivity``, calibration windows
-   from the default calibration text) and cached in ``out/mixed/sensitivity.json``;
+   from the default calibration text) and cached in ``out/mixed/``;
 2. one plan per budget (``llmopt.quant.allocate``), written as ``plan.json`` and applied by
-   ``run_quantize(scheme=AUTO, plan=…)`` — the ``--plan`` path;
-3. each variant: mean / p99 KLD, top-1 and perplexity against the float demo model on WikiText-2
-   and on the held-out Gutenberg text (never used for calibration), bits per weight (nominal:
-   codes + 16-bit scales), checkpoint and ``--type auto`` GGUF file sizes, and the predicted
-   KLD of the plan next to the measured one.
+   ``run_quantize(scheme=AUTO, plan=…, method=…)`` — the ``--plan`` path. Budgets in checkpoint
+   bits per weight (codes + 16-bit scales: ``--budgets``) and one sized to llama.cpp's own
+   Q4_K_M file (``--size-of gguf``: the exported file's block bits, metadata subtracted);
+3. llama.cpp (when ``llama_cpp`` imports): an F32 GGUF of the float demo model exported by us,
+   quantized by ``llama_cpp.llama_model_quantize`` to Q4_0 / Q4_K_M / Q6_K, each file run by
+   llama.cpp on the same windows, its sizes measured from the files; llama.cpp also runs our
+   exported mixed GGUF (perplexity against ours);
+4. each variant: mean / p99 KLD, top-1 and perplexity against the float demo model on WikiText-2
+   and on the held-out Gutenberg text (never used for calibration), bits per weight, GGUF file
+   size, and the predicted KLD of the plan next to the measured one.
 
-llama.cpp's own files need ``llama-quantize``; when it is not importable here, its figures are the
-external reference values of ``shared/anchors/llamacpp_smollm2.json`` (6 windows, measured
-earlier on this machine type), labelled as such in the results.
+Rows run in priority order; a row not started by ``--deadline`` (UTC HH:MM) is skipped and listed
+as such. Results are saved after every row; a rerun with the same settings keeps finished rows.
 
-    python bench/mixed_precision.py [--windows 4] [--method rtn] [--budgets 4.5 4.85 5.5 6.0]
+    python bench/mixed_precision.py [--windows 2] [--method gptq] [--deadline 08:12]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,10 +37,27 @@ RESULTS = ROOT / "bench" / "results"
 ANCHORS = ROOT.parent / "shared" / "anchors" / "llamacpp_smollm2.json"
 OUT = ROOT / "out" / "mixed"
 DATASETS = ("wikitext2", "heldout")
+SEQ_LEN = 2048
+LLAMA_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K"}
+Q4_K_M_ANCHOR_BYTES = 105_453_824  # llama.cpp's Q4_K_M file of the demo model (shared/anchors), when llama.cpp is absent
+MODEL = "demo"  # --model (a small model for a smoke run)
+SENSITIVITY_VERSION = 2  # candidate formats int4 g128/g64/g32, int4 asym g32, int5/int6/int8 g32, int8; int4/5/6/8 head
 
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def sensitivity(source: Path, samples: int, seq_len: int):
@@ -41,9 +65,10 @@ def sensitivity(source: Path, samples: int, seq_len: int):
     from llmopt.core.data import calibration_ids
     from llmopt.quant.sensitivity import Sensitivity, measure_sensitivity
 
-    cache = OUT / f"sensitivity-{samples}x{seq_len}.json"
+    cache = OUT / f"sensitivity-v{SENSITIVITY_VERSION}-{samples}x{seq_len}.json"
     if cache.exists():
-        return Sensitivity.from_dict(json.loads(cache.read_text())), json.loads(cache.read_text()).get("seconds")
+        data = json.loads(cache.read_text())
+        return Sensitivity.from_dict(data), data.get("seconds")
     model, tokenizer = load_model(source)
     ids, _ = calibration_ids(tokenizer, "austen", samples, seq_len, 0)
     start = time.perf_counter()
@@ -54,18 +79,41 @@ def sensitivity(source: Path, samples: int, seq_len: int):
     return sens, seconds
 
 
-def quantize(name: str, **options) -> Path:
+def quantize(name: str, **options) -> tuple[Path, float | None]:
     from llmopt.pipeline.stages.quantize import QuantizeConfig, run_quantize
 
     out = OUT / name.replace(" ", "_")
-    if not (out / "config.json").exists():
-        start = time.perf_counter()
-        run_quantize(QuantizeConfig(model="demo", output=str(out), overwrite=True, **options))
-        log(f"{name}: quantized in {time.perf_counter() - start:.0f} s")
-    return out
+    if (out / "config.json").exists():
+        return out, json.loads((out / "llmopt.json").read_text()).get("quantize_seconds")
+    start = time.perf_counter()
+    run_quantize(QuantizeConfig(model=MODEL, output=str(out), overwrite=True, **options))
+    seconds = time.perf_counter() - start
+    log(f"{name}: quantized in {seconds:.0f} s")
+    return out, round(seconds, 1)
+
+
+def baseline(dataset: str, windows: int):
+    """The evaluation windows and the float demo model's cached distributions (filled if missing)."""
+    from llmopt.accuracy import BaselineCache, eval_data, fill_baseline
+    from llmopt.checkpoints.models import load_model, resolve_model
+    from llmopt.checkpoints.provenance import model_fingerprint
+    from transformers import AutoTokenizer
+
+    demo = resolve_model(MODEL)
+    data = eval_data(AutoTokenizer.from_pretrained(demo), dataset, SEQ_LEN, windows)
+    cache = BaselineCache.for_model(model_fingerprint(demo), data)
+    if cache.missing(len(data.windows)):
+        model, _ = load_model(demo)
+        fill_baseline(model, data, cache)
+    return data, cache
+
+
+def figures(r) -> dict:
+    return {"kld_mean": r.kld_mean, "kld_p99": r.kld_p99, "top1": r.top1_agreement, "ppl": r.perplexity, "tokens": r.tokens}
 
 
 def measure(path: Path, windows: int) -> dict:
+    """Our checkpoint: its ``--type auto`` GGUF export and our evaluation on both datasets."""
     from llmopt.accuracy import run_eval
     from llmopt.formats.gguf_export import export_gguf
 
@@ -75,75 +123,221 @@ def measure(path: Path, windows: int) -> dict:
         export_gguf(path, gguf, "auto")
     row["gguf_bytes"] = gguf.stat().st_size
     for dataset in DATASETS:
-        r = run_eval(str(path), "demo", dataset, 2048, windows)
-        row[dataset] = {"kld_mean": r.kld_mean, "kld_p99": r.kld_p99, "top1": r.top1_agreement,
-                        "ppl": r.perplexity, "tokens": r.tokens}
+        row[dataset] = figures(run_eval(str(path), MODEL, dataset, SEQ_LEN, windows))
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--method", default="rtn")
-    parser.add_argument("--budgets", type=float, nargs="*", default=[4.5, 4.85, 5.5, 6.0])
-    parser.add_argument("--sens-samples", type=int, default=4)
-    parser.add_argument("--sens-seq-len", type=int, default=512)
-    parser.add_argument("--only", nargs="*", default=None, help="variant names to run (default: all)")
-    args = parser.parse_args()
-    from llmopt.checkpoints.models import resolve_model
+def plain_llama_buffers() -> None:
+    """Load llama.cpp models without its extra weight buffer types (AMX / repacked Q4_0 and Q8_0):
+    on this machine they stop the process with an illegal instruction."""
+    from llama_cpp import llama_cpp as c_api
+
+    default = c_api.llama_model_default_params
+    if getattr(default, "plain", False):
+        return
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    params.plain = True
+    c_api.llama_model_default_params = params
+
+
+def measure_llama(path: Path, windows: int, datasets=DATASETS) -> dict:
+    """A GGUF file run by llama.cpp on the same windows, against the same float distributions."""
+    from gguf_export import LlamaCppModel  # bench/gguf_export.py
+
+    plain_llama_buffers()
+
+    from llmopt.accuracy import evaluate
+
+    model = LlamaCppModel(path, SEQ_LEN)
+    row: dict = {"gguf_bytes": path.stat().st_size}
+    for dataset in datasets:
+        data, cache = baseline(dataset, windows)
+        row[dataset] = figures(evaluate(model, data, cache))
+    del model
+    return row
+
+
+def llama_files(types: list[str]) -> dict[str, Path]:
+    """llama.cpp's own files: our F32 GGUF of the float demo model quantized by llama.cpp."""
+    import ctypes
+
+    import llama_cpp
+    from llmopt.formats.gguf_export import export_gguf
+
+    f32 = OUT / "demo-f32.gguf"
+    if not f32.exists():
+        export_gguf(MODEL, f32, "F32")
+    files = {"F32": f32}
+    for t in types:
+        path = OUT / f"llamacpp-{t}.gguf"
+        if not path.exists():
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = getattr(llama_cpp, LLAMA_FTYPES[t])
+            params.nthread = os.cpu_count() or 1
+            if llama_cpp.llama_model_quantize(str(f32).encode(), str(path).encode(), ctypes.byref(params)) != 0:
+                raise RuntimeError(f"llama_model_quantize to {t} failed")
+        files[t] = path
+    return files
+
+
+def gguf_overhead(path: Path) -> int:
+    """Bytes of a GGUF file outside its tensors' data (metadata, vocabulary, alignment)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    return path.stat().st_size - sum(int(t.n_bytes) for t in reader.tensors)
+
+
+def plan_variant(sens, name: str, method: str, calib_samples: int, **budget) -> dict:
     from llmopt.quant.allocate import allocate, plan_table, totals
 
-    source = resolve_model("demo")
+    try:
+        plan = allocate(sens, **budget)
+    except ValueError as exc:  # below the smallest plan of the candidate formats
+        return {"infeasible": str(exc)}
+    record = {**plan.to_dict(), "shapes": {t.name: list(t.shape) for t in sens.tensors},
+              "kinds": {t.name: t.kind for t in sens.tensors}, "table": plan_table(sens, plan)}
+    path = OUT / f"plan-{name.replace(' ', '_')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    options = {"scheme": "AUTO", "plan": str(path), "method": method}
+    if method != "rtn":
+        options["calib_samples"] = calib_samples
+    counts: dict[str, int] = {}
+    for t in sens.tensors:
+        f = plan.formats[t.name]
+        counts[f] = counts.get(f, 0) + t.numel
+    return {"options": options, "bpw": round(totals(sens, plan.formats)[0], 4),
+            "planned_gguf_bpw": round(totals(sens, plan.formats, "gguf")[0], 4), "predicted_kld": plan.predicted_kld,
+            "size_of": plan.size, "weights_by_format": counts, "plan_table": record["table"]}
+
+
+def main() -> None:
+    global MODEL, RESULTS, OUT
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--windows", type=int, default=2)
+    parser.add_argument("--method", default="gptq", choices=["rtn", "gptq"])
+    parser.add_argument("--calib-samples", type=int, default=16)
+    parser.add_argument("--budgets", type=float, nargs="*", default=[4.85, 4.5, 5.5, 4.0])
+    parser.add_argument("--llama-types", nargs="*", default=["Q4_K_M", "Q4_0", "Q6_K"])
+    parser.add_argument("--sens-samples", type=int, default=4)
+    parser.add_argument("--sens-seq-len", type=int, default=512)
+    parser.add_argument("--deadline", default=None, help="UTC HH:MM after which no new row starts")
+    parser.add_argument("--only", nargs="*", default=None, help="variant names to run (default: all)")
+    parser.add_argument("--model", default="demo", help="another model for a smoke run (with --results and --work)")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--work", type=Path, default=OUT)
+    args = parser.parse_args()
+    MODEL, RESULTS, OUT = args.model, args.results, args.work
+    from llmopt.checkpoints.models import resolve_model
+
+    started = {"utc": datetime.now(timezone.utc).strftime("%H:%M:%S"), "load": load()}
+    source = resolve_model(MODEL)
     sens, sens_seconds = sensitivity(source, args.sens_samples, args.sens_seq_len)
     n_weights = sum(t.numel for t in sens.tensors) + sens.other_params
     log(f"sensitivity: {len(sens.tensors)} tensors, {sens.tokens} tokens, {sens_seconds:.0f} s")
-    variants: dict[str, dict] = {}
-    uniform = {
-        "W4A16 g32": dict(scheme="W4A16", group_size=32),
-        "W4A16 g64": dict(scheme="W4A16", group_size=64),
-        "W4A16 g32 + int8 embedding/head": dict(scheme="W4A16", group_size=32, head="int8", embedding="int8"),
-        "W8A16": dict(scheme="W8A16"),
-    }
-    for budget in args.budgets:
-        plan = allocate(sens, target_bpw=budget)
-        record = {**plan.to_dict(), "shapes": {t.name: list(t.shape) for t in sens.tensors},
-                  "kinds": {t.name: t.kind for t in sens.tensors}, "table": plan_table(sens, plan)}
-        plan_path = OUT / f"plan-{budget}.json"
-        plan_path.parent.mkdir(parents=True, exist_ok=True)
-        plan_path.write_text(json.dumps(record, indent=1))
-        variants[f"auto {budget} bpw {args.method}"] = {
-            "options": {"scheme": "AUTO", "plan": str(plan_path), "method": args.method},
-            "bpw": round(totals(sens, plan.formats)[0], 4), "predicted_kld": plan.predicted_kld,
-            "plan_table": record["table"],
-        }
-    for name, opts in uniform.items():
-        variants[f"{name} {args.method}"] = {"options": {**opts, "method": args.method}}
-    if args.method != "rtn":
-        for v in variants.values():
-            v["options"].update(calib_samples=32)
-    results = {}
+    lc = llama_cpp_available()
+    files = llama_files(args.llama_types) if lc else {}
+    q4km_bytes = files["Q4_K_M"].stat().st_size if "Q4_K_M" in files else Q4_K_M_ANCHOR_BYTES
+    overhead = gguf_overhead(files["F32"]) if files else None
+    if overhead is None:  # our own F32 export gives the metadata size
+        from llmopt.formats.gguf_export import export_gguf
+
+        export_gguf(MODEL, OUT / "demo-f32.gguf", "F32", overwrite=True)
+        overhead = gguf_overhead(OUT / "demo-f32.gguf")
+    q4km_bpw = 8 * (q4km_bytes - overhead - 32 * (len(sens.tensors) + 64)) / n_weights  # alignment padding allowance
+
+    m = args.method
+    rows: list[tuple[str, dict]] = []  # (name, spec) in priority order
+    if "Q4_K_M" in files:
+        rows.append(("llama.cpp Q4_K_M", {"llama": "Q4_K_M"}))
+    size_row = f"auto {m} at Q4_K_M file size"
+    rows.append((size_row, plan_variant(sens, size_row, m, args.calib_samples, target_bpw=q4km_bpw, size="gguf")))
+    if lc:
+        rows.append((f"llama.cpp runs {size_row}", {"llama_on": size_row}))
+    for budget in args.budgets[:2]:
+        name = f"auto {m} {budget} bpw"
+        rows.append((name, plan_variant(sens, name, m, args.calib_samples, target_bpw=budget)))
+    llama_rows = {t: (f"llama.cpp {t}", {"llama": t}) for t in args.llama_types if t != "Q4_K_M" and t in files}
+    if "Q4_0" in llama_rows:
+        rows.append(llama_rows.pop("Q4_0"))
+    rows.append((f"W4A16 g32 {m}, int4 embedding/head", {"options": {"scheme": "W4A16", "group_size": 32, "method": m,
+                                                                     "head": "int4", "embedding": "int4"}}))
+    rows += list(llama_rows.values())
+    rows.append(("W8A16 rtn, int8 embedding/head", {"options": {"scheme": "W8A16", "method": "rtn", "head": "int8", "embedding": "int8"}}))
+    if m != "rtn":  # the same budget applied by RTN: the method's share of the gap
+        name = "auto rtn at Q4_K_M file size"
+        rows.append((name, plan_variant(sens, name, "rtn", 0, target_bpw=q4km_bpw, size="gguf")))
+    for budget in args.budgets[2:]:
+        name = f"auto {m} {budget} bpw"
+        rows.append((name, plan_variant(sens, name, m, args.calib_samples, target_bpw=budget)))
+    rows.append((f"W4A16 g64 {m}, int4 embedding/head", {"options": {"scheme": "W4A16", "group_size": 64, "method": m,
+                                                                     "head": "int4", "embedding": "int4"}}))
+    for _, spec in rows:
+        opts = spec.get("options")  # uniform rows: the same calibration as the plans
+        if opts and opts.get("method", "rtn") != "rtn" and "calib_samples" not in opts:
+            opts["calib_samples"] = args.calib_samples
     if args.only:
-        variants = {k: v for k, v in variants.items() if k in args.only}
+        rows = [(n, s) for n, s in rows if n in args.only]
+
+    settings = {"method": m, "windows": args.windows, "calib_samples": args.calib_samples, "sensitivity": SENSITIVITY_VERSION}
+    results: dict = {}
     previous = RESULTS / "mixed_precision.json"
-    if previous.exists():  # keep variants measured by an earlier bounded run with the same settings
+    if previous.exists():
         old = json.loads(previous.read_text())
-        if (old.get("method"), old.get("windows")) == (args.method, args.windows):
-            results.update({k: v for k, v in old.get("results", {}).items() if k not in variants})
-    for name, v in variants.items():
-        path = quantize(name, **v["options"])
-        start = time.perf_counter()
-        row = measure(path, args.windows)
-        row.update({k: v[k] for k in ("bpw", "predicted_kld", "plan_table") if k in v})
-        if "bpw" not in row:
-            row["bpw"] = round(8 * _quantized_bits(path) / n_weights, 4)
-        row["file_bpw_gguf"] = round(8 * row["gguf_bytes"] / n_weights, 3)
+        if old.get("settings") == settings:
+            results.update(old.get("results", {}))
+    skipped: list[str] = []
+    meta = {"started": started, "sens_seconds": sens_seconds, "n_weights": n_weights, "q4km_bytes": q4km_bytes,
+            "q4km_target_gguf_bpw": round(q4km_bpw, 4), "gguf_overhead_bytes": overhead, "llama_cpp": lc,
+            "settings": settings, "sens": {"samples": args.sens_samples, "seq_len": args.sens_seq_len}}
+    for name, spec in rows:
+        if name in results:
+            continue
+        if args.deadline and datetime.now(timezone.utc).strftime("%H:%M") >= args.deadline:
+            skipped.append(name)
+            continue
+        start, before = time.perf_counter(), load()
+        if "infeasible" in spec:
+            results[name] = {"kind": "infeasible", "note": spec["infeasible"]}
+            continue
+        if "llama" in spec:
+            row = measure_llama(files[spec["llama"]], args.windows)
+            row["kind"] = "llama.cpp"
+        elif "llama_on" in spec:
+            target = results.get(spec["llama_on"])
+            if target is None:
+                skipped.append(name)
+                continue
+            path = OUT / f"{spec['llama_on'].replace(' ', '_')}.gguf"
+            row = {"kind": "llama.cpp on ours", "of": spec["llama_on"], **measure_llama(path, args.windows, ("wikitext2",))}
+            row["ppl_vs_ours_pct"] = 100 * (row["wikitext2"]["ppl"] / target["wikitext2"]["ppl"] - 1)
+        else:
+            path, q_seconds = quantize(name, **spec["options"])
+            row = measure(path, args.windows)
+            row["kind"] = "auto" if spec["options"]["scheme"] == "AUTO" else "uniform"
+            row["quantize_seconds"] = q_seconds
+            row.update({k: spec[k] for k in ("bpw", "planned_gguf_bpw", "predicted_kld", "size_of", "weights_by_format", "plan_table") if k in spec})
+            if "bpw" not in row:
+                row["bpw"] = round(8 * _quantized_bits(path) / n_weights, 4)
+            row["method"] = spec["options"]["method"]
+        row["gguf_bpw"] = round(8 * row["gguf_bytes"] / n_weights, 4)
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        row["load"] = {"before": before, "after": load()}
         results[name] = row
-        log(f"{name}: {json.dumps({d: row[d] for d in DATASETS})} gguf {row['gguf_bytes']:,} B ({time.perf_counter() - start:.0f} s)")
-        write(results, args, sens_seconds, n_weights)
+        log(f"{name}: {json.dumps({d: row[d] for d in DATASETS if d in row})} gguf {row['gguf_bytes']:,} B ({row['seconds']:.0f} s)")
+        write(results, meta, skipped, [n for n, _ in rows])
+    meta["finished"] = {"utc": datetime.now(timezone.utc).strftime("%H:%M:%S"), "load": load()}
+    write(results, meta, skipped, [n for n, _ in rows])
 
 
 def _quantized_bits(path: Path) -> float:
-    """Nominal stored bytes of a uniform checkpoint: its safetensors with scales counted at 16 bits."""
+    """Nominal stored bits of a uniform checkpoint: its safetensors with scales counted at 16 bits."""
     from safetensors import safe_open
 
     total = 0.0
@@ -161,75 +355,97 @@ def _quantized_bits(path: Path) -> float:
     return total
 
 
-def write(results: dict, args, sens_seconds: float, n_weights: int) -> None:
+def _cell(row: dict, dataset: str, key: str, fmt: str) -> str:
+    return format(row[dataset][key], fmt) if dataset in row else "—"
+
+
+def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> None:
     anchors = json.loads(ANCHORS.read_text()) if ANCHORS.exists() else {}
-    try:
-        import llama_cpp  # noqa: F401
-        llamacpp = "importable (own files not produced by this script yet)"
-    except ImportError:
-        llamacpp = "not importable here: llama.cpp figures are external reference values"
+    n_weights = meta["n_weights"]
     payload = {
-        "what": "auto mixed-precision plans vs uniform schemes on the demo model (SmolLM2-135M-Instruct, float = bundled Q4_1 dequantized)",
-        "machine": platform.platform(), "method": args.method, "windows": args.windows, "seq_len": 2048,
-        "sensitivity": {"samples": args.sens_samples, "seq_len": args.sens_seq_len, "seconds": sens_seconds},
-        "weights_counted": n_weights,
-        "llama_cpp": llamacpp,
-        "llama_cpp_reference": {
-            "source": "shared/anchors/llamacpp_smollm2.json (external reference: 6 windows of 2048 of WikiText-2, llama.cpp's own F32 as baseline, not this run)",
-            "by_type": {k: {**anchors.get("accuracy", {}).get("by_type", {}).get(k, {}),
-                            "file_bytes": anchors.get("file_bytes", {}).get(k)} for k in ("Q4_0", "Q4_K_M", "Q6_K", "Q5_K_M")},
-        },
+        "what": "auto mixed-precision plans vs uniform schemes and llama.cpp's own files on the demo model "
+                "(SmolLM2-135M-Instruct, float = bundled Q4_1 dequantized), one run, same windows",
+        "machine": platform.platform(), "cpus": os.cpu_count(), **meta, "seq_len": SEQ_LEN,
+        "skipped_by_deadline": skipped,
+        "llama_cpp_reference": anchors.get("accuracy", {}).get("by_type", {}),
         "results": results,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "mixed_precision.json").write_text(json.dumps(payload, indent=1) + "\n")
+    s = meta["settings"]
     lines = [
-        "# Mixed precision (auto plans) on the demo model",
+        "# Mixed precision (auto plans) on the demo model, next to llama.cpp's own files",
         "",
-        f"Method {args.method}; accuracy on the first {args.windows} windows of 2048 tokens against the float demo model; "
-        "bpw = nominal stored bits per weight (codes + 16-bit scales) over all weights; GGUF = `llmopt export --type auto` file.",
-        f"Sensitivity pass: {args.sens_samples} windows of {args.sens_seq_len} tokens, {sens_seconds:.0f} s. llama.cpp: {llamacpp}.",
+        f"One run of `bench/mixed_precision.py` (started {meta['started']['utc']} UTC, load average {meta['started']['load']}"
+        + (f"; finished {meta['finished']['utc']} UTC, load {meta['finished']['load']}" if "finished" in meta else "; unfinished") + "). "
+        f"Accuracy on the first {s['windows']} windows of {SEQ_LEN} tokens of WikiText-2 and of the held-out Gutenberg text "
+        "(never used for calibration), against the float demo model (transformers, float32); llama.cpp's files are run "
+        "by llama.cpp on the same windows against the same float distributions.",
+        f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of 512) unless named rtn; "
+        f"sensitivity pass {meta['sens']['samples']} windows of {meta['sens']['seq_len']} tokens ({meta['sens_seconds']:.0f} s). "
+        "bpw = checkpoint bits (codes + 16-bit scales) over all weights; GGUF bpw = the `--type auto` GGUF file (or llama.cpp's "
+        f"file) in bits over the {n_weights:,} weights. The Q4_K_M-size plans count GGUF block bits (`--size-of gguf`) with "
+        f"a budget of {meta['q4km_target_gguf_bpw']} bits per weight: the {meta['q4km_bytes']:,}-byte Q4_K_M file less "
+        f"{meta['gguf_overhead_bytes']:,} bytes of metadata. Predicted KLD: the plan's summed per-tensor costs (RTN errors).",
         "",
-        "| variant | bpw | GGUF MiB | GGUF bpw | predicted KLD | wiki KLD mean | wiki KLD p99 | wiki top-1 | wiki ppl | held-out KLD mean | held-out ppl |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | bpw | GGUF MiB | GGUF bpw | predicted KLD | wiki KLD mean | wiki KLD p99 | wiki top-1 | wiki ppl | held-out KLD mean | held-out top-1 | held-out ppl | seconds | load before → after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, r in results.items():
-        w, h = r["wikitext2"], r["heldout"]
+    for name in [n for n in order if n in results]:
+        r = results[name]
+        if r["kind"] in ("llama.cpp on ours", "infeasible"):
+            continue
         pred = f"{r['predicted_kld']:.4f}" if "predicted_kld" in r else ""
-        lines.append(f"| {name} | {r['bpw']:.3f} | {r['gguf_bytes'] / 2**20:.1f} | {r['file_bpw_gguf']:.2f} | {pred} | "
-                     f"{w['kld_mean']:.4f} | {w['kld_p99']:.3f} | {w['top1']:.3f} | {w['ppl']:.2f} | {h['kld_mean']:.4f} | {h['ppl']:.2f} |")
-    lines += ["", "llama.cpp's own files (external reference values from shared/anchors/llamacpp_smollm2.json, "
-              "6 windows, against llama.cpp's F32 run — not measured in this run):", "",
-              "| type | file MiB | file bpw | KLD mean | KLD p99 | top-1 | ppl |", "|---|---|---|---|---|---|---|"]
-    for k, v in payload["llama_cpp_reference"]["by_type"].items():
-        size = v.get("file_bytes")
-        mib = f"{size / 2**20:.1f}" if size else "n/a"
-        bpw = f"{8 * size / n_weights:.2f}" if size else "n/a"
-        if "kld_mean" in v:
-            lines.append(f"| {k} | {mib} | {bpw} | {v['kld_mean']:.4f} | {v['kld_p99']:.3f} | {v['top1']:.3f} | {v['ppl']:.2f} |")
+        bpw = f"{r['bpw']:.3f}" if "bpw" in r else "—"
+        lines.append(f"| {name} | {bpw} | {r['gguf_bytes'] / 2**20:.1f} | {r['gguf_bpw']:.3f} | {pred} | "
+                     f"{_cell(r, 'wikitext2', 'kld_mean', '.4f')} | {_cell(r, 'wikitext2', 'kld_p99', '.3f')} | "
+                     f"{_cell(r, 'wikitext2', 'top1', '.3f')} | {_cell(r, 'wikitext2', 'ppl', '.2f')} | "
+                     f"{_cell(r, 'heldout', 'kld_mean', '.4f')} | {_cell(r, 'heldout', 'top1', '.3f')} | {_cell(r, 'heldout', 'ppl', '.2f')} | "
+                     f"{r['seconds']:.0f} | {r['load']['before'][0]} → {r['load']['after'][0]} |")
+    for name, r in results.items():
+        if r["kind"] == "infeasible":
+            lines += ["", f"{name}: no plan ({r['note']})."]
+        if r["kind"] == "llama.cpp on ours":
+            ours = results[r["of"]]["wikitext2"]["ppl"]
+            lines += ["", f"llama.cpp running our exported `{r['of']}` GGUF: WikiText-2 perplexity {r['wikitext2']['ppl']:.3f} "
+                      f"against {ours:.3f} in our evaluation ({r['ppl_vs_ours_pct']:+.2f}%), KLD {r['wikitext2']['kld_mean']:.4f}."]
+    plans = [(n, results[n]) for n in order if n in results and "weights_by_format" in results[n]]
+    if plans:
+        lines += ["", "Weights per format in each plan (millions):", ""]
+        for name, r in plans:
+            parts = ", ".join(f"{f} {c / 1e6:.1f}" for f, c in sorted(r["weights_by_format"].items(), key=lambda x: -x[1]))
+            lines.append(f"- {name}: {parts}")
+    if skipped:
+        lines += ["", f"Not measured (not started before the run's deadline): {', '.join(skipped)}."]
+    if not meta["llama_cpp"]:
+        lines += ["", "llama.cpp was not importable: no llama.cpp rows; the Q4_K_M size is the shared/anchors figure."]
+    else:
+        lines += ["", "llama.cpp (llama-cpp-python) runs with `use_extra_bufts=False`: its AMX / repacked weight buffers stop "
+                  "with an illegal instruction on this machine (accuracy is unaffected; its speed is not measured here)."]
+    lines += ["", "Decode speed is not measured here (a quiet machine is needed: `bench/e2e_speed.py`)."]
     (RESULTS / "mixed_precision.md").write_text("\n".join(lines) + "\n")
-    _plot(results, payload, n_weights)
+    _plot(results, order)
 
 
-def _plot(results: dict, payload: dict, n_weights: int) -> None:
+def _plot(results: dict, order: list[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, r in results.items():
-        marker = "o" if name.startswith("auto") else "s"
-        ax.scatter(r["gguf_bytes"] / 2**20, r["wikitext2"]["kld_mean"], marker=marker)
-        ax.annotate(name, (r["gguf_bytes"] / 2**20, r["wikitext2"]["kld_mean"]), fontsize=7)
-    for k, v in payload["llama_cpp_reference"]["by_type"].items():
-        if v.get("file_bytes") and "kld_mean" in v:
-            ax.scatter(v["file_bytes"] / 2**20, v["kld_mean"], marker="x", color="black")
-            ax.annotate(f"llama.cpp {k} (ref.)", (v["file_bytes"] / 2**20, v["kld_mean"]), fontsize=7)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    styles = {"auto": ("o", "tab:blue"), "uniform": ("s", "tab:green"), "llama.cpp": ("x", "black")}
+    for name in [n for n in order if n in results]:
+        r = results[name]
+        if r["kind"] not in styles or "wikitext2" not in r:
+            continue
+        marker, color = styles[r["kind"]]
+        ax.scatter(r["gguf_bytes"] / 2**20, r["wikitext2"]["kld_mean"], marker=marker, color=color)
+        ax.annotate(name, (r["gguf_bytes"] / 2**20, r["wikitext2"]["kld_mean"]), fontsize=6)
     ax.set_xlabel("GGUF file size (MiB)")
     ax.set_ylabel("mean KLD vs float (WikiText-2)")
     ax.set_yscale("log")
-    ax.set_title("demo model: size vs KLD")
+    ax.set_title("demo model: file size vs KLD (one run, same windows)")
     fig.tight_layout()
     fig.savefig(RESULTS / "mixed_precision.png", dpi=120)
 

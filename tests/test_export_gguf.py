@@ -502,3 +502,58 @@ def test_no_partial_file_when_writing_fails(tmp_path, dense_dir, monkeypatch):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(UnsupportedArchitectureError):
         module.check_architecture({"model_type": "llama", "rope_parameters": {"rope_type": "yarn"}})
+
+
+def _quantized_mixed(path: Path, schemes: list[QuantScheme]) -> Path:
+    """The seeded test model with its Linears quantized by ``schemes`` in turn (fp16 scales), saved."""
+    model = new_model(seed=3)
+    weights = {}
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    for i, (name, module) in enumerate(linears):
+        scheme = schemes[i % len(schemes)]
+        scale, zp = compute_qparams(module.weight.data, scheme, scheme.group_size)
+        weights[name] = QuantizedWeight.from_weight(module.weight.data, scheme, scheme.group_size, scale.half().float(), zp)
+    save_compressed(model, chat_tokenizer(), path, weights, ["lm_head"])
+    return path
+
+
+def test_mixed_gguf_runs_in_llama_cpp(tmp_path, monkeypatch):
+    """A checkpoint mixing int4 / int4 asymmetric / int5 / int5 asymmetric / int6 / int8 Linears,
+    exported with ``--type auto``, run by llama.cpp itself: its log-probabilities are as close to
+    our dequantized model's as those of the same model with every Linear int8 (Q8_0, an exact
+    mapping tested above). llama.cpp rounds activations to 8-bit blocks in quantized dot products
+    and runs the float embedding/head in F16, so neither is exact; a wrong decoding of any block
+    type (a fifth bit moves a code by 16 steps) would be far off."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from llama_cpp import llama_cpp as c_api
+    from llmopt.formats.compressed import load_dequantized
+    from llmopt.formats.schemes import int_weight_scheme
+
+    default_params = c_api.llama_model_default_params
+
+    def plain_buffers():  # llama.cpp's AMX / repacked weight buffers stop with SIGILL on some machines
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    monkeypatch.setattr(c_api, "llama_model_default_params", plain_buffers)
+    ids = torch.randint(3, 264, (48,), generator=torch.Generator().manual_seed(4))
+
+    def compare(schemes: list[QuantScheme], name: str) -> tuple[float, float, set[str]]:
+        path = _quantized_mixed(tmp_path / name, schemes)
+        report = export_gguf(path, tmp_path / f"{name}.gguf")
+        with torch.no_grad():
+            ours = torch.log_softmax(load_dequantized(path)(ids[None]).logits[0].float(), -1)
+        llm = llama_cpp.Llama(model_path=str(tmp_path / f"{name}.gguf"), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+        llm.eval(ids.tolist())
+        theirs = torch.log_softmax(torch.tensor(np.array(llm.scores[: len(ids)]), dtype=torch.float32), -1)
+        assert theirs.shape == ours.shape
+        kld = float((ours.exp() * (ours - theirs)).sum(-1).mean())
+        return kld, float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()), set(report.by_type)
+
+    ref_kld, _, ref_types = compare([get_scheme("W8A16")], "int8")
+    assert ref_types == {"Q8_0", "F16", "F32"} and 0 < ref_kld < 0.02
+    kld, top1, types = compare([int_weight_scheme(4, 32), int_weight_scheme(4, 32, False), int_weight_scheme(5, 32),
+                                int_weight_scheme(6, 32), get_scheme("W8A16"), int_weight_scheme(5, 32, False)], "mixed")
+    assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"} <= types
+    assert kld < 2 * ref_kld and top1 >= 0.85, (kld, ref_kld, top1)
