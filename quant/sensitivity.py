@@ -12,6 +12,9 @@ Measured on calibration windows with one forward and one backward pass of the fl
 
 A tied embedding/head is one matrix: its cost is the sum of both roles. Costs are assumed to
 add across tensors (validated against end-to-end KLD in ``bench/mixed_precision.py``).
+``ΔW`` is the round-to-nearest error (min-max ranges for Linears, the clipping search of
+:func:`~llmopt.quant.outer.quantize_matrix` for the embedding/head, as each is applied by RTN);
+GPTQ lowers every Linear's error, so costs predict an upper bound for GPTQ plans.
 """
 
 from __future__ import annotations
