@@ -49,7 +49,12 @@ VARIANTS: dict[str, tuple[str | None, int | None]] = {
     "FP8": ("FP8", None),
     "W4A16 g32 + bf16 head": ("W4A16", 32),
     "W4A16 g32 + int8 head": ("W4A16", 32),
+    "W4A16 g32, int8 head in checkpoint": ("W4A16", 32),
+    "W4A16 g32, int4 head in checkpoint": ("W4A16", 32),
 }
+# variants whose checkpoint stores a quantized output head (``llmopt quantize --head``)
+QUANTIZE_OPTIONS = {"W4A16 g32, int8 head in checkpoint": ["--head", "int8"],
+                    "W4A16 g32, int4 head in checkpoint": ["--head", "int4"]}
 # variants that run another variant's checkpoint with extra ``llmopt bench`` options
 SAME_CHECKPOINT = {"W4A16 g32 + bf16 head": "W4A16 g32", "W4A16 g32 + int8 head": "W4A16 g32"}
 BENCH_OPTIONS = {"W4A16 g32 + bf16 head": ["--lm-head", "bf16"], "W4A16 g32 + int8 head": ["--lm-head", "int8"]}
@@ -65,7 +70,7 @@ def checkpoint(label: str, workdir: Path) -> str:
     if not (path / "config.json").exists():
         log(f"quantizing {label} (rtn)")
         args = ["quantize", "demo", "--scheme", scheme, "--method", "rtn", "-o", str(path), "--overwrite"]
-        llmopt(*(args + (["--group-size", str(group)] if group else [])))
+        llmopt(*(args + (["--group-size", str(group)] if group else []) + QUANTIZE_OPTIONS.get(label, [])))
     return str(path)
 
 

@@ -29,6 +29,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,11 +172,12 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def wait_ready(base: str, proc: subprocess.Popen, timeout: float) -> None:
+def wait_ready(base: str, proc: subprocess.Popen, timeout: float, log_path: str = "") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
+            tail = Path(log_path).read_text(errors="replace").strip().splitlines()[-1:] if log_path else []
+            raise RuntimeError(f"the server exited with {proc.returncode}" + (f": {tail[0]}" if tail else ""))
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200 or httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
                 return
@@ -185,21 +187,25 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError("the server did not become ready in time")
 
 
-def measure(label: str, cmd: list[str], extra: dict, phases: list[tuple[str, list[Req]]], deadline_s: float, kv_metrics: bool) -> dict:
+def measure(label: str, cmd: list[str], extra: dict, phases: list[tuple[str, list[Req]]], deadline_s: float, kv_metrics: bool,
+            soak_deadline_s: float = 0.0) -> dict:
     port = free_port()
     cmd = [c.replace("{port}", str(port)) for c in cmd]
     log(f"{label}: starting {' '.join(cmd)}")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # the server's log goes to a file: an unread pipe fills up and blocks a chatty server (llama.cpp)
+    log_file = tempfile.NamedTemporaryFile("w+", prefix=f"serve-{label}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     result: dict = {"command": " ".join(cmd), "phases": {}}
     try:
-        wait_ready(base, proc, 600)
+        wait_ready(base, proc, 600, log_file.name)
         warm = [Req(0.0, "Warm up the server with a short prompt.", 8, 16, None)] * 2
         asyncio.run(run_phase(base, warm, extra, 120))
         result["rss_after_warmup_mib"] = rss_mib(proc.pid)
         for name, reqs in phases:
             log(f"{label}: phase {name} ({len(reqs)} requests)")
-            result["phases"][name] = asyncio.run(run_phase(base, reqs, extra, deadline_s))
+            limit = soak_deadline_s if name == "soak" else deadline_s
+            result["phases"][name] = asyncio.run(run_phase(base, reqs, extra, limit))
             p = result["phases"][name]
             log(f"{label}: {name}: {p['output_tok_s']:.1f} out tok/s, TTFT p50 {_ms(p['ttft_p50_s'])}, TPOT p50 {_ms(p['tpot_p50_s'])}, "
                 f"completed {p['completed']}, cancelled {p['cancelled']}, unfinished {p['unfinished']}, statuses {p['statuses']}")
@@ -219,6 +225,8 @@ def measure(label: str, cmd: list[str], extra: dict, phases: list[tuple[str, lis
         except subprocess.TimeoutExpired:
             proc.kill()
             result["exit_code"] = proc.wait()
+        log_file.close()
+        os.unlink(log_file.name)
     return result
 
 
@@ -257,7 +265,31 @@ def write_md(data: dict, path: Path) -> None:
                      f"{server.get('kv_blocks_used_after', '—')} | {server.get('exit_code')} |")
     if data.get("ratios"):
         lines += ["", "Output tokens/s, llmopt / llama.cpp, same phase: " + ", ".join(f"{k} {v:.2f}x" for k, v in data["ratios"].items())]
+    lines += [""] + [f"- {line}" for line in target_lines(data)]
     path.write_text("\n".join(lines) + "\n")
+
+
+def target_lines(data: dict) -> list[str]:
+    """The issue's targets against this run's figures."""
+    ours = data["servers"].get("llmopt", {})
+    phases = ours.get("phases", {})
+    lines = []
+    latency = phases.get("latency")
+    if latency and latency["ttft_p50_s"] is not None:
+        ok = latency["ttft_p50_s"] <= 0.150 and (latency["tpot_p50_s"] or 1) <= 0.050
+        lines.append(f"1 request/s (prompts 32–64, 128 output tokens): TTFT p50 {_ms(latency['ttft_p50_s'])} (target ≤ 150 ms), "
+                     f"TPOT p50 {_ms(latency['tpot_p50_s'])} (target ≤ 50 ms): {'met' if ok else 'missed'}.")
+    soak = phases.get("soak")
+    if soak:
+        ok = soak["errors_5xx"] == 0 and ours.get("kv_blocks_used_after") == 0 and ours.get("rss_ratio", 9) <= 1.1
+        lines.append(f"Soak, {soak['requests']} requests at {data['soak']['rate']:g}/s with {data['cancel_frac']:.0%} cancelled: "
+                     f"{soak['completed']} completed, {soak['cancelled']} cancelled, {soak['unfinished']} unfinished, "
+                     f"{soak['errors_5xx']} 5xx, KV blocks in use after {ours.get('kv_blocks_used_after')}, RSS after / after warm-up "
+                     f"{ours.get('rss_ratio', float('nan')):.3f} (targets 0, 0, ≤ 1.1): {'met' if ok else 'missed'}.")
+    for name, ratio in data.get("ratios", {}).items():
+        lines.append(f"Output tokens/s against llama.cpp's server, phase {name}: {ratio:.2f}× (target ≥ 1.5×): "
+                     f"{'met' if ratio >= 1.5 else 'missed'}.")
+    return lines
 
 
 def main() -> None:
@@ -266,10 +298,14 @@ def main() -> None:
     ap.add_argument("--gguf", help="GGUF export of the same checkpoint, served by llama.cpp")
     ap.add_argument("--llamacpp-python", default="/opt/llamacpp/bin/python")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--latency-requests", type=int, default=40, help="requests of the 1 request/s phase")
+    ap.add_argument("--latency-requests", type=int, default=40, help="requests of the latency phase (Poisson 1/s, prompts 32–64, 128 output tokens)")
     ap.add_argument("--rates", default="2", help="comma-separated Poisson rates (requests/s) of the load phases")
     ap.add_argument("--rate-requests", type=int, default=100)
     ap.add_argument("--burst", type=int, default=50, help="requests of the burst phase (0: none)")
+    ap.add_argument("--soak-requests", type=int, default=0,
+                    help="requests of a last, llmopt-only soak phase (latency-phase lengths, 0: none)")
+    ap.add_argument("--soak-rate", type=float, default=1.0, help="Poisson rate of the soak phase (requests/s)")
+    ap.add_argument("--soak-deadline", type=float, default=1500.0, help="seconds of the soak phase at most")
     ap.add_argument("--prompt-len", default="32:512")
     ap.add_argument("--output-len", default="32:256")
     ap.add_argument("--cancel-frac", type=float, default=0.1)
@@ -283,15 +319,18 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompt_len, output_len = _range(args.prompt_len), _range(args.output_len)
-    specs = [("rate-1/s", args.latency_requests, 1.0, (32, 64), (128, 128))]
+    specs = [("latency", args.latency_requests, 1.0, (32, 64), (128, 128))]
     specs += [(f"rate-{r}/s", args.rate_requests, float(r), prompt_len, output_len) for r in args.rates.split(",") if r]
     if args.burst:
         specs.append(("burst", args.burst, None, prompt_len, output_len))
+    if args.soak_requests:
+        specs.append(("soak", args.soak_requests, args.soak_rate, (32, 64), (128, 128)))
     phases = [(name, make_phase(tokenizer, args.seed + i, n, rate, pl, ol, args.cancel_frac))
               for i, (name, n, rate, pl, ol) in enumerate(specs)]
     data = {
         "model": args.model, "gguf": args.gguf, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "threads": args.threads, "cancel_frac": args.cancel_frac, "phase_deadline_s": args.phase_deadline, "seed": args.seed,
+        "soak": {"requests": args.soak_requests, "rate": args.soak_rate, "deadline_s": args.soak_deadline, "servers": ["llmopt"]},
         "phase_specs": [{"name": n, "requests": c, "arrivals": f"Poisson {r}/s" if r else "all at once",
                          "prompt_len": f"{pl[0]}–{pl[1]}", "output_len": f"{ol[0]}–{ol[1]}"} for n, c, r, pl, ol in specs],
         "load_average_at_start": os.getloadavg(),
@@ -299,7 +338,9 @@ def main() -> None:
     }
     ours = [sys.executable, "-m", "llmopt", "serve", args.model, "--port", "{port}", "--served-model-name", NAME,
             "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", "1024"]
-    data["servers"]["llmopt"] = measure("llmopt", ours, {"ignore_eos": True}, phases, args.phase_deadline, kv_metrics=True)
+    data["servers"]["llmopt"] = measure("llmopt", ours, {"ignore_eos": True}, phases, args.phase_deadline, kv_metrics=True,
+                                        soak_deadline_s=args.soak_deadline)
+    phases = [(name, reqs) for name, reqs in phases if name != "soak"]  # the soak checks our server only
 
     llama_py = Path(args.llamacpp_python)
     importable = llama_py.is_file() and subprocess.run([str(llama_py), "-c", "import llama_cpp.server"], capture_output=True).returncode == 0
