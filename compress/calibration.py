@@ -69,16 +69,21 @@ class InputStats:
     def add(
         self, x: torch.Tensor, hessian: bool, channel: bool, matmul_dtype: torch.dtype = torch.float32
     ) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()
+        x = x.reshape(-1, x.shape[-1])
         self.n_tokens += x.shape[0]
         if hessian:
-            xm = x.to(matmul_dtype)
+            # straight to the product's dtype (the same values as through float32, without a
+            # float32 copy of a large input such as the down projection's)
+            xm = x.to(matmul_dtype).contiguous()
             xtx = xm.T @ xm
+            del xm
             if self.xtx is None:
                 self.xtx = xtx.double()
             else:  # promoted to float64 on the fly: no float64 temporary of the product
                 self.xtx.add_(xtx)
+            del xtx
         if channel:
+            x = x.float()
             a = x.abs()
             s = a.sum(0, dtype=torch.float64)
             q = x.pow(2).sum(0, dtype=torch.float64)
@@ -180,10 +185,21 @@ class LinearStats:
 
     def hessian(self, name: str) -> torch.Tensor:
         """``2/n Σ x xᵀ`` (float64, a fresh tensor the caller may modify)."""
+        return self._xtx(name) * (2.0 / self.stats(name).n_tokens)
+
+    def take_hessian(self, name: str) -> torch.Tensor:
+        """:meth:`hessian` without a copy: the accumulator itself, scaled in place and dropped
+        from these statistics (for its last use; the Linears sharing it get no Hessian after)."""
+        h = self._xtx(name)
+        s = self.stats(name)
+        s.xtx = None
+        return h.mul_(2.0 / s.n_tokens)
+
+    def _xtx(self, name: str) -> torch.Tensor:
         s = self.stats(name)
         if s.xtx is None:
-            raise ValueError("LinearStats was created with hessian=False")
-        return s.xtx * (2.0 / s.n_tokens)
+            raise ValueError(f"no Hessian left for {name}: LinearStats was created with hessian=False, or it was taken")
+        return s.xtx
 
     def abs_mean(self, name: str) -> torch.Tensor:
         s = self.stats(name)
@@ -368,20 +384,32 @@ def for_each_layer(
     *,
     lifecycle: LayerLifecycle = IN_MEMORY,
     device: str | torch.device | None = None,
+    timings: EngineTimings | None = None,
 ) -> None:
     """``layer_fn(index, layer)`` on every decoder layer in turn, without calibration data
-    (RTN, magnitude pruning), through the same lifecycle and onloading as the engine."""
+    (RTN, magnitude pruning), through the same lifecycle and onloading as the engine;
+    ``timings`` gets the seconds of ``layer_fn`` (``observe``) and of getting / releasing layers (``load``)."""
     target = resolve_device(device)
+    timings = timings if timings is not None else EngineTimings()
     with torch.no_grad():
         for index, layer in enumerate(decoder_layers(model)):
+            t0 = time.perf_counter()
             lifecycle.before(index, layer)
             home = _module_device(layer)
             if target is not None:
                 layer.to(target)
+            t1 = time.perf_counter()
             layer_fn(index, layer)
+            t2 = time.perf_counter()
             if target is not None:
                 layer.to(home)
             lifecycle.after(index, layer)
+            t3 = time.perf_counter()
+            timings.load += (t1 - t0) + (t3 - t2)
+            timings.observe += t2 - t1
+            timings.layers += 1
+            if index == 0:
+                timings.first_layer = t3 - t0
 
 
 def _module_device(module: nn.Module) -> torch.device:

@@ -42,10 +42,11 @@ def sparsegpt_prune_weight(
         if n % pattern.m:
             raise ValueError(f"{pattern} sparsity needs the input size ({n}) to be a multiple of {pattern.m}")
         block_size = pattern.m * max(1, block_size // pattern.m)  # groups never straddle blocks
-    h = hessian.detach().double().clone()
+    h = hessian.detach().to(torch.float64, copy=True)
     dead = h.diagonal() == 0
     h[dead, dead] = 1.0
-    u = _inverse_hessian_factor(h, damp).float()
+    u = _inverse_hessian_factor(h, damp, consume=True, dtype=torch.float32)  # h is its workspace
+    del h
     d = u.diagonal()
 
     wt = weight.detach().float().T.contiguous()  # [in, out]: a column of W is a contiguous row

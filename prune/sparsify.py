@@ -143,7 +143,7 @@ def sparsify_model(
                        timings=result.timings, **run)
     else:
         for_each_layer(model, lambda index, layer: prune_layer(index, layer, lambda: None),
-                       lifecycle=lifecycle, device=device)
+                       lifecycle=lifecycle, device=device, timings=result.timings)
     result.seconds = time.perf_counter() - start
     if result.starved_experts:
         result.notices.append(f"{len(result.starved_experts)} expert Linears saw fewer than {MIN_EXPERT_TOKENS} calibration "

@@ -270,7 +270,7 @@ def quantize_model(
             mods = {n: m for n, m in targets.items() if n.startswith(prefixes[index][1])}
             result.store(_rtn_mixed(mods, schemes, group_sizes, clip))
 
-        for_each_layer(model, rtn_layer, lifecycle=lifecycle, device=device)
+        for_each_layer(model, rtn_layer, lifecycle=lifecycle, device=device, timings=result.timings)
     else:
         opts = _Options(
             scheme, method, clip_search, act_order, damp, block_size, awq_grid, awq_clip,
@@ -402,7 +402,8 @@ def _gptq_layer(
     uses = [key[0] for key in batches]
     for (sid, gs, scheme), names in batches.items():
         weights = [mods[n].weight.detach() for n in names]
-        w = torch.cat(weights, dim=0)
+        stacked = len(weights) > 1  # a fresh tensor, handed over to the solver as its working copy
+        w = torch.cat(weights, dim=0) if stacked else weights[0]
         mask = None
         keep = opts.preserve_zeros
         zero_frac = float((w == 0).float().mean())
@@ -410,15 +411,16 @@ def _gptq_layer(
             keep = zero_frac >= SPARSE_ZERO_FRACTION
         if keep and zero_frac > 0:
             mask = w != 0
-        hessian = [stats.hessian(names[0])]  # a fresh float64 tensor, handed over to the solver
         uses.remove(sid)
-        if sid not in uses:  # its last use: free the accumulator before the solve
-            stats.stats(names[0]).xtx = None
+        # a float64 tensor handed over to the solver: on its last use the accumulator itself
+        hessian = [stats.take_hessian(names[0]) if sid not in uses else stats.hessian(names[0])]
+        weight, device = [w], w.device
+        del w
         try:
-            with column_loop_threads(w):  # the range search is latency-bound too (12 s -> 0.9 s on the loaded machine)
+            with column_loop_threads(device):  # the range search is latency-bound too (12 s -> 0.9 s on the loaded machine)
                 qw = gptq_quantize_weight(
-                    w, hessian.pop(), scheme, gs, block_size=opts.block_size,
-                    damp=opts.damp, act_order=opts.act_order, clip=opts.clip_search, mask=mask, hessian_owned=True,
+                    weight.pop(), hessian.pop(), scheme, gs, block_size=opts.block_size, damp=opts.damp,
+                    act_order=opts.act_order, clip=opts.clip_search, mask=mask, hessian_owned=True, weight_owned=stacked,
                 )
         except NumericalError as exc:
             raise exc.at(f"GPTQ on {', '.join(names)}") from exc

@@ -21,14 +21,15 @@ from llmopt.formats.schemes import (
 
 
 @contextmanager
-def column_loop_threads(t: torch.Tensor) -> Iterator[None]:
-    """One CPU thread for the column-by-column loops of GPTQ / SparseGPT (on CPU tensors).
+def column_loop_threads(t: torch.Tensor | torch.device) -> Iterator[None]:
+    """One CPU thread for the column-by-column loops of GPTQ / SparseGPT (on CPU tensors, or
+    given their device: a tensor passed here stays referenced until the block ends).
 
     Each step is a few small vector ops; with several threads every op waits for all of them,
     which on a loaded machine costs milliseconds per op (two of the demo model's GPTQ solves:
     48.7 s with 2 threads, 1.8 s with 1, on a shared 2-core machine).
     """
-    if t.device.type != "cpu":
+    if (t if isinstance(t, torch.device) else t.device).type != "cpu":
         yield
         return
     before = torch.get_num_threads()
@@ -39,29 +40,46 @@ def column_loop_threads(t: torch.Tensor) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
+def _inverse_hessian_factor(h: torch.Tensor, damp: float, *, consume: bool = False,
+                            dtype: torch.dtype | None = None) -> torch.Tensor:
     """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` (``UᵀU = (H + λI)⁻¹``), λ = ``damp`` × mean
     diagonal, raised if ``H`` is not positive definite enough.
 
     With ``J`` the order reversal and ``JHJ = KKᵀ`` (Cholesky), ``H = VVᵀ`` for the upper
     triangular ``V = JKJ``, so ``U = V⁻¹ = JK⁻¹J``: one factorisation and one triangular inverse.
+    ``consume``: ``h`` (float64) is used as workspace — the shifted matrix, then the identity and
+    ``K⁻¹`` are written into it — so at most two float64 ``[n, n]`` matrices exist at once
+    (``h`` and ``K``) instead of four; ``h`` holds garbage afterwards. ``dtype``: the factor's
+    dtype (converted before the final reversal, which then copies the smaller matrix). Same
+    result to the bit.
     """
-    n = h.shape[0]
     mean_diag = h.diagonal().mean().item()
-    for attempt in range(6):  # at most four [n, n] matrices at once (h, the shifted copy, k, eye / k⁻¹)
+    if consume and h.dtype == torch.float64 and h.is_contiguous():
+        work = h
+        work.copy_(h.flip(0, 1))  # JHJ in place (one [n, n] temporary while copied)
+    else:
+        work = h.flip(0, 1)  # a copy
+    diag = work.diagonal().clone()
+    for attempt in range(6):
         lam = damp * (10**attempt) * mean_diag
-        shifted = h.flip(0, 1)  # a copy
-        shifted.diagonal().add_(lam)
-        k, info = torch.linalg.cholesky_ex(shifted)
-        del shifted
+        work.diagonal().copy_(diag)
+        work.diagonal().add_(lam)
+        k, info = torch.linalg.cholesky_ex(work)
         if info.item() == 0:
-            eye = torch.eye(n, dtype=h.dtype, device=h.device)
-            k_inv = torch.linalg.solve_triangular(k, eye, upper=False)
-            del k, eye
-            return k_inv.flip(0, 1)
+            # K⁻¹ solved into the workspace, set to the identity and viewed column-major, as a fresh
+            # output would be: the same triangular solve, bit for bit, without a third matrix
+            eye = work.T
+            eye.zero_()
+            eye.diagonal().fill_(1.0)
+            torch.linalg.solve_triangular(k, eye, upper=False, out=eye)
+            del k
+            return (eye if dtype is None else eye.to(dtype)).flip(0, 1)
         del k
     raise NumericalError("the calibration Hessian is not positive definite even with dampening raised 100,000-fold",
                          "raise --damp (e.g. 0.1), use more calibration samples, or check the inputs for NaN / inf")
+
+
+QPARAM_BLOCK = 1 << 24  # weight entries per qparams call: the range search holds a few float32 copies of it
 
 
 def _qparams(
@@ -71,9 +89,18 @@ def _qparams(
     clip: bool,
     col_weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if clip:
-        return search_qparams(w, scheme, group_size, weight=col_weight.float())
-    return compute_qparams(w, scheme, group_size)
+    """Per-(row, group) qparams of ``w``, computed over blocks of rows (each row is independent,
+    so the result is the same; the search's temporaries follow the block, not the matrix)."""
+    rows = max(1, QPARAM_BLOCK // max(1, w.shape[1]))
+    parts = []
+    for r in range(0, w.shape[0], rows):
+        part = w[r : r + rows]
+        parts.append(search_qparams(part, scheme, group_size, weight=col_weight.float()) if clip
+                     else compute_qparams(part, scheme, group_size))
+    if len(parts) == 1:
+        return parts[0]
+    zps = [z for _, z in parts]
+    return torch.cat([s for s, _ in parts]), None if zps[0] is None else torch.cat(zps)
 
 
 def gptq_quantize_weight(
@@ -89,6 +116,7 @@ def gptq_quantize_weight(
     clip: bool = False,
     mask: torch.Tensor | None = None,
     hessian_owned: bool = False,
+    weight_owned: bool = False,
 ) -> QuantizedWeight:
     """GPTQ-quantize ``weight`` ``[out, in]`` given the input Hessian ``2/n Σ x xᵀ`` ``[in, in]``.
 
@@ -97,7 +125,11 @@ def gptq_quantize_weight(
     ``clip`` adds a clipping search weighted by the Hessian diagonal. ``mask`` (bool, True =
     kept) forces masked entries to exact zeros, their error compensated by later columns.
     ``hessian_owned``: the caller keeps no reference to a float64 ``hessian``, which is then
-    used (and overwritten) in place instead of copied — one [in, in] matrix less at the peak.
+    used (and overwritten) in place instead of copied — one [in, in] matrix less at the peak;
+    ``weight_owned`` likewise for a float32 ``weight`` (e.g. q/k/v concatenated by the caller).
+    Memory: at most two float64 ``[in, in]`` matrices at once (the Hessian, permuted and factored
+    in place, and its Cholesky factor; see :func:`_inverse_hessian_factor`) and two float32
+    ``[out, in]`` working copies of the weights (qparams are float32 computations either way).
     The Hessian is inverted in float64, the column loop runs in float32; deterministic.
     """
     if static_groups is None:
@@ -107,8 +139,11 @@ def gptq_quantize_weight(
     out_f, n = weight.shape
     if hessian.shape != (n, n):
         raise ValueError(f"Hessian shape {tuple(hessian.shape)} does not match weight {tuple(weight.shape)}")
-    w = weight.detach().double().clone()
-    h = hessian.detach() if hessian_owned and hessian.dtype == torch.float64 else hessian.detach().double().clone()
+    own_w = weight_owned and weight.dtype == torch.float32
+    w = weight.detach() if own_w else weight.detach().to(torch.float32, copy=True)
+    del weight
+    owned = hessian_owned and hessian.dtype == torch.float64 and hessian.is_contiguous()
+    h = hessian.detach() if owned else hessian.detach().to(torch.float64, copy=True)
     del hessian
     keep = None if mask is None else mask.to(torch.bool)
 
@@ -131,17 +166,22 @@ def gptq_quantize_weight(
         scale, zp = _qparams(w, scheme, group_size, clip, diag)
 
     perm = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order else None
+    # Work transposed ([in, out]) so that a column of W is a contiguous row.
+    wt = w.T.contiguous()
+    device = w.device
+    del w
     if perm is not None:
-        w = w[:, perm]
-        h = h[perm][:, perm]
+        wt = wt[perm]
+        rows = h.index_select(0, perm)
+        torch.index_select(rows, 1, perm, out=h)  # h[perm][:, perm], in place
+        del rows
         keep = None if keep is None else keep[:, perm]
-    col_group = (perm if perm is not None else torch.arange(n, device=w.device)) // gs
+    col_group = (perm if perm is not None else torch.arange(n, device=device)) // gs
 
-    u = _inverse_hessian_factor(h, damp).float()
+    u = _inverse_hessian_factor(h, damp, consume=True, dtype=torch.float32)
+    del h
     if dynamic:
         block_size = gs * max(1, block_size // gs)  # groups never straddle blocks
-    # Work transposed ([in, out]) so that a column of W is a contiguous row.
-    wt = w.float().T.contiguous()
     codes_t = torch.zeros_like(wt)
     keep_t = None if keep is None else keep.T.float().contiguous()
     scale_t = scale.T.contiguous()
@@ -152,7 +192,7 @@ def gptq_quantize_weight(
         for i1 in range(0, n, block_size):
             i2 = min(i1 + block_size, n)
             w1 = wt[i1:i2]  # view, updated in place
-            err1 = torch.zeros(i2 - i1, out_f, device=w.device)
+            err1 = torch.zeros(i2 - i1, out_f, device=device)
             u1 = u[i1:i2, i1:i2]
             for i in range(i2 - i1):
                 col = i1 + i
@@ -183,7 +223,7 @@ def gptq_quantize_weight(
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
     codes = codes.to(torch.float8_e4m3fn) if scheme.is_float else codes.to(torch.int8)
-    return QuantizedWeight(codes.contiguous().to(weight.device), scale.float(), zp, scheme, group_size)
+    return QuantizedWeight(codes.contiguous().to(device), scale.float(), zp, scheme, group_size)
 
 
 def _quantize_row(

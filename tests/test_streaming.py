@@ -143,7 +143,43 @@ def test_inverse_factor_matches_the_textbook_formula():
     for rows, damp in ((512, 0.01), (20, 1e-6)):  # full rank; rank-deficient (needs retries)
         x = torch.randn(rows, 96, generator=gen, dtype=torch.float64)
         h = 2 * x.T @ x / rows
-        assert torch.equal(_inverse_hessian_factor(h, damp), reference(h, damp))
+        expected = reference(h, damp)
+        assert torch.equal(_inverse_hessian_factor(h, damp), expected)
+        work = h.clone()  # consumed: used as the workspace, the factor converted before the last copy
+        factor = _inverse_hessian_factor(work, damp, consume=True, dtype=torch.float32)
+        assert factor.dtype == torch.float32 and factor.stride() == expected.stride()
+        assert torch.equal(factor, expected.float())
+
+
+def test_gptq_blocks_of_rows_and_owned_inputs_change_nothing(monkeypatch):
+    """qparams over blocks of rows, and a Hessian / weight handed over (modified in place), give
+    the codes of the plain call; a taken accumulator is the Hessian, and is gone afterwards."""
+    import llmopt.quant.gptq as gptq
+    from llmopt.calibration import LinearStats
+    from llmopt.formats.schemes import get_scheme
+
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 128, generator=gen), torch.randn(300, 128, generator=gen)
+    lin = torch.nn.Linear(128, 96, bias=False)
+    with LinearStats({"lin": lin}, channel=False, stop_early=False) as stats:
+        lin(x)
+    h = stats.hessian("lin")
+    for scheme, act_order, clip in ((get_scheme("W4A16_ASYM", 32), True, True), (get_scheme("W8A16"), False, True),
+                                    (get_scheme("W4A16", 32), False, False)):
+        plain = gptq.gptq_quantize_weight(w, h, scheme, scheme.group_size, act_order=act_order, clip=clip)
+        with monkeypatch.context() as mp:
+            mp.setattr(gptq, "QPARAM_BLOCK", 7 * 128)  # blocks of 7 rows, the last one shorter
+            blocked = gptq.gptq_quantize_weight(w.clone(), h.clone(), scheme, scheme.group_size, act_order=act_order,
+                                                clip=clip, hessian_owned=True, weight_owned=True)
+        assert blocked.codes.shape == plain.codes.shape == (96, 128)
+        assert torch.equal(blocked.codes, plain.codes) and torch.equal(blocked.scale, plain.scale)
+        assert (blocked.zero_point is None) == (plain.zero_point is None)
+        assert plain.zero_point is None or torch.equal(blocked.zero_point, plain.zero_point)
+    taken = stats.take_hessian("lin")
+    assert torch.equal(taken, h)
+    for read in (stats.hessian, stats.take_hessian):
+        with pytest.raises(ValueError, match="no Hessian left"):
+            read("lin")
 
 
 def test_gptq_codes_do_not_depend_on_thread_count():

@@ -1,13 +1,22 @@
 """Peak-memory bound of a streamed compression job, from the checkpoint's shapes alone.
 
-The bound is what the streaming path holds at once: the largest decoder layer in float32 (plus
-one stored tensor while it is read), the Hessians of that layer's Linear inputs (float64, for
-methods that need them) or the solver's working copies of the largest one, the calibration
-activations (stored layer inputs in float32 plus one mini-batch's intermediates), the input
-embedding in float32 while layer 0's inputs are captured, the output-shard buffer (twice: it is
-serialized to bytes when written), and the
-process's own baseline (Python, torch, transformers). :func:`check_fits` refuses a job whose
-bound exceeds the free memory, saying what to change.
+The bound is the largest of what the streaming path holds at once in each phase of a layer:
+
+- capture: the input embedding in float32 while layer 0's inputs are captured, and the
+  calibration activations;
+- observe: the layer in float32 (plus one stored tensor while it is read), the float64 Hessian
+  accumulators of its distinct Linear inputs (q/k/v and gate/up share one) plus one batch's
+  ``xᵀx`` product, the calibration activations (stored layer inputs, the next layer's inputs
+  being built, one mini-batch's intermediates);
+- solve: the layer, the accumulators not solved yet, and the solver's working memory for the
+  Linear being solved — for GPTQ two float64 ``[n, n]`` matrices (the Hessian, permuted and
+  factored in place, and its Cholesky factor) and float32 working copies of the stacked
+  weights (see :func:`llmopt.quant.gptq.gptq_quantize_weight`); for RTN the quantize / pack
+  temporaries of the largest Linear and the layer's codes; the stored layer inputs;
+- write: the layer and the output-shard buffer twice (``save_file`` serializes it to bytes).
+
+Plus the process's own baseline (Python, torch, transformers). :func:`check_fits` refuses a job
+whose bound exceeds the free memory, saying what to change.
 """
 
 from __future__ import annotations
@@ -22,20 +31,27 @@ GIB = 1024**3
 
 @dataclass
 class MemoryEstimate:
-    """Bytes per component and their peak (the max of the capture phase and the layer phase)."""
+    """Bytes per component and their peak (the max over the phases of the module docstring)."""
 
     layer: int
-    hessians: int
-    activations: int
+    hessians: int  # accumulators + one batch's product, while the layer is observed
+    activations: int  # everything the calibration forward holds
     embedding: int
-    shard_buffer: int
+    shard_buffer: int  # twice the shard size
     baseline: int
+    solver: int = 0  # accumulators left + the solver's working memory, at its worst Linear
+    stored: int = 0  # the stored layer inputs (what the activations leave while solving)
 
     @property
     def peak(self) -> int:
-        layer_phase = self.layer + self.hessians + self.activations + self.shard_buffer
-        capture_phase = self.embedding + self.activations
-        return self.baseline + max(layer_phase, capture_phase)
+        shard = self.shard_buffer // 2
+        phases = (
+            self.embedding + self.activations,  # capture
+            self.layer + self.hessians + self.activations + shard,  # observe
+            self.layer + self.solver + self.stored + shard,  # solve
+            self.layer + self.stored + self.shard_buffer,  # write a shard
+        )
+        return self.baseline + max(phases)
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "peak": self.peak}
@@ -43,8 +59,8 @@ class MemoryEstimate:
     def describe(self) -> str:
         g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
         return (f"estimated peak memory {g(self.peak)} GiB (layer {g(self.layer)}, Hessians {g(self.hessians)}, "
-                f"activations {g(self.activations)}, embedding {g(self.embedding)}, output buffer {g(self.shard_buffer)}, "
-                f"process {g(self.baseline)})")
+                f"solver {g(self.solver)}, activations {g(self.activations)}, embedding {g(self.embedding)}, "
+                f"output buffer {g(self.shard_buffer)}, process {g(self.baseline)})")
 
 
 def layer_shapes(config: dict) -> dict[str, int]:
@@ -76,20 +92,34 @@ def estimate_memory(
     h, i, a, kv = s["hidden"], s["inter"], s["attn"], s["kv"]
     layer_params = h * (a + 2 * kv) + a * h + 3 * h * i + 2 * h
     layer = layer_params * 4 + max(h * i, h * a) * stored_bytes_per_value  # float32 layer + one stored tensor
-    hessians = 0
+    # (inputs, stacked output rows) per shared input, in the order GPTQ solves them: q/k/v, o, gate/up, down
+    linears = [(h, a + 2 * kv), (a, h), (h, 2 * i), (i, h)]
+    hessians = solver = 0
     if hessian:
-        inputs = [h, a, h, i]  # q/k/v, o, gate/up, down
-        # float64: every accumulator while the layer is observed; then, solving the largest (the
-        # others freed), the Hessian, its shifted copy / Cholesky factor, the identity and the inverse
-        hessians = max(8 * sum(n * n for n in inputs) + 4 * max(inputs) ** 2, 8 * 4 * max(inputs) ** 2)
+        hessians = 8 * sum(n * n for n, _ in linears) + 4 * max(n for n, _ in linears) ** 2
+        solver = max(8 * sum(n * n for n, _ in linears[k + 1:]) + _gptq_workspace(n, o) for k, (n, o) in enumerate(linears))
+    else:  # RTN: three float32 temporaries of the largest Linear (quantize / pack), the layer's int8 codes
+        solver = 3 * 4 * max(h * i, h * a) + layer_params
     tokens = n_samples * seq_len
     batch_tokens = min(batch_size, max(n_samples, 1)) * seq_len
-    activations = 4 * tokens * h * 2  # stored inputs + the next layer's outputs being built
+    stored = 4 * tokens * h
+    activations = 2 * stored  # stored inputs + the next layer's outputs being built
     activations += 4 * batch_tokens * (3 * i + 2 * a + 2 * kv + 2 * h)  # one mini-batch in flight
     activations += 4 * min(batch_size, max(n_samples, 1)) * s["heads"] * seq_len * seq_len  # attention scores
     embedding = s["vocab"] * h * (4 + stored_bytes_per_value)
     return MemoryEstimate(layer, hessians, activations if n_samples else 0, embedding if n_samples else 0,
-                          2 * (min(shard_bytes, output_bytes) if output_bytes else shard_bytes), baseline)
+                          2 * (min(shard_bytes, output_bytes) if output_bytes else shard_bytes), baseline,
+                          solver, stored)
+
+
+def _gptq_workspace(n: int, rows: int) -> int:
+    """GPTQ's peak for one stacked weight ``[rows, n]`` beyond the layer: the largest of factoring
+    (Hessian + Cholesky factor in float64, the transposed weights), the qparams search (Hessian,
+    two float32 weight copies, the search's temporaries over blocks of 2²⁴ weights) and the
+    column loop (float32 factor; weights, codes and mask transposed)."""
+    w = 4 * n * rows
+    search = 4 * 6 * min(n * rows, 1 << 24)
+    return max(16 * n * n + w, 8 * n * n + 2 * w + search, 4 * n * n + 3 * w)
 
 
 def available_bytes(device: str = "cpu") -> int:
