@@ -232,6 +232,37 @@ def test_distillation_lowers_kl_to_teacher_via_cli(teacher_dir, texts, tmp_path)
     assert loaded.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False).shape == (1, 7)
 
 
+def test_quantized_teacher_is_distilled_from_its_dequantized_outputs(teacher_dir, texts, tmp_path):
+    """An int4 checkpoint of ours as the teacher: the KL recorded before training is KL(int4 teacher,
+    dequantized || student), computed here directly on the same validation windows."""
+    from llmopt.checkpoints.models import load_model
+    from llmopt.distill.data import pack_text, spread
+
+    int4 = tmp_path / "int4"
+    done = CliRunner().invoke(main, ["quantize", str(teacher_dir), "--scheme", "W4A16", "--group-size", "32",
+                                     "--method", "rtn", "--json", "-o", str(int4)])
+    assert done.exit_code == 0, done.output
+    assert json.loads((int4 / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
+    out = tmp_path / "student"
+    args = ["distill", "--teacher", str(int4), "--student", str(teacher_dir), "--data", str(texts["train"]),
+            "--validation", str(texts["val"]), "--steps", "2", "--seq-len", "64", "--batch-size", "4", "--val-samples", "8",
+            "--eval-every", "2", "--precision", "no", "--json", "-o", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "llmopt.json").read_text())
+    assert len(record["validation_curve"]) == 2 and record["validation_curve"][0]["step"] == 0
+
+    teacher, tokenizer = load_model(int4)
+    student, _ = load_model(teacher_dir)
+    val = spread(pack_text(tokenizer, str(texts["val"]), 64), 8)
+    with torch.no_grad():
+        t_logits, s_logits = teacher(input_ids=val).logits.float(), student(input_ids=val).logits.float()
+    expected = sum(float(kd_loss(s_logits[i : i + 4], t_logits[i : i + 4], "fkl")) * val[i : i + 4].numel()
+                   for i in range(0, len(val), 4)) / val.numel()
+    assert expected > 1e-3  # the int4 teacher differs from the float model it came from
+    assert record["validation_curve"][0]["kl"] == pytest.approx(expected, rel=1e-4)
+
+
 def test_ctrl_c_checkpoints_and_resume_matches_uninterrupted_run(teacher_dir, texts, tmp_path):
     from llmopt.distill.run import run_distill
 
