@@ -308,5 +308,10 @@ def saved_settings(path: Path) -> dict[str, Any]:
     if unknown:
         raise LlmoptError(f"{Path(path) / PROVENANCE_FILE}: unknown runtime setting '{unknown[0]}'",
                           f"known settings: {', '.join(sorted(known))}")
+    spec = saved.get("speculative_config")
+    draft = spec.get("model") if isinstance(spec, dict) else None
+    if isinstance(draft, str) and not Path(draft).is_absolute() and (Path(path) / draft).exists():
+        # a recipe's draft is saved relative to the checkpoint (see pipeline.runner)
+        saved = {**saved, "speculative_config": {**spec, "model": str((Path(path) / draft).resolve())}}
     return dict(saved)
 

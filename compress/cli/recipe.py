@@ -35,25 +35,29 @@ def run_command(recipe, overrides, model, output, from_stage, dry_run, as_json):
     if dry_run:
         steps = plan(loaded, from_stage)
         if as_json:
-            emit_json({"recipe": loaded.resolved(), "plan": [{"stage": p.index, "kind": p.stage.kind, "directory": str(p.directory), "skip": p.done} for p in steps]})
+            emit_json({"recipe": loaded.resolved(), "plan": [{"stage": p.index, "kind": p.stage.kind, "directory": str(p.directory), "skip": p.done,
+                                                               **({"draft": True} if p.draft else {})} for p in steps]})
             return
         table = Table(title=f"{recipe}: {loaded.model} → {loaded.output}", title_justify="left")
         for column in ("#", "stage", "directory", "status"):
             table.add_column(column)
         for p in steps:
-            table.add_row(str(p.index), p.stage.describe(), str(p.directory), "done, skip" if p.done else "run")
+            table.add_row(p.label, p.stage.describe(), str(p.directory), "done, skip" if p.done else "run")
         out.print(table)
         return
 
     def announce(item):
         status = "[dim]unchanged, skipped[/dim]" if item.done else "running"
-        out.print(f"[bold]stage {item.index}/{len(loaded.stages)}[/bold] {item.stage.describe()} — {status}")
+        total = len(loaded.draft if item.draft else loaded.stages)
+        out.print(f"[bold]{'draft ' if item.draft else ''}stage {item.index}/{total}[/bold] {item.stage.describe()} — {status}")
 
     record = run_recipe(loaded, from_stage, on_stage=None if as_json else announce)
     if as_json:
         emit_json(record)
         return
     out.print(f"[green]done[/green]: final checkpoint {record['final']} (record: {loaded.output}/run.json)")
+    if "draft" in record:
+        out.print(f"speculative-decoding draft: {record['draft']} (the checkpoint's runtime settings run it)")
     if "evaluation" in record:
         from llmopt.cli.tables import eval_table
 
@@ -79,6 +83,9 @@ def recipes_list(as_json):
     for name, path in sorted(bundled_recipes().items()):
         data = yaml.safe_load(path.read_text()) or {}
         stages = " → ".join(next(iter(s)) for s in data.get("stages", []) if isinstance(s, dict))
+        draft = (data.get("draft") or {}).get("stages") if isinstance(data.get("draft"), dict) else None
+        if isinstance(draft, list):
+            stages += " (draft: " + " → ".join(next(iter(s)) for s in draft if isinstance(s, dict)) + ")"
         rows.append({"name": name, "description": data.get("description", ""), "stages": stages})
     if as_json:
         emit_json(rows)

@@ -11,6 +11,17 @@ evaluation / benchmark / runtime settings::
       - export: {format: gguf, type: Q4_0}
     evaluate: {max_windows: 16}
 
+A ``draft:`` section makes a speculative-decoding draft from the same model with its own stages
+(e.g. a distill stage with ``drop_layers``, then quantize), written under ``OUTPUT/draft/``; the
+``runtime:`` block's ``speculative_config`` (method ``draft``, no ``model``) then runs it::
+
+    draft:
+      stages:
+        - distill: {drop_layers: 26, steps: 300}
+        - quantize: {scheme: W4A16, group_size: 32, head: int8}
+    runtime:
+      speculative_config: {method: draft, num_speculative_tokens: 4}
+
 A stage's options are the fields of its config in the stage registry, which also generates the
 CLI command's options (``llmopt quantize --group-size 32`` is ``group_size: 32``), so a recipe
 and the CLI cannot disagree.
@@ -31,7 +42,7 @@ import yaml
 from llmopt.core.errors import LlmoptError
 from llmopt.pipeline.stages.base import convert_value, defaults, fields_of, recipe_keys
 
-TOP_KEYS = {"model", "output", "calibration", "stages", "evaluate", "benchmark", "runtime", "description"}
+TOP_KEYS = {"model", "output", "calibration", "stages", "draft", "evaluate", "benchmark", "runtime", "description"}
 CALIBRATION_KEYS = {"dataset": "calib", "samples": "calib_samples", "seq_len": "calib_seq_len", "seed": "seed"}
 BENCHMARK_KEYS = {"single_stream": bool, "serving_requests": int, "prompt_len": list, "output_len": list, "rate": float}
 # Required options the runner fills when a stage leaves them out (distill's teacher: the recipe's model).
@@ -65,12 +76,14 @@ class Recipe:
     runtime: dict[str, Any] = field(default_factory=dict)
     description: str = ""
     raw: dict[str, Any] = field(default_factory=dict)
+    draft: list[Stage] = field(default_factory=list)  # stages that make the speculative draft
 
     def resolved(self) -> dict[str, Any]:
         """The recipe with every stage's options complete (defaults filled in), for the record."""
         return {
             "model": self.model, "output": self.output, "calibration": self.calibration,
             "stages": [{s.kind: _jsonable(stage_settings(s, self))} for s in self.stages],
+            **({"draft": {"stages": [{s.kind: _jsonable(stage_settings(s, self))} for s in self.draft]}} if self.draft else {}),
             "evaluate": self.evaluate, "benchmark": self.benchmark, "runtime": self.runtime,
         }
 
@@ -247,9 +260,27 @@ def validate(data: dict, source: str, lines: dict[tuple, int], default_output: s
     runtime = data.get("runtime") or {}
     if not isinstance(runtime, dict):
         raise RecipeError(f"{at('runtime')}: 'runtime' must be a mapping", "e.g. runtime: {max_num_seqs: 32}")
+    stages = _stages(stages_raw, ("stages",), at, lines)
+    _check_order(stages, source)
+    draft = _draft(data, at, lines)
+    _check_order(draft, source)
+    recipe = Recipe(
+        source=source, model=data["model"], output=str(data.get("output") or default_output), stages=stages,
+        calibration=calibration or {}, evaluate=evaluate, benchmark=benchmark, runtime=runtime,
+        description=str(data.get("description", "")), raw=data, draft=draft,
+    )
+    for stage in stages + draft:
+        _check_required(stage, recipe, source)
+    _check_runtime(runtime, at)
+    _check_speculation(runtime, bool(draft), at)
+    return recipe
+
+
+def _stages(items: list, path: tuple, at, lines: dict[tuple, int]) -> list[Stage]:
+    """The stage list at ``path`` (``stages`` or ``draft.stages``), each stage's options checked."""
     stages = []
-    for i, item in enumerate(stages_raw):
-        where = at("stages", i)
+    for i, item in enumerate(items):
+        where = at(*path, i)
         if not isinstance(item, dict) or len(item) != 1:
             raise RecipeError(f"{where}: each stage is a one-key mapping like '- quantize: {{...}}'", "write one stage per list item")
         (kind, options), = item.items()
@@ -258,25 +289,58 @@ def validate(data: dict, source: str, lines: dict[tuple, int], default_output: s
             raise RecipeError(f"{where}: options of stage {kind} must be a mapping", "e.g. - quantize: {scheme: W4A16}")
         for key in options:
             if key.replace("-", "_") in _runner_owned(kind):
-                raise RecipeError(f"{at('stages', i, kind, key)}: '{key}' is set by the recipe runner", "set 'model' / 'output' at the top level")
+                raise RecipeError(f"{at(*path, i, kind, key)}: '{key}' is set by the recipe runner", "set 'model' / 'output' at the top level")
         try:
             converted = convert_options(kind, options, where)
         except RecipeError as exc:
             bad = next((k for k in options if f"'{k}'" in str(exc)), None)
             if bad is not None:
-                raise RecipeError(str(exc).replace(where, at("stages", i, kind, bad), 1)) from exc
+                raise RecipeError(str(exc).replace(where, at(*path, i, kind, bad), 1)) from exc
             raise
-        stages.append(Stage(kind, converted, lines.get(("stages", i), 0)))
-    _check_order(stages, source)
-    recipe = Recipe(
-        source=source, model=data["model"], output=str(data.get("output") or default_output), stages=stages,
-        calibration=calibration or {}, evaluate=evaluate, benchmark=benchmark, runtime=runtime,
-        description=str(data.get("description", "")), raw=data,
-    )
-    for stage in stages:
-        _check_required(stage, recipe, source)
-    _check_runtime(runtime, at)
-    return recipe
+        stages.append(Stage(kind, converted, lines.get(path + (i,), 0)))
+    return stages
+
+
+def _draft(data: dict, at, lines: dict[tuple, int]) -> list[Stage]:
+    """The ``draft:`` section's stages (none without the section); a draft is a checkpoint, so no export."""
+    section = data.get("draft")
+    if section is None:
+        return []
+    if not isinstance(section, dict) or set(section) != {"stages"}:
+        raise RecipeError(f"{at('draft')}: 'draft' must be a mapping with only 'stages'",
+                          "e.g. draft: {stages: [{distill: {drop_layers: 26, steps: 300}}]}")
+    items = section["stages"]
+    if not isinstance(items, list) or not items:
+        raise RecipeError(f"{at('draft', 'stages')}: 'draft.stages' must be a non-empty list", "e.g. - distill: {drop_layers: 26, steps: 300}")
+    stages = _stages(items, ("draft", "stages"), at, lines)
+    for i, stage in enumerate(stages):
+        if stage.kind in ("export", "eval"):
+            raise RecipeError(f"{at('draft', 'stages', i)}: a draft's stages make a checkpoint for the runtime, '{stage.kind}' does not",
+                              "use prune, distill and quantize stages in 'draft'")
+    return stages
+
+
+def _check_speculation(runtime: dict, has_draft: bool, at) -> None:
+    """``runtime.speculative_config`` with method ``draft`` and a ``draft:`` section come together."""
+    spec = runtime.get("speculative_config")
+    if spec is None:
+        if has_draft:
+            raise RecipeError(f"{at('draft')}: the draft section makes a draft model, but the runtime block does not run it",
+                              "add runtime: {speculative_config: {method: draft, num_speculative_tokens: 4}}")
+        return
+    from llmopt.runtime.speculative import SpeculativeConfig
+
+    try:  # the draft section fills 'model'; everything else is checked now
+        SpeculativeConfig.parse({**spec, "model": spec.get("model") or "draft"} if isinstance(spec, dict) and spec.get("method", "draft") == "draft" else spec)
+    except LlmoptError as exc:
+        raise RecipeError(f"{at('runtime', 'speculative_config')}: {exc.problem}", exc.fix) from exc
+    method = spec.get("method", "draft")
+    if has_draft and (method != "draft" or spec.get("model")):
+        raise RecipeError(f"{at('draft')}: the draft section makes the draft model, but runtime.speculative_config does not run it",
+                          "set runtime: {speculative_config: {method: draft, num_speculative_tokens: 4}} (no 'model': the recipe fills it)")
+    if not has_draft and method == "draft" and not spec.get("model"):
+        raise RecipeError(f"{at('runtime', 'speculative_config')}: speculative method 'draft' needs a draft model",
+                          "add a 'draft:' section that makes it, or give speculative_config a model")
 
 
 def _evaluate_keys() -> dict[str, type]:

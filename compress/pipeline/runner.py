@@ -1,12 +1,15 @@
 """Run a validated recipe: each stage writes its checkpoint under the output directory; a rerun
 skips stages whose input and settings are unchanged (content hash) and so resumes after an
-interruption; ``from_stage`` forces a rerun from a stage on."""
+interruption; ``from_stage`` forces a rerun from a stage on. A recipe's ``draft:`` stages run
+first, from the same model, under ``OUTPUT/draft/``; the runtime settings saved with the final
+checkpoint then name that draft (a path relative to the checkpoint)."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -26,6 +29,11 @@ class StagePlan:
     key: str
     settings: dict
     done: bool
+    draft: bool = False  # a stage of the recipe's draft section
+
+    @property
+    def label(self) -> str:
+        return f"draft {self.index}" if self.draft else str(self.index)
 
 
 def _hash(*parts) -> str:
@@ -40,11 +48,17 @@ def _source_key(spec: str) -> str:
 
 
 def plan(recipe: Recipe, from_stage: int | None = None) -> list[StagePlan]:
-    """Each stage's directory, content key and whether a finished run with that key exists."""
+    """Each stage's directory, content key and whether a finished run with that key exists: the
+    draft section's stages first (``from_stage`` counts the main stages only)."""
+    source = _source_key(recipe.model)
     out = Path(recipe.output)
-    key = _source_key(recipe.model)
+    return _chain(recipe, recipe.draft, out / "draft", source, None, True) + _chain(recipe, recipe.stages, out, source, from_stage, False)
+
+
+def _chain(recipe: Recipe, stages: list[Stage], out: Path, key: str, from_stage: int | None, draft: bool) -> list[StagePlan]:
+    """One chain of stages, each fed by the one before (the first by the recipe's model)."""
     plans = []
-    for i, stage in enumerate(recipe.stages, start=1):
+    for i, stage in enumerate(stages, start=1):
         settings = stage_settings(stage, recipe)
         key = _hash(key, stage.kind, settings)
         directory = out / f"{i:02d}-{stage.kind}"
@@ -52,7 +66,7 @@ def plan(recipe: Recipe, from_stage: int | None = None) -> list[StagePlan]:
         done = marker.is_file() and json.loads(marker.read_text()).get("key") == key
         if from_stage is not None and i >= from_stage:
             done = False
-        plans.append(StagePlan(i, stage, directory, key, settings, done))
+        plans.append(StagePlan(i, stage, directory, key, settings, done, draft))
     # a stage rerun invalidates everything after it (their input changes)
     for a, b in zip(plans, plans[1:]):
         if not a.done:
@@ -70,7 +84,8 @@ def _stage_values(item: StagePlan, recipe: Recipe, input_dir: str) -> dict:
 
         values["teacher"] = values.get("teacher") or recipe.model
         if not values.get("student") and not values.get("student_from"):
-            values["student"] = input_dir
+            # drop_layers / width make the student from the input; else the input is the student
+            values["student_from" if values.get("drop_layers") or values.get("width") else "student"] = input_dir
         values["output"] = str(item.directory)
         checkpoints = Path(values.get("checkpoint_dir") or f"{item.directory}.checkpoints")
         if checkpoint.latest(checkpoints) is not None:
@@ -108,27 +123,34 @@ def run_recipe(recipe: Recipe, from_stage: int | None = None, on_stage=None) -> 
     if Path(recipe.source).is_file():
         (out / "recipe.yaml").write_text(Path(recipe.source).read_text())
     record: dict = {"recipe": recipe.source, "output": str(out), "stages": []}
-    current = recipe.model
+    if recipe.draft:
+        record["draft_stages"] = []
+    current = draft = recipe.model
     for item in plan(recipe, from_stage):
         if on_stage:
             on_stage(item)
         start = time.perf_counter()
+        source = draft if item.draft else current
         if not item.done:
-            _invoke(item, recipe, current)
+            _invoke(item, recipe, source)
             with atomic_file(item.directory / MARKER, overwrite=True) as tmp:
                 tmp.write_text(json.dumps({"key": item.key, "stage": item.stage.kind, "settings": item.settings,
                                            "seconds": round(time.perf_counter() - start, 2)}, indent=2, default=str))
         marker = json.loads((item.directory / MARKER).read_text())
-        record["stages"].append({"index": item.index, "stage": item.stage.describe(), "directory": str(item.directory),
-                                 "skipped": item.done, "seconds": marker.get("seconds")})
+        record["draft_stages" if item.draft else "stages"].append({
+            "index": item.index, "stage": item.stage.describe(), "directory": str(item.directory),
+            "skipped": item.done, "seconds": marker.get("seconds")})
         if item.stage.kind != "export":
-            current = str(item.directory)
+            draft, current = (str(item.directory), current) if item.draft else (draft, str(item.directory))
     record["final"] = current
+    if recipe.draft:
+        record["draft"] = draft
     if recipe.runtime and current != recipe.model:
         from llmopt.checkpoints.provenance import update_provenance
 
-        update_provenance(current, runtime=recipe.runtime)  # the engine's defaults for this checkpoint
-        record["runtime"] = recipe.runtime
+        runtime = _with_draft(recipe.runtime, draft, current) if recipe.draft else recipe.runtime
+        update_provenance(current, runtime=runtime)  # the engine's defaults for this checkpoint
+        record["runtime"] = runtime
     if recipe.evaluate is not None:
         from llmopt.pipeline.stages.base import build_config
         from llmopt.pipeline.stages.evaluate import EvalConfig, run_evaluate
@@ -139,3 +161,10 @@ def run_recipe(recipe: Recipe, from_stage: int | None = None, on_stage=None) -> 
     with atomic_file(out / "run.json", overwrite=True) as tmp:
         tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
     return record
+
+
+def _with_draft(runtime: dict, draft: str, checkpoint: str) -> dict:
+    """The runtime settings with ``speculative_config.model`` the recipe's draft, relative to the
+    checkpoint the settings are saved with (the engine reads it from there)."""
+    spec = {**runtime["speculative_config"], "method": "draft", "model": os.path.relpath(draft, checkpoint)}
+    return {**runtime, "speculative_config": spec}
