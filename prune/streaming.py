@@ -68,7 +68,8 @@ def prune_streaming(
             def write_layer(index: int, prefix: str, layer: nn.Module) -> None:
                 for key, tensor in layer.state_dict().items():
                     full = f"{prefix}{key}"
-                    writer.add(full, tensor.to(stream.stored_dtype_of(full)) if tensor.is_floating_point() else tensor)
+                    name = stream.stored_name(full)
+                    writer.add(name, tensor.to(stream.stored_dtype_of(name)) if tensor.is_floating_point() else tensor)
 
             stream.sink = write_layer
             record = prune_model(stream.model, settings, calib_ids, lifecycle=stream,

@@ -94,7 +94,7 @@ def quantize_streaming(
             quantized: set[str] = set()
 
             def write_weights(weights: dict[str, QuantizedWeight]) -> None:
-                writer.add_all(quantized_tensors(weights))
+                writer.add_all({stream.stored_name(k): v for k, v in quantized_tensors(weights).items()})
                 quantized.update(weights)
 
             def write_layer(index: int, prefix: str, layer: nn.Module) -> None:
@@ -103,7 +103,8 @@ def quantize_streaming(
                     module, _, local = full.rpartition(".")
                     if local == "weight" and module in quantized:
                         continue
-                    writer.add(full, tensor.to(stream.stored_dtype_of(full)) if tensor.is_floating_point() else tensor)
+                    name = stream.stored_name(full)
+                    writer.add(name, tensor.to(stream.stored_dtype_of(name)) if tensor.is_floating_point() else tensor)
 
             stream.sink = write_layer
             result = quantize_model(stream.model, scheme_name, method, group_size, calib_ids, ignore, strict_groups,
@@ -122,13 +123,24 @@ def quantize_streaming(
                     _untie(stream.model)
             writer.add_all(outer)
             writer.close()
-            qconfig = final_quantization_config(stream.model, result.weights, ignore)
+            qconfig = _stored_names(final_quantization_config(stream.model, result.weights, ignore), stream)
             record = provenance(result, estimate) if provenance is not None else {}
             write_side_files(stream.model, tokenizer, tmp, qconfig, record)
     finally:
         stream.close()
     return result
 
+
+
+def _stored_names(qconfig: dict, stream: StreamedModel) -> dict:
+    """``qconfig`` with its module names (ignore list, per-name targets) as the checkpoint stores them."""
+    def stored(name: str) -> str:
+        return stream.stored_name(f"{name}.weight").removesuffix(".weight")
+
+    qconfig["ignore"] = [stored(n) for n in qconfig.get("ignore") or []]
+    for group in (qconfig.get("config_groups") or {}).values():
+        group["targets"] = [stored(t) for t in group.get("targets") or []]
+    return qconfig
 
 
 def _untie(model: nn.Module) -> None:

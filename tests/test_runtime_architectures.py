@@ -10,7 +10,7 @@ import torch
 from conftest import byte_tokenizer, lazy_models, randomize
 from test_runtime import assert_greedy_match, greedy, random_prompts
 
-from llmopt.checkpoints.moe import unfuse_experts
+from llmopt.checkpoints.moe import canonical_key, unfuse_experts
 from llmopt.formats.compressed import read_compressed
 from llmopt.quant.streaming import quantize_streaming
 from llmopt.runtime import LLM
@@ -98,14 +98,26 @@ def test_float_greedy_matches_transformers(built, kind):
         assert layers[0].moe.shared is not None and layers[1].moe is None  # mlp_only_layers=[1]: dense
 
 
+def unfused_names(weights: dict) -> dict:
+    """Quantized weights by the unfused transformers model's module names (Mixtral checkpoints
+    store ``block_sparse_moe.experts.j.w1`` for ``mlp.experts.j.gate_proj``)."""
+    return {canonical_key(f"{name}.weight").removesuffix(".weight"): qw for name, qw in weights.items()}
+
+
 @pytest.mark.parametrize("kind", NATIVE)
 def test_w4a16_greedy_matches_transformers(built, kind, tmp_path):
     """A W4A16 (RTN, group 32) checkpoint stays quantized in the runtime (experts included) and
     matches transformers running the dequantized weights."""
+    w4a16_parity(built, kind, tmp_path)
+
+
+def w4a16_parity(built, kind: str, tmp_path, **settings) -> LLM:
     _, path = built(kind)
     quantize_streaming(path, tmp_path / "w4", "W4A16", "rtn", 32, tokenizer=byte_tokenizer(), check_memory=False,
                        show_progress=False)
-    weights, _ = read_compressed(tmp_path / "w4")
+    stored, _ = read_compressed(tmp_path / "w4")
+    assert any(".block_sparse_moe.experts." in n for n in stored) == (kind == "mixtral")  # Mixtral's own names
+    weights = unfused_names(stored)
     ref = tiny(kind)
     unfuse_experts(ref)
     modules = dict(ref.named_modules())
@@ -114,8 +126,11 @@ def test_w4a16_greedy_matches_transformers(built, kind, tmp_path):
     linears = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear) and n != "lm_head"
                and not n.endswith(("mlp.gate", "shared_expert_gate"))]
     assert len(weights) == len(linears) and set(weights) == set(linears)
-    llm = check_parity(ref, tmp_path / "w4", kind, block_size=4, max_num_batched_tokens=24)
+    llm = check_parity(ref, tmp_path / "w4", kind, block_size=4, max_num_batched_tokens=24, **settings)
+    if settings.get("model_impl") == "transformers":
+        return llm
     layer = llm.engine.weights.layers[0]
     assert isinstance(layer.qkv, QuantLinear)
     if layer.moe is not None:
         assert all(isinstance(e.down, QuantLinear) for e in layer.moe.experts)
+    return llm

@@ -19,6 +19,10 @@ from torch import nn
 
 _MIXTRAL = re.compile(r"\.block_sparse_moe\.(experts\.\d+\.)?(w1|w2|w3|gate)\.")
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "gate": "gate"}
+_UNFUSED = re.compile(r"\.mlp\.(?:(experts\.\d+\.)(gate_proj|up_proj|down_proj)|(gate))\.")
+# model types whose checkpoints store experts and router as Mixtral does (transformers' own save writes
+# ``block_sparse_moe.experts.j.w1`` for these and loads nothing else into the experts)
+BLOCK_SPARSE_MOE_TYPES = ("mixtral",)
 
 
 class ExpertMLP(nn.Module):
@@ -87,6 +91,19 @@ def canonical_key(key: str) -> str:
     if m is None:
         return key
     return f"{key[:m.start()]}.mlp.{m.group(1) or ''}{_MIXTRAL_NAMES[m.group(2)]}.{key[m.end():]}"
+
+
+def stored_key(key: str, model_type: str | None) -> str:
+    """The name a checkpoint of ``model_type`` stores the unfused model's tensor ``key`` under (the
+    inverse of :func:`canonical_key`): Mixtral's ``mlp.experts.j.gate_proj`` is
+    ``block_sparse_moe.experts.j.w1`` (so transformers loads what llmopt writes); others unchanged."""
+    if model_type not in BLOCK_SPARSE_MOE_TYPES:
+        return key
+    m = _UNFUSED.search(key)
+    if m is None:
+        return key
+    local = {v: k for k, v in _MIXTRAL_NAMES.items()}[m.group(2) or m.group(3)]
+    return f"{key[:m.start()]}.block_sparse_moe.{m.group(1) or ''}{local}.{key[m.end():]}"
 
 
 def split_fused_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

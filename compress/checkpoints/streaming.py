@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from llmopt.calibration import LayerLifecycle, decoder_layers
-from llmopt.checkpoints.moe import canonical_key, split_fused_tensors, unfuse_experts
+from llmopt.checkpoints.moe import canonical_key, split_fused_tensors, stored_key, unfuse_experts
 from llmopt.checkpoints.lazy import LazyCheckpoint
 from llmopt.core.errors import LlmoptError
 
@@ -125,6 +125,11 @@ class StreamedModel(LayerLifecycle):
         layer.load_state_dict({k: v for k, v in state.items() if k in wanted}, assign=True)
         for p in layer.parameters():
             p.requires_grad_(False)
+
+    def stored_name(self, key: str) -> str:
+        """The unfused model's tensor ``key`` as checkpoints of this architecture store it (Mixtral's
+        experts and router under ``block_sparse_moe``, see :func:`~llmopt.checkpoints.moe.stored_key`)."""
+        return stored_key(key, getattr(self.model.config, "model_type", None))
 
     def _param_key(self, module: nn.Module) -> str:
         where = {id(m): n for n, m in self.model.named_modules()}
