@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import byte_tokenizer, lazy_models, randomize, save_model
 from safetensors.torch import save_file
-from test_runtime_architectures import check_parity
+from test_runtime_architectures import check_parity, w4a16_parity
+from test_runtime_architectures import tiny as native_tiny
 
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.compressed import read_compressed, save_compressed
@@ -98,6 +99,30 @@ def test_w4a16_greedy_matches_transformers(built, kind, tmp_path):
     assert len(quant) == len(weights)
 
 
+@pytest.fixture(scope="module")
+def moe_built(tmp_path_factory):
+    return lazy_models(tmp_path_factory.mktemp("generic-moe"), native_tiny)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_through_the_generic_path(moe_built, kind, tmp_path):
+    """Mixture-of-experts models forced through transformers' code: the fused experts are unfused
+    so every expert projection runs on the runtime's linears (quantized ones stay quantized) and
+    per-expert checkpoints load; float and W4A16 greedy parity with transformers."""
+    from llmopt.checkpoints.moe import UnfusedExperts
+
+    model, path = moe_built(kind)
+    llm = check_parity(model, path, kind, block_size=4, max_num_batched_tokens=24, model_impl="transformers")
+    hf = llm.engine.model.hf
+    assert isinstance(llm.engine.model, GenericModel)
+    experts = [m for m in hf.modules() if isinstance(m, UnfusedExperts)]
+    assert len(experts) == (1 if kind == "qwen2_moe" else 2)  # Qwen2-MoE's layer 1 is dense (mlp_only_layers)
+    assert all(isinstance(e.gate_proj, RuntimeLinear) for block in experts for e in block)
+    quant = w4a16_parity(moe_built, kind, tmp_path, model_impl="transformers")
+    blocks = [m for m in quant.engine.model.hf.modules() if isinstance(m, UnfusedExperts)]
+    assert blocks and all(isinstance(e.down_proj.lin, QuantLinear) for block in blocks for e in block)
+
+
 def test_native_is_the_default_and_native_refuses_others(built):
     _, llama = built("llama")
     assert not isinstance(LLM(llama).engine.model, GenericModel)
@@ -120,3 +145,35 @@ def test_unsupported_models_are_refused_with_the_reason(tmp_path):
     save_file({"shared.weight": torch.zeros(VOCAB, 32)}, tmp_path / "t5" / "model.safetensors")  # refused before any is read
     with pytest.raises(LlmoptError, match="encoder-decoder"):
         LLM(tmp_path / "t5")
+
+
+def test_cli_model_impl(built, monkeypatch):
+    """``--model-impl`` reaches the engine from the CLI (generate here; bench and serve share the
+    option, compare takes it for its speed figures) and a bad combination is one clear line."""
+    import json
+
+    from click.testing import CliRunner
+
+    from llmopt.cli.main import main
+    from llmopt.runtime.models import generic
+
+    loads = []
+    real = generic.load_model
+    monkeypatch.setattr(generic, "load_model", lambda *a, **k: loads.append(a[1].model_type) or real(*a, **k))
+    _, llama = built("llama")
+    _, neox = built("gpt_neox")
+    argv = ["generate", str(llama), "ab", "--max-tokens", "5", "--ignore-eos", "--json"]
+    tokens = {}
+    for impl in ("native", "transformers"):
+        result = CliRunner().invoke(main, argv + ["--model-impl", impl])
+        assert result.exit_code == 0, (result.output, result.exception)
+        tokens[impl] = json.loads(result.stdout)["token_ids"]
+    assert loads == ["llama"]  # only the forced run went through transformers' code
+    assert len(tokens["native"]) == len(tokens["transformers"]) == 5
+    refused = CliRunner().invoke(main, ["generate", str(neox), "ab", "--model-impl", "native"])
+    assert refused.exit_code == 2 and "natively" in refused.stderr and "Traceback" not in refused.output
+    for args in (["generate", str(llama), "ab", "--model-impl", "fast"],
+                 ["compare", str(llama), str(llama), "--no-speed", "--model-impl", "native"]):
+        bad = CliRunner().invoke(main, args)
+        assert bad.exit_code == 2, (args, bad.output)
+        assert "model-impl" in bad.stderr

@@ -8,6 +8,7 @@ import click
 from rich.table import Table
 
 from llmopt.cli.common import emit_json, user_errors
+from llmopt.runtime.config import MODEL_IMPL_CHOICES
 
 
 def compare_table(report: dict) -> Table:
@@ -38,6 +39,9 @@ def compare_table(report: dict) -> Table:
 @click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1), help="Single-stream repetitions in all (median), spread over the rounds.")
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1), help="Interleaved speed rounds over the baseline and every variant (median and spread per model).")
 @click.option("--serving-requests", default=16, show_default=True, type=click.IntRange(1))
+@click.option("--model-impl", type=click.Choice(list(MODEL_IMPL_CHOICES)), help="--speed: the runtime's model code for every "
+              "model: auto (native when there is one, else transformers' code on the runtime's attention and linears), "
+              "native or transformers [default: each checkpoint's saved runtime setting, else auto].")
 @click.option("--tasks", metavar="T1,T2", help="Also score lm-evaluation-harness tasks for every model (needs the tasks extra).")
 @click.option("--num-fewshot", type=click.IntRange(0), help="--tasks: few-shot examples (default: each task's own).")
 @click.option("--limit", type=click.IntRange(1), help="--tasks: score the first N items of each task.")
@@ -47,7 +51,7 @@ def compare_table(report: dict) -> Table:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @user_errors
 def compare_command(baseline, variants, labels, dataset, seq_len, max_windows, speed, repetitions, rounds, serving_requests,
-                    tasks, num_fewshot, limit, include_path, output, plot, as_json):
+                    model_impl, tasks, num_fewshot, limit, include_path, output, plot, as_json):
     """Accuracy (perplexity, KLD, top-1 vs BASELINE), speed (our runtime) and size of every VARIANT."""
     from llmopt.evaluation.compare import CompareSettings, compare, write_report
     from llmopt.core.console import out, progress_task
@@ -57,8 +61,11 @@ def compare_command(baseline, variants, labels, dataset, seq_len, max_windows, s
         raise LlmoptError(f"{len(labels)} labels for {len(variants) + 1} models", "give one --label per model, baseline first")
     if not tasks and (num_fewshot is not None or limit is not None or include_path):
         raise LlmoptError("--num-fewshot, --limit and --include-path apply to --tasks only", "add --tasks or drop them")
+    if model_impl is not None and not speed:
+        raise LlmoptError("--model-impl applies to the speed figures, not to --no-speed", "drop --model-impl or --no-speed")
     settings = CompareSettings(dataset=dataset, seq_len=seq_len, max_windows=max_windows, speed=speed,
-                               repetitions=repetitions, rounds=rounds, serving_requests=serving_requests, labels=list(labels),
+                               repetitions=repetitions, rounds=rounds, serving_requests=serving_requests, model_impl=model_impl,
+                               labels=list(labels),
                                tasks=[t.strip() for t in (tasks or "").split(",") if t.strip()], task_num_fewshot=num_fewshot,
                                task_limit=limit, task_include_path=list(include_path))
     steps = (len(variants) + 1) * (2 if speed else 1)

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from llmopt.runtime.config import KERNEL_CHOICES, LM_HEAD_CHOICES
+from llmopt.runtime.config import KERNEL_CHOICES, LM_HEAD_CHOICES, MODEL_IMPL_CHOICES
 
 SAVED = " [default: the checkpoint's saved runtime settings (a recipe's runtime: block), else auto / cpu]"
 LM_HEAD_HELP = ("Output head: as the checkpoint stores it (auto), rounded to bfloat16 (bf16, half the bytes per "
@@ -17,8 +17,11 @@ LM_HEAD_HELP = ("Output head: as the checkpoint stores it (auto), rounded to bfl
 KERNELS_HELP = ("The kernel backend, chosen once: auto is triton on a CUDA device and on the CPU the C++ kernels "
                 "when they build; cpu requires the C++ kernels, triton the Triton ones; reference forces the "
                 "plain-torch path for comparison.")
+MODEL_IMPL_HELP = ("Model code: auto runs an architecture's native model when the runtime has one, else transformers' "
+                   "modeling code with the runtime's paged attention and linears; native refuses the latter; "
+                   "transformers forces it (vLLM's --model-impl).")
 NAMES = ("threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "prefix_caching",
-         "kv_cache_dtype", "kernels", "device", "lm_head")
+         "kv_cache_dtype", "kernels", "device", "lm_head", "model_impl")
 
 
 def engine_options(batching: bool = True):
@@ -41,6 +44,7 @@ def engine_options(batching: bool = True):
         click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), help=KERNELS_HELP + SAVED),
         click.option("--device", help="Where weights and KV cache live: cpu, cuda or cuda:N." + SAVED),
         click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), help=LM_HEAD_HELP + SAVED),
+        click.option("--model-impl", type=click.Choice(list(MODEL_IMPL_CHOICES)), help=MODEL_IMPL_HELP + SAVED),
         click.option("--speculative-method", type=click.Choice(["ngram", "draft"]),
                      help="Speculative decoding: ngram (prompt lookup in the prompt and the text so far; pays off on "
                           "summaries, rewrites, code edits) or draft (a small model, --draft, proposes). Greedy output "

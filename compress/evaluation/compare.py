@@ -46,6 +46,7 @@ class CompareSettings:
     prompt_len: tuple[int, int] = (32, 256)
     output_len: tuple[int, int] = (32, 128)
     seed: int = 0
+    model_impl: str | None = None  # the runtime's model code for the speed figures (None: each checkpoint's saved setting)
     labels: list[str] = field(default_factory=list)
     # lm-evaluation-harness tasks (the ``tasks`` extra), scored for every variant beside KLD and speed
     tasks: list[str] = field(default_factory=list)
@@ -103,7 +104,7 @@ def speed_plan(settings: CompareSettings):
 
     return SpeedPlan(rounds=settings.rounds, repetitions=max(1, -(-settings.repetitions // settings.rounds)),
                      serving_requests=settings.serving_requests, prompt_len=settings.prompt_len,
-                     output_len=settings.output_len, seed=settings.seed)
+                     output_len=settings.output_len, seed=settings.seed, model_impl=settings.model_impl)
 
 
 def speed(spec: str, settings: CompareSettings, advance=None) -> dict:
@@ -112,7 +113,7 @@ def speed(spec: str, settings: CompareSettings, advance=None) -> dict:
     from llmopt.runtime import LLMEngine
     from llmopt.runtime.bench import make_workload, serving, single_stream
 
-    engine = LLMEngine(spec)
+    engine = LLMEngine(spec, **({} if settings.model_impl is None else {"model_impl": settings.model_impl}))
     single = single_stream(engine, repetitions=settings.repetitions, seed=settings.seed)
     workload = make_workload(settings.serving_requests, settings.prompt_len, settings.output_len,
                              engine.arch.vocab_size, seed=settings.seed)

@@ -33,6 +33,7 @@ class SpeedPlan:
     prompt_len: tuple[int, int] = (32, 256)
     output_len: tuple[int, int] = (32, 128)
     seed: int = 0
+    model_impl: str | None = None  # the engine's model_impl (None: the checkpoint's saved setting, else auto)
 
 
 def load_average() -> list[float] | None:
@@ -48,7 +49,7 @@ def one_round(path: str, plan: SpeedPlan) -> dict:
     from llmopt.runtime import LLMEngine
     from llmopt.runtime.bench import SPEC_FIGURES, make_workload, serving, single_stream
 
-    engine = LLMEngine(path)
+    engine = LLMEngine(path, **({} if plan.model_impl is None else {"model_impl": plan.model_impl}))
     try:
         single = single_stream(engine, repetitions=plan.repetitions, seed=plan.seed)
         workload = make_workload(plan.serving_requests, plan.prompt_len, plan.output_len, engine.arch.vocab_size,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from llmopt.core.errors import LlmoptError
+from llmopt.checkpoints.moe import canonical_key, unfuse_experts
 from llmopt.formats.schemes import dequantize
 from torch import nn
 
@@ -207,6 +208,7 @@ def load_model(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backend
     r = Reader(path, quantized, dense, dtype, backend)
     with no_init_weights(), torch.device(backend.device):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=ATTN_NAME)
+    unfuse_experts(hf)  # fused 3-D experts (transformers v5) become one Linear per expert projection, as checkpoints store them
     hf.eval()
     state_names = set(hf.state_dict())
     names = _checkpoint_names(hf, list(dense) + [f"{m}.weight" for m in quantized], path)
@@ -271,9 +273,10 @@ def load_model(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backend
 
 
 def _checkpoint_names(hf: nn.Module, keys: list[str], path: Path) -> dict[str, str]:
-    """Model tensor name -> checkpoint name, through transformers' own renamings of stored keys
-    (e.g. GPT-NeoX's ``embed_out`` is ``lm_head``; the base-model prefix); a checkpoint that needs
-    tensors converted (merged, split) is refused."""
+    """Model tensor name -> checkpoint name: the stored name itself when the model has it (per-expert
+    MoE tensors, Mixtral's ``block_sparse_moe.experts.j.w1`` under their unfused names), else through
+    transformers' own renamings of stored keys (e.g. GPT-NeoX's ``embed_out`` is ``lm_head``; the
+    base-model prefix); a checkpoint that needs tensors converted (merged, split) is refused."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -283,6 +286,9 @@ def _checkpoint_names(hf: nn.Module, keys: list[str], path: Path) -> dict[str, s
     meta = dict.fromkeys(hf.state_dict())
     found = {}
     for key in keys:
+        if canonical_key(key) in meta:
+            found[canonical_key(key)] = key
+            continue
         renamed, converted = rename_source_key(key, renamings, converters, getattr(hf, "base_model_prefix", None), meta)
         if converted is not None:
             raise LlmoptError(f"the runtime cannot run '{hf.config.model_type}' ({path}): its checkpoint's tensors need "
