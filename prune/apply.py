@@ -2,7 +2,8 @@
 
 Methods: ``magnitude``, ``wanda``, ``sparsegpt`` (unstructured ``sparsity`` per row, or an N:M
 ``pattern``; ``uniform`` or ``owl`` per-layer profile), ``drop-layers`` (remove ``num`` decoder
-blocks ranked by ``block-influence`` or ``perplexity``), ``width`` (remove ``ffn_ratio`` of MLP
+blocks ranked by ``block-influence`` or ``perplexity``), ``drop-experts`` (remove the ``num``
+least-routed experts of every mixture-of-experts layer, :mod:`.experts`), ``width`` (remove ``ffn_ratio`` of MLP
 channels and ``heads_ratio`` of attention heads). :func:`PruneSettings.validate` refuses bad
 requests with one-line :class:`~llmopt.core.errors.LlmoptError`s; :func:`prune_model` modifies the
 model in place and returns a JSON-ready record of what it did.
@@ -20,6 +21,7 @@ from torch import nn
 
 from llmopt.prune.depth import METHODS as RANKINGS
 from llmopt.prune.depth import LayerRanking, check_drop_count, drop_layers, kept_layers, rank_layers
+from llmopt.prune.experts import check_expert_drop, drop_experts, measure_usage
 from llmopt.prune.masks import Pattern, parse_pattern
 from llmopt.prune.sparsify import (
     MASK_METHODS,
@@ -31,7 +33,7 @@ from llmopt.prune.sparsify import (
 )
 from llmopt.prune.width import HEAD_MODES, check_ffn_ratio, plan_heads, prune_width
 
-METHODS = (*MASK_METHODS, "drop-layers", "width")
+METHODS = (*MASK_METHODS, "drop-layers", "drop-experts", "width")
 
 
 @dataclass
@@ -67,11 +69,16 @@ class PruneSettings:
         self._refuse_foreign_options()
         if self.method in MASK_METHODS:
             self._validate_mask(config)
-        elif self.method == "drop-layers":
+        elif self.method in ("drop-layers", "drop-experts"):
+            what = "decoder layers" if self.method == "drop-layers" else "experts of every mixture-of-experts layer"
             if self.num is None:
-                raise LlmoptError("drop-layers needs --num N", "pass how many decoder layers to remove, e.g. --num 4")
+                raise LlmoptError(f"{self.method} needs --num N", f"pass how many {what} to remove, e.g. --num 2")
             if self.num < 1:
-                raise LlmoptError(f"--num {self.num} drops nothing", "drop at least one layer")
+                raise LlmoptError(f"--num {self.num} drops nothing", f"drop at least one of the {what}")
+            if self.method == "drop-experts":
+                if config is not None:
+                    check_expert_drop(config, self.num)
+                return
             if (self.ranking or "block-influence") not in RANKINGS:
                 raise LlmoptError(f"unknown ranking '{self.ranking}'", f"use one of {', '.join(RANKINGS)}")
             if config is not None:
@@ -83,7 +90,7 @@ class PruneSettings:
         given = {"--sparsity": self.sparsity, "--pattern": self.pattern, "--profile": self.profile,
                  "--num": self.num, "--ranking": self.ranking, "--ffn-ratio": self.ffn_ratio,
                  "--heads-ratio": self.heads_ratio}
-        allowed = {"drop-layers": {"--num", "--ranking"}, "width": {"--ffn-ratio", "--heads-ratio"}}.get(
+        allowed = {"drop-layers": {"--num", "--ranking"}, "drop-experts": {"--num"}, "width": {"--ffn-ratio", "--heads-ratio"}}.get(
             self.method, {"--sparsity", "--pattern", "--profile"})
         for option, value in given.items():
             if value is not None and option not in allowed:
@@ -184,6 +191,13 @@ def prune_model(
         drop_layers(model, dropped)
         record["depth"] = {"ranking": ranking.to_dict(), "dropped": dropped, "kept": kept_layers(n_layers, dropped),
                            "layers": [n_layers, n_layers - len(dropped)]}
+    elif settings.method == "drop-experts":
+        usage = measure_usage(model, calib_ids, settings.batch_size)
+        dropped = usage.least_used(settings.num)
+        before = len(usage.counts[0])
+        drop_experts(model, dropped)
+        record["experts"] = {"experts": [before, before - settings.num], "calibration_tokens": usage.tokens,
+                             "tokens_per_expert": [c.tolist() for c in usage.counts], "dropped": dropped}
     else:
         result = prune_width(model, calib_ids, settings.ffn_ratio or 0.0, settings.heads_ratio or 0.0,
                              settings.heads_mode, batch_size=settings.batch_size, **run)

@@ -112,6 +112,8 @@ def layer_mappings(layer: nn.Module, prefix: str = "") -> tuple[list[ScaleMappin
         mappings.append(
             ScaleMapping("up_proj→down_proj", ud["up_proj"], full("mlp", {"down_proj": ud["down_proj"]}))
         )
+    if getattr(mlp, "experts", None) is not None:  # the norm feeds the router too: scaling it would change routing
+        notices.append(f"{prefix}mlp: mixture-of-experts MLP: experts are quantized without AWQ / SmoothQuant scaling")
     if not mappings:
         notices.append(f"{prefix or 'layer'}: no scale mappings found (not a Llama-family layer?)")
     return mappings, notices

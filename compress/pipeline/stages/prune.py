@@ -1,8 +1,8 @@
 """``llmopt prune``: checkpoint in → pruned checkpoint out (+ provenance in ``llmopt.json``).
 
 Unstructured and N:M pruning save ordinary dense safetensors whose pruned weights are exact
-zeros (a later ``llmopt quantize`` keeps them zero); drop-layers and width save a smaller model
-whose config describes it. Block rankings for drop-layers are cached per model and calibration
+zeros (a later ``llmopt quantize`` keeps them zero); drop-layers, drop-experts and width save a
+smaller model whose config describes it. Block rankings for drop-layers are cached per model and calibration
 set, so dropping 2, 4 and 8 layers ranks the blocks once.
 """
 
@@ -30,12 +30,14 @@ class PruneConfig:
 
     model: str = option(help="Model to prune.", argument=True, runner_owned=True)
     output: str = option(help="Output checkpoint directory.", short="-o", runner_owned=True)
-    method: str = option(help="magnitude, wanda, sparsegpt (weight sparsity); drop-layers (depth); width (MLP channels / attention heads).",
+    method: str = option(help="magnitude, wanda, sparsegpt (weight sparsity); drop-layers (depth); drop-experts (the least-routed "
+                              "experts of a mixture-of-experts model); width (MLP channels / attention heads).",
                          metavar="METHOD")
     sparsity: float | None = option(None, "magnitude/wanda/sparsegpt: fraction of weights removed from every output row, in (0, 1).")
     pattern: str | None = option(None, "magnitude/wanda/sparsegpt: semi-structured sparsity, at most N nonzeros in every M consecutive inputs (2:4, 4:8).", metavar="N:M")
     profile: str | None = option(None, "With --sparsity: 'uniform' (default) or 'owl' (outlier-weighted per-layer sparsity, same mean).", metavar="PROFILE")
-    num: int | None = option(None, "drop-layers: how many decoder layers to remove.")
+    num: int | None = option(None, "drop-layers: how many decoder layers to remove; drop-experts: how many experts to remove "
+                                   "from every mixture-of-experts layer (the least used by routing frequency on the calibration data).")
     ranking: str | None = option(None, "drop-layers: 'block-influence' (1 - cos(input, output), default) or 'perplexity' (calibration perplexity without the block).", metavar="RANKING")
     ffn_ratio: float | None = option(None, "width: fraction of MLP intermediate channels removed, e.g. 0.25.")
     heads_ratio: float | None = option(None, "width: fraction of attention heads removed (whole KV groups, or the same number of query heads per group).")
@@ -81,7 +83,7 @@ class PruneConfig:
         from llmopt.calibration import resolve_device
 
         resolve_device(self.device)  # a bad name, or cuda without a GPU, fails now
-        if self.method in ("drop-layers", "width") and self.device not in ("auto", "cpu"):
+        if self.method in ("drop-layers", "drop-experts", "width") and self.device not in ("auto", "cpu"):
             raise LlmoptError(f"--device applies to the streamed methods (magnitude, wanda, sparsegpt), not {self.method}",
                               "drop --device")
         self.settings().validate(config)
@@ -90,7 +92,7 @@ class PruneConfig:
                                              ("--calib-seq-len", self.calib_seq_len != 512)) if on]
             if changed:
                 raise LlmoptError(f"{', '.join(changed)} only apply to calibrated pruning, not {self.method}",
-                                  "drop them, or pick --method wanda / sparsegpt / drop-layers / width")
+                                  "drop them, or pick --method wanda / sparsegpt / drop-layers / drop-experts / width")
 
 
 def run_prune(config: PruneConfig, progress=None) -> dict:
