@@ -55,6 +55,9 @@ def linear_modules(module: nn.Module, prefix: str = "") -> dict[str, nn.Linear]:
 # Per-Linear input statistics
 
 
+ADD_BLOCK = 1 << 24  # entries of a batch's xᵀx added to the float64 sum at once (a float64 temporary each)
+
+
 @dataclass
 class InputStats:
     """Running sums over the input tokens of one Linear (shared by Linears with the same input)."""
@@ -79,8 +82,10 @@ class InputStats:
             del xm
             if self.xtx is None:
                 self.xtx = xtx.double()
-            else:  # promoted to float64 on the fly: no float64 temporary of the product
-                self.xtx.add_(xtx)
+            else:  # in blocks of rows: on the CPU a mixed-dtype add_ first copies all of xtx to float64
+                rows = max(1, ADD_BLOCK // xtx.shape[1])
+                for r in range(0, xtx.shape[0], rows):
+                    self.xtx[r : r + rows].add_(xtx[r : r + rows])
             del xtx
         if channel:
             x = x.float()

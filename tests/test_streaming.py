@@ -153,7 +153,9 @@ def test_inverse_factor_matches_the_textbook_formula():
 
 def test_gptq_blocks_of_rows_and_owned_inputs_change_nothing(monkeypatch):
     """qparams over blocks of rows, and a Hessian / weight handed over (modified in place), give
-    the codes of the plain call; a taken accumulator is the Hessian, and is gone afterwards."""
+    the codes of the plain call; batches summed into the Hessian in blocks of rows give the same
+    sum; a taken accumulator is the Hessian, and is gone afterwards."""
+    import llmopt.calibration as calibration
     import llmopt.quant.gptq as gptq
     from llmopt.calibration import LinearStats
     from llmopt.formats.schemes import get_scheme
@@ -161,9 +163,18 @@ def test_gptq_blocks_of_rows_and_owned_inputs_change_nothing(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     w, x = torch.randn(96, 128, generator=gen), torch.randn(300, 128, generator=gen)
     lin = torch.nn.Linear(128, 96, bias=False)
-    with LinearStats({"lin": lin}, channel=False, stop_early=False) as stats:
-        lin(x)
+    with LinearStats({"lin": lin}, channel=False, stop_early=False, hessian_dtype=torch.bfloat16) as stats:
+        for batch in x.split(100):
+            lin(batch)
     h = stats.hessian("lin")
+    with monkeypatch.context() as mp:
+        mp.setattr(calibration, "ADD_BLOCK", 5 * 128)  # blocks of 5 rows
+        with LinearStats({"lin": lin}, channel=False, stop_early=False, hessian_dtype=torch.bfloat16) as blocked:
+            for batch in x.split(100):
+                lin(batch)
+    assert torch.equal(blocked.hessian("lin"), h)
+    direct = sum(b.bfloat16().T.float() @ b.bfloat16().float() for b in x.split(100)) * (2 / 300)
+    torch.testing.assert_close(h.float(), direct, rtol=1e-2, atol=1e-2)
     for scheme, act_order, clip in ((get_scheme("W4A16_ASYM", 32), True, True), (get_scheme("W8A16"), False, True),
                                     (get_scheme("W4A16", 32), False, False)):
         plain = gptq.gptq_quantize_weight(w, h, scheme, scheme.group_size, act_order=act_order, clip=clip)
