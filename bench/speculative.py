@@ -264,7 +264,8 @@ def serving_engines(args, common: dict, plain, ngram=None) -> dict:
 
 
 def parameter_count(engine) -> int:
-    """Parameters of a checkpoint as the model defines them (a tied embedding counted once)."""
+    """Parameters of a checkpoint's model, the embedding matrix counted once (tied as distilled; a
+    quantized checkpoint's separate int8 head is a copy of it, not more parameters)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(engine.path)
@@ -273,7 +274,7 @@ def parameter_count(engine) -> int:
     head_dim = getattr(config, "head_dim", None) or h // heads
     attention = h * heads * head_dim * 2 + h * kv * head_dim * 2
     mlp = 3 * h * config.intermediate_size
-    embedding = vocab * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    embedding = vocab * h
     return layers * (attention + mlp + 2 * h) + embedding + h
 
 
