@@ -8,17 +8,27 @@ child process (``python bench/scaling.py --child …``) that reports its own wal
 and peak RSS (``getrusage``) and the engine's per-phase seconds; the parent writes the results
 after every row, so an interrupted run keeps what finished. Rows run smallest first.
 
+Runs too long for the machine are measured in part, and reported as such (a separate table,
+never mixed with completed rows): ``--layers N`` builds the size's checkpoint with only its
+first N decoder layers (same embedding, head and per-layer shapes, so the same memory bound),
+``--time-limit S`` stops a run after S seconds. Either way the child logs each finished layer
+(wall and CPU seconds, peak RSS so far) and the row keeps the layers done, the seconds per
+layer and the total projected for the full depth (start-up + layers × mean layer time).
+
     .venv/bin/python bench/scaling.py                    # everything (the 7B GPTQ rows take hours)
     .venv/bin/python bench/scaling.py --sizes demo 0.5B --methods rtn-w4
     .venv/bin/python bench/scaling.py --device cuda        # on a GPU machine → scaling_cuda.{json,md,png}
     .venv/bin/python bench/scaling.py --cost                # Wanda / OWL / SparseGPT / GPTQ phase costs (demo)
+    .venv/bin/python bench/scaling.py --sizes 7B --methods gptq-w4 --layers 2   # partial: 2 of 32 layers, projected
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -41,16 +51,18 @@ CALIB = (16, 512)
 VOCAB = 32000
 
 
-def make_checkpoint(size: str, folder: Path) -> Path:
-    """A bf16 Llama checkpoint of shape ``size`` with random weights, written layer by layer."""
+def make_checkpoint(size: str, folder: Path, depth: int | None = None) -> Path:
+    """A bf16 Llama checkpoint of shape ``size`` with random weights, written layer by layer;
+    ``depth``: only the first ``depth`` decoder layers (same shapes; random values drawn anew)."""
     import torch
 
     from llmopt.checkpoints.writer import ShardedWriter
 
-    path = folder / f"llama-{size}-bf16"
+    hidden, inter, layers, heads, kv = SHAPES[size]
+    layers = min(layers, depth or layers)
+    path = folder / (f"llama-{size}-bf16" if layers == SHAPES[size][2] else f"llama-{size}-{layers}layers-bf16")
     if (path / "config.json").is_file():
         return path
-    hidden, inter, layers, heads, kv = SHAPES[size]
     head_dim = hidden // heads
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
@@ -94,10 +106,58 @@ def _name() -> str:
     return "scaling" if DEVICE == "cpu" else f"scaling_{DEVICE}"
 
 
-def child(source: str, method: str, out: str) -> None:
-    """One measured run (in its own process): prints one JSON line."""
-    import shutil
+def peak_rss_mib() -> float:
+    """This process's own peak RSS (``VmHWM``). ``getrusage``'s ``ru_maxrss`` is not: Linux carries
+    the parent's high-water mark over fork / exec, so a child started after this script built a
+    checkpoint would report the parent's peak."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
+
+def _usage(start: float) -> dict:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"wall_s": round(time.perf_counter() - start, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+            "peak_rss_mib": peak_rss_mib(), "load": round(os.getloadavg()[0], 1)}
+
+
+def _log_layers(path: Path, start: float) -> None:
+    """Append a JSON line to ``path`` for the memory estimate, the start of layer 0 and each
+    finished decoder layer (seconds since ``start``, peak RSS so far): what a run stopped by
+    ``--time-limit`` leaves behind."""
+    import llmopt.quant.streaming as qs
+    from llmopt.checkpoints.streaming import StreamedModel
+
+    def line(**event: object) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps({**event, **_usage(start)}) + "\n")
+
+    estimate, before, after = qs.quantize_estimate, StreamedModel.before, StreamedModel.after
+
+    def logged_estimate(*args, **kwargs):  # noqa: ANN002, ANN003
+        found = estimate(*args, **kwargs)
+        line(event="estimate", estimate=found.to_dict())
+        return found
+
+    def logged_before(self, index, layer):  # noqa: ANN001
+        if index == 0:
+            line(event="start", layers=len(self.prefixes))
+        before(self, index, layer)
+
+    def logged_after(self, index, layer):  # noqa: ANN001
+        after(self, index, layer)
+        line(event="layer", index=index, layers=len(self.prefixes))
+
+    qs.quantize_estimate = logged_estimate
+    StreamedModel.before, StreamedModel.after = logged_before, logged_after
+
+
+def child(source: str, method: str, out: str) -> None:
+    """One measured run (in its own process): prints one JSON line; logs each layer to
+    ``OUT.progress.jsonl``."""
     import torch
 
     from llmopt.checkpoints.lazy import LazyCheckpoint
@@ -111,8 +171,9 @@ def child(source: str, method: str, out: str) -> None:
     if algo != "rtn":
         gen = torch.Generator().manual_seed(0)
         calib = torch.randint(3, 32000, CALIB, generator=gen)
-    load = round(__import__("os").getloadavg()[0], 1)
+    load = round(os.getloadavg()[0], 1)
     start = time.perf_counter()
+    _log_layers(Path(f"{out}.progress.jsonl"), start)
     result = quantize_streaming(Path(source), Path(out), scheme, algo, group, calib, show_progress=False,
                                 overwrite=True, device=DEVICE, provenance=lambda r, e: {"estimate": e.to_dict()})
     wall = time.perf_counter() - start
@@ -120,8 +181,9 @@ def child(source: str, method: str, out: str) -> None:
     shutil.rmtree(out, ignore_errors=True)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     print(json.dumps({
-        "load": load, "wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
-        "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "params": params, "stored_bytes": stored,
+        "load": load, "load_end": round(os.getloadavg()[0], 1), "wall_s": round(wall, 2),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+        "peak_rss_mib": peak_rss_mib(), "params": params, "stored_bytes": stored,
         "bound_mib": round(record["estimate"]["peak"] / 1024**2, 1), "estimate": record["estimate"],
         "phases_s": result.timings.to_dict(), "quantized_modules": len(result.weights),
     }))
@@ -137,8 +199,6 @@ COSTS = {  # calibration-cost runs on the demo model: name → (kind, options)
 
 def cost_child(name: str, out: str) -> None:
     """One calibration-cost run on the demo model (own process): prints the engine's phase seconds."""
-    import shutil
-
     import torch
 
     from llmopt.checkpoints.models import resolve_model
@@ -146,6 +206,7 @@ def cost_child(name: str, out: str) -> None:
     source = resolve_model("demo")
     calib = torch.randint(3, 49000, CALIB, generator=torch.Generator().manual_seed(0))
     kind, options = COSTS[name]
+    load, start = round(os.getloadavg()[0], 1), time.perf_counter()
     if kind == "prune":
         from llmopt.prune.apply import PruneSettings
         from llmopt.prune.streaming import prune_streaming
@@ -160,12 +221,14 @@ def cost_child(name: str, out: str) -> None:
                                     device=DEVICE)
         passes = {"quantize": result.timings.to_dict()}
     shutil.rmtree(out, ignore_errors=True)
-    print(json.dumps({"name": name, "passes": passes}))
+    print(json.dumps({"name": name, "passes": passes, **_usage(start), "load": load, "load_end": round(os.getloadavg()[0], 1)}))
 
 
 def write_results(rows: list[dict], costs: list[dict] | None = None) -> None:
     RESULTS.mkdir(exist_ok=True)
-    fit = _linear_fit(rows)
+    partial = [r for r in rows if "partial" in r]
+    complete = [r for r in rows if "partial" not in r]
+    fit = _linear_fit(complete)
     old = json.loads((RESULTS / f"{_name()}.json").read_text()) if (RESULTS / f"{_name()}.json").is_file() else {}
     costs = costs if costs is not None else old.get("calibration_cost", [])
     data = {"calibration_tokens": list(CALIB), "rows": rows, "time_fit": fit, "calibration_cost": costs,
@@ -175,9 +238,12 @@ def write_results(rows: list[dict], costs: list[dict] | None = None) -> None:
         "# Streamed quantization: memory and time against model size",
         "",
         f"bf16 checkpoints (synthetic Llama shapes with random weights, GQA) and the demo model; calibration "
-        f"{CALIB[0]}×{CALIB[1]} random tokens; each run a separate process. Measured by `bench/scaling.py`.",
+        f"{CALIB[0]}×{CALIB[1]} random tokens; each run a separate process (peak RSS: its own `VmHWM`). "
+        "Measured by `bench/scaling.py`.",
         "`bound` is the peak the streaming path computes from the shapes before it starts "
-        "(largest layer + Hessians + activations + embedding + output buffer + process baseline).",
+        "(`llmopt.checkpoints.estimate`: the largest of the capture, observe, solve and write phases of one "
+        "layer — its float32 weights, the Hessian accumulators or the solver's working memory, the "
+        "activations, the output buffer — plus the process baseline).",
         "",
         "The machine is 2 cores shared with other jobs: `load` is the 1-minute load average when the "
         "run started; wall times under load are inflated, CPU times less so.",
@@ -185,14 +251,15 @@ def write_results(rows: list[dict], costs: list[dict] | None = None) -> None:
         "forward pass); `calibrate` is the observation pass (forward + statistics hooks); `solve` is the rest "
         "of each layer's work (GPTQ / SparseGPT solves, RTN); `load/write` reads layers from the mmap and writes shards.",
         "",
-        "| model | params | method | load | wall s | CPU s | CPU s / B params | peak RSS MiB | bound MiB | RSS / bound | RSS / checkpoint size | forward s | calibrate s | solve s | load/write s |",
+        "| model | params | method | load (start → end) | wall s | CPU s | CPU s / B params | peak RSS MiB | bound MiB | RSS / bound | RSS / checkpoint size | forward s | calibrate s | solve s | load/write s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    for r in complete:
         ph = r["phases_s"]
         solve = round(ph["observe"] - ph.get("calibrate", 0.0), 2) if ph["layers"] else "–"
+        load = f"{r.get('load', '–')} → {r['load_end']}" if "load_end" in r else r.get("load", "–")
         lines.append(
-            f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r.get('load', '–')} | {r['wall_s']} | {r['cpu_s']} | "
+            f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {load} | {r['wall_s']} | {r['cpu_s']} | "
             f"{r['cpu_s'] / (r['params'] / 1e9):.1f} | {r['peak_rss_mib']} | {r['bound_mib']} | "
             f"{r['peak_rss_mib'] / r['bound_mib']:.2f} | {r['peak_rss_mib'] * 1024**2 / r['stored_bytes']:.2f} | "
             f"{ph['forward']} | {ph.get('calibrate', '–')} | {solve} | {ph['load']} |")
@@ -200,16 +267,50 @@ def write_results(rows: list[dict], costs: list[dict] | None = None) -> None:
     for method, f in fit.items():
         lines.append(f"- {method}: {f['slope_s_per_b']:.1f} s per billion parameters + {f['intercept_s']:.1f} s "
                      f"(R² {f['r2']:.3f}, {f['points']} sizes)")
+    if partial:
+        lines += ["", "## Partial runs (not completed): per-layer time and the projected full-depth total", "",
+                  "Runs too long for this machine, measured over their first layers only (`--layers N`: a checkpoint "
+                  "of the size's first N decoder layers; `--time-limit`: stopped after that many seconds). Peak RSS "
+                  "follows one layer, so it is the full run's, except that the output-shard buffer (up to 512 MiB, "
+                  "counted by the bound) is nearly empty in the first layers; peak RSS of a stopped run is its "
+                  "`VmHWM` sampled every 2 s. The totals are projections (start-up + layers × mean "
+                  "seconds per layer, the final embedding / head copy not included), not measurements.", "",
+                  "| model | method | layers done / total | load (start → end) | start-up wall s | wall s per layer | "
+                  "CPU s per layer | projected wall s | projected CPU s | peak RSS MiB | bound MiB | RSS / bound |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in partial:
+            p = r["partial"]
+            walls = ", ".join(f"{w:.0f}" for w in p.get("layer_wall_s", [])) or "–"
+            cpus = ", ".join(f"{c:.0f}" for c in p.get("layer_cpu_s", [])) or "–"
+            bound = p["bound_mib"]
+            ratio = f"{p['peak_rss_mib'] / bound:.2f}" if bound else "–"
+            fmt = lambda key: f"{p[key]:.0f}" if p.get(key) is not None else "–"  # noqa: E731
+            lines.append(f"| {r['model']} | {r['method']} | {p['layers_done']} / {p['layers_total']} | {p['load']} → {p['load_end']} | "
+                         f"{fmt('startup_wall_s')} | {walls} | {cpus} | {fmt('projected_wall_s')} | {fmt('projected_cpu_s')} | "
+                         f"{p['peak_rss_mib']} | {bound} | {ratio} |")
     if costs:
         lines += ["", f"## Calibration cost on the demo model ({CALIB[0]}×{CALIB[1]} tokens)", "",
-                  "`calibrate / forward`: the observation pass against one calibration forward pass of the same layers.", "",
-                  "| run | pass | calibrate s | forward s | calibrate / forward | solve s |", "|---|---|---|---|---|---|"]
+                  "Per engine pass: `calibrate` is the observation pass (forward through the observed Linears + "
+                  "statistics hooks), `forward` re-runs each compressed layer (one calibration forward pass), `solve` "
+                  "the rest of the layer work. `statistics / forward`: all the observation a method needs "
+                  "(its `calibrate` seconds, plus the whole profiling pass of OWL, which runs before pruning) "
+                  "against the one calibration forward pass of its final pass.", "",
+                  "| run | load (start → end) | pass | calibrate s | forward s | calibrate / forward | solve s |",
+                  "|---|---|---|---|---|---|---|"]
         for c in costs:
             for pname, ph in c["passes"].items():
-                lines.append(f"| {c['name']} | {pname} | {ph['calibrate']} | {ph['forward']} | "
-                             f"{ph['calibrate'] / ph['forward']:.2f} | {round(ph['observe'] - ph['calibrate'], 2)} |")
+                lines.append(f"| {c['name']} | {c.get('load', '–')} → {c.get('load_end', '–')} | {pname} | {ph['calibrate']} | "
+                             f"{ph['forward']} | {ph['calibrate'] / ph['forward']:.2f} | {round(ph['observe'] - ph['calibrate'], 2)} |")
+        lines.append("")
+        for c in costs:
+            final = "prune" if "prune" in c["passes"] else "quantize"
+            last = c["passes"][final]
+            profiles = [ph for pname, ph in c["passes"].items() if pname != final]
+            stats = sum(ph["calibrate"] + ph["forward"] for ph in profiles) + last["calibrate"]
+            lines.append(f"- {c['name']}: statistics {stats:.1f} s = {stats / last['forward']:.2f} × one calibration "
+                         f"forward pass ({last['forward']:.1f} s)")
     (RESULTS / f"{_name()}.md").write_text("\n".join(lines) + "\n")
-    _plot(rows)
+    _plot(complete, [r for r in partial if r.get("params_full")])
 
 
 def _linear_fit(rows: list[dict]) -> dict:
@@ -236,7 +337,7 @@ def _fit(pts: list[tuple[float, float]]) -> dict | None:
     return {"slope_s_per_b": slope, "intercept_s": icpt, "r2": 1 - res / ss if ss else 1.0, "points": n}
 
 
-def _plot(rows: list[dict]) -> None:
+def _plot(rows: list[dict], partial: list[dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -248,6 +349,10 @@ def _plot(rows: list[dict]) -> None:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{method} peak RSS")
             ax.plot([p[0] for p in pts], [p[2] for p in pts], "x:", label=f"{method} bound")
+        part = [(r["params_full"] / 1e9, r["partial"]["peak_rss_mib"] / 1024) for r in partial if r["method"] == method]
+        if part:
+            ax.plot([p[0] for p in part], [p[1] for p in part], "s", fillstyle="none",
+                    label=f"{method} peak RSS (partial run)")
     ax.set_xlabel("parameters (billions)")
     ax.set_ylabel("GiB")
     ax.set_title("Streamed quantization: peak memory vs model size")
@@ -266,7 +371,15 @@ def main() -> None:
     parser.add_argument("--cost-child", nargs=2, metavar=("NAME", "OUT"))
     parser.add_argument("--report", action="store_true", help="only rewrite the report from the JSON")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (each layer calibrated there)")
+    parser.add_argument("--layers", type=int, help="synthetic checkpoints with only their first N decoder layers "
+                        "(a partial row: seconds per layer and the projected full-depth total)")
+    parser.add_argument("--time-limit", type=float, help="stop each run after this many seconds (a partial row "
+                        "from the layers finished by then)")
     args = parser.parse_args()
+    if args.layers is not None and args.layers < 1:
+        parser.error("--layers takes a positive number of decoder layers")
+    if args.time_limit is not None and args.time_limit <= 0:
+        parser.error("--time-limit takes a positive number of seconds")
     global DEVICE
     DEVICE = args.device
     if args.child:
@@ -291,10 +404,9 @@ def main() -> None:
             costs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(json.dumps(costs[-1]), file=sys.stderr, flush=True)
         old = json.loads((RESULTS / f"{_name()}.json").read_text()) if (RESULTS / f"{_name()}.json").is_file() else {}
-        write_results(old.get("rows", []), costs)
+        kept = [c for c in old.get("calibration_cost", []) if c["name"] not in {n["name"] for n in costs}]
+        write_results(old.get("rows", []), kept + costs)
         return
-    old = json.loads((RESULTS / f"{_name()}.json").read_text())["rows"] if (RESULTS / f"{_name()}.json").is_file() else []
-    rows = [r for r in old if not (r["model"] in args.sizes and r["method"] in args.methods)]
     for method in args.methods:  # all sizes of the cheap method first, smallest first
         for size in args.sizes:
             if size == "demo":
@@ -302,18 +414,113 @@ def main() -> None:
 
                 source = resolve_model("demo")
             else:
-                source = make_checkpoint(size, scratch)
+                source = make_checkpoint(size, scratch, args.layers)
             print(f"{size} {method} …", file=sys.stderr, flush=True)
-            proc = subprocess.run([sys.executable, __file__, "--device", DEVICE, "--child", str(source), method, str(scratch / "out")],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(proc.stderr[-2000:], file=sys.stderr)
+            row = measure(size, method, source, scratch, args.time_limit)
+            if row is None:
                 continue
-            row = {"model": size, "method": method, **json.loads(proc.stdout.strip().splitlines()[-1])}
-            rows = [r for r in rows if not (r["model"] == size and r["method"] == method)]
-            rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-            write_results(rows)
+            _save_row(row)
+
+
+def measure(size: str, method: str, source: Path, scratch: Path, time_limit: float | None) -> dict | None:
+    """Run one child; a run stopped by ``time_limit`` or on a truncated checkpoint gives a row
+    with ``partial`` (layers done, seconds per layer, projected total), never a completed one."""
+    out = scratch / f"out-{size}-{method}"
+    progress = Path(f"{out}.progress.jsonl")
+    progress.unlink(missing_ok=True)
+    try:
+        proc, sampled = _run_sampled([sys.executable, __file__, "--device", DEVICE, "--child", str(source), method, str(out)],
+                                     time_limit)
+    finally:
+        for leftover in scratch.glob(f".{out.name}.tmp-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    if proc is not None and proc.returncode != 0:
+        print(proc.stderr[-2000:], file=sys.stderr)
+        return None
+    events = [json.loads(line) for line in progress.read_text().splitlines()] if progress.is_file() else []
+    progress.unlink(missing_ok=True)
+    row = {"model": size, "method": method}
+    if proc is not None:
+        row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    total = SHAPES[size][2] if size in SHAPES else None
+    done = sum(e["event"] == "layer" for e in events)
+    if proc is None or (total is not None and done < total):
+        row["partial"] = _partial(events, total, time_limit if proc is None else None, sampled)
+        row["params_full"] = shape_params(size) if size in SHAPES else row.get("params")
+        if proc is None and row["partial"] is None:
+            print(f"{size} {method}: stopped after {time_limit} s before its first layer finished", file=sys.stderr)
+            return None
+    return row
+
+
+def shape_params(size: str) -> int:
+    """Parameters of the full-depth synthetic checkpoint of ``size``."""
+    hidden, inter, layers, heads, kv = SHAPES[size]
+    kv_width = kv * (hidden // heads)
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv_width + 3 * hidden * inter + 2 * hidden
+    return 2 * VOCAB * hidden + hidden + layers * per_layer
+
+
+def _run_sampled(command: list[str], time_limit: float | None) -> tuple[subprocess.CompletedProcess | None, float]:
+    """Run ``command`` (stopped after ``time_limit`` s: None returned) while sampling its ``VmHWM``
+    every 2 s, so that a stopped run still has its peak RSS (MiB)."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+        began, peak = time.monotonic(), 0.0
+        while child.poll() is None:
+            try:
+                status = Path(f"/proc/{child.pid}/status").read_text()
+                peak = max(peak, int(next(x for x in status.splitlines() if x.startswith("VmHWM:")).split()[1]) / 1024)
+            except (OSError, StopIteration, ValueError):
+                pass
+            if time_limit is not None and time.monotonic() - began > time_limit:
+                child.kill()
+                child.wait()
+                return None, round(peak, 1)
+            time.sleep(2)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, child.returncode, out.read(), err.read()), round(peak, 1)
+
+
+def _partial(events: list[dict], total: int | None, stopped_at: float | None, sampled: float = 0.0) -> dict | None:
+    """What the per-layer log of an unfinished (or truncated) run shows, and the full-depth projection
+    (none when no layer finished: then only the peak RSS sampled while it ran)."""
+    starts = [e for e in events if e["event"] == "start"]
+    layers = [e for e in events if e["event"] == "layer"]
+    estimate = next((e["estimate"] for e in events if e["event"] == "estimate"), None)
+    if not layers:
+        if not sampled:
+            return None
+        return {"layers_done": 0, "layers_total": total, "stopped_at_s": stopped_at, "peak_rss_mib": sampled,
+                "load": starts[0]["load"] if starts else None, "load_end": round(os.getloadavg()[0], 1),
+                "bound_mib": round(estimate["peak"] / 1024**2, 1) if estimate else None, "estimate": estimate}
+    start, last = (starts or events)[0], layers[-1]
+    total = total or layers[-1]["layers"]
+    walls = [b["wall_s"] - a["wall_s"] for a, b in zip([start, *layers], layers)]
+    cpus = [b["cpu_s"] - a["cpu_s"] for a, b in zip([start, *layers], layers)]
+    mean_wall, mean_cpu = sum(walls) / len(walls), sum(cpus) / len(cpus)
+    return {
+        "layers_done": len(layers), "layers_total": total, "stopped_at_s": stopped_at,
+        "startup_wall_s": start["wall_s"], "startup_cpu_s": start["cpu_s"],
+        "layer_wall_s": [round(w, 2) for w in walls], "layer_cpu_s": [round(c, 1) for c in cpus],
+        "projected_wall_s": round(start["wall_s"] + mean_wall * total, 1),
+        "projected_cpu_s": round(start["cpu_s"] + mean_cpu * total, 1),
+        "peak_rss_mib": max(last["peak_rss_mib"], sampled), "load": start["load"], "load_end": last["load"],
+        "bound_mib": round(estimate["peak"] / 1024**2, 1) if estimate else None, "estimate": estimate,
+    }
+
+
+def _save_row(row: dict) -> None:
+    """Merge ``row`` into the results on disk (read afresh: several runs may share the file)."""
+    path = RESULTS / f"{_name()}.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    key = (row["model"], row["method"], "partial" in row)
+    rows = [r for r in old.get("rows", []) if (r["model"], r["method"], "partial" in r) != key]
+    write_results([*rows, row], old.get("calibration_cost", []))
 
 
 if __name__ == "__main__":
