@@ -166,7 +166,7 @@ def _cached_ranking(source: Path, calibration: dict, settings, model, calib):
         return LayerRanking(data["method"], data["scores"], data["tokens"]), data.get("seconds"), True
     start = time.perf_counter()
     ranking = rank_layers(model, calib, method, settings.batch_size)
-    seconds = round(time.perf_counter() - start, 2)
+    seconds = round(time.perf_counter() - start, 6)
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps({"method": ranking.method, "scores": ranking.scores, "tokens": ranking.tokens, "seconds": seconds}))
     return ranking, seconds, False
