@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-RunLayer = Callable[[], None]
+from llmopt.lockstep import Lockstep, current_context
+
+RunLayer = Callable[..., None]
 LayerFn = Callable[[int, nn.Module, RunLayer], None]
 
 
@@ -56,6 +58,22 @@ def linear_modules(module: nn.Module, prefix: str = "") -> dict[str, nn.Linear]:
 
 
 ADD_BLOCK = 1 << 24  # entries of a batch's xᵀx added to the float64 sum at once (a float64 temporary each)
+GRAM_BLOCK = 512  # column block of the symmetric product xᵀx: only the blocks on and above the diagonal are multiplied
+
+
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """``xᵀx`` of ``x`` [tokens, n], multiplying only the column blocks on and above the diagonal
+    and mirroring the rest (3/4 of the work for two blocks, 5/8 for four); the same as
+    ``x.T @ x`` up to the summation order inside each product."""
+    n = x.shape[1]
+    if n < 2 * GRAM_BLOCK:
+        return x.T @ x
+    out = torch.empty(n, n, dtype=x.dtype, device=x.device)
+    edges = list(range(0, n, GRAM_BLOCK)) + [n]
+    for a, b in zip(edges[:-1], edges[1:]):
+        out[a:b, a:] = x[:, a:b].T @ x[:, a:]
+        out[b:, a:b] = out[a:b, b:].T
+    return out
 
 
 @dataclass
@@ -78,7 +96,7 @@ class InputStats:
             # straight to the product's dtype (the same values as through float32, without a
             # float32 copy of a large input such as the down projection's)
             xm = x.to(matmul_dtype).contiguous()
-            xtx = xm.T @ xm
+            xtx = gram(xm)
             del xm
             if self.xtx is None:
                 self.xtx = xtx.double()
@@ -141,7 +159,7 @@ class LinearStats:
         self._stats: dict[str, InputStats] = {}
         self._order: list[str] = []
         self._order_known = False
-        self._last: tuple[torch.Tensor, InputStats] | None = None
+        self._last: dict[Any, tuple[torch.Tensor, InputStats] | None] = {}  # per lockstep batch (or thread)
         self._handles: list[Any] = []
 
     # -- hooks -----------------------------------------------------------------------------------
@@ -154,7 +172,7 @@ class LinearStats:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._last = None
+        self._last.clear()
 
     def _hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -164,23 +182,32 @@ class LinearStats:
         return hook
 
     def _observe(self, name: str, x: torch.Tensor) -> None:
+        context = current_context()
+        last = self._last.get(context)
         stats = self._stats.get(name)
         if stats is not None:  # seen before: a later batch, so the order is complete
             self._order_known = True
         else:  # first batch: find out which Linears share an input
-            if self._last is not None and self._last[0] is x:
-                stats = self._last[1]
-            else:
-                stats = InputStats()
+            stats = last[1] if last is not None and last[0] is x else InputStats()
             stats.names.append(name)
             self._stats[name] = stats
             self._order.append(name)
-        if not (self._last is not None and self._last[0] is x and self._last[1] is stats):
+        if not (last is not None and last[0] is x and last[1] is stats):
             stats.add(x, self.hessian_enabled, self.channel_enabled, self.hessian_dtype)
-        self._last = (x, stats)
+        self._last[context] = (x, stats)
         if self.stop_early and self._order_known and name == self._order[-1]:
-            self._last = None
+            self._last[context] = None
             raise StopForward
+
+    def declare_groups(self, groups: list[list[str]]) -> None:
+        """Linears known to share their input (e.g. from :meth:`shared_groups` of an earlier
+        run), in execution order: their statistics exist before any of them is reached."""
+        for group in groups:
+            shared = InputStats()
+            for name in group:
+                shared.names.append(name)
+                self._stats[name] = shared
+                self._order.append(name)
 
     # -- results ---------------------------------------------------------------------------------
     def stats(self, name: str) -> InputStats:
@@ -443,7 +470,11 @@ def run_sequential(
     ``layer_fn(index, layer, run_layer)`` observes and compresses one decoder layer;
     ``run_layer()`` runs it over all stored calibration inputs (outputs discarded; any hooks
     the callback registered fire, and :class:`StopForward` from a hook ends a batch early).
-    Afterwards the (compressed) layer is re-run to produce the next layer's inputs.
+    Afterwards the (compressed) layer is re-run to produce the next layer's inputs, unless
+    ``run_layer(keep_outputs=True)`` kept the outputs of a run (one that compressed the layer
+    as it went: with ``lockstep=Lockstep()`` the batches run as threads taking turns, so a hook
+    can wait for all of them, see :mod:`llmopt.lockstep`). ``run_layer(batches=k)`` runs the
+    first ``k`` batches only.
     ``progress`` is an optional ``rich.progress.Progress`` to add a task to; otherwise a
     transient bar is shown unless ``show_progress`` is False. ``compute_dtype`` (e.g.
     ``torch.bfloat16``) runs the layers under autocast to that dtype — about twice as fast on
@@ -496,19 +527,39 @@ def run_sequential(
                 t1 = time.perf_counter()
                 timings.load += t1 - t_layer
 
-                def run_layer(layer: nn.Module = layer) -> None:
+                produced = False  # whether run_layer kept its outputs as the next inputs
+
+                def run_layer(layer: nn.Module = layer, *, batches: int | None = None, keep_outputs: bool = False,
+                              lockstep: Lockstep | None = None) -> None:
+                    nonlocal produced
                     t_run = time.perf_counter()
-                    for h, kw in zip(inputs.hidden, inputs.kwargs):
+                    pairs = list(zip(inputs.hidden, inputs.kwargs))[:batches]
+
+                    def one(h: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor | None:
                         try:
-                            call(layer, h, kw)
+                            out = call(layer, h, kw)
                         except StopForward:
-                            pass
+                            return None
+                        return out if keep_outputs else None  # (not held: memory)
+
+                    calls = [lambda h=h, kw=kw: one(h, kw) for h, kw in pairs]
+                    if lockstep is not None:  # the calls enter and leave autocast interleaved: keep it on around them
+                        with torch.autocast(run_device.type, dtype=compute_dtype, enabled=use_autocast):
+                            outs = lockstep.run(calls)
+                    else:
+                        outs = [c() for c in calls]
+                    if keep_outputs:
+                        if len(outs) != len(inputs.hidden) or any(o is None for o in outs):
+                            raise ValueError("keep_outputs needs every batch run to its end")
+                        inputs.hidden[:] = outs
+                        produced = True
                     timings.calibrate += time.perf_counter() - t_run
 
                 layer_fn(index, layer, run_layer)
                 t2 = time.perf_counter()
-                for b, (h, kw) in enumerate(zip(inputs.hidden, inputs.kwargs)):
-                    inputs.hidden[b] = call(layer, h, kw)
+                if not produced:
+                    for b, (h, kw) in enumerate(zip(inputs.hidden, inputs.kwargs)):
+                        inputs.hidden[b] = call(layer, h, kw)
                 t3 = time.perf_counter()
                 if target is not None:
                     layer.to(home)

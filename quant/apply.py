@@ -31,6 +31,7 @@ from torch import nn
 
 from llmopt.checkpoints.moe import is_expert, is_router, unfuse_experts
 from llmopt.core.errors import NumericalError
+from llmopt.lockstep import Lockstep
 from llmopt.quant.awq import AwqMappingResult, awq_apply_layer, awq_clip_layer
 from llmopt.formats.schemes import (
     GROUPED_SCHEMES,
@@ -315,6 +316,8 @@ def _quantize_calibrated(
     act_hooks: list[Any] = []
     bf16 = engine_options.get("compute_dtype") == torch.bfloat16
     hessian_dtype = torch.bfloat16 if bf16 else torch.float32  # (fp16 could overflow)
+    one_pass = opts.method == "gptq" and opts.scheme.activations is None
+    input_groups: dict[tuple[str, tuple[str, ...]], list[list[str]]] = {}  # per layer structure
 
     def layer_fn(index: int, layer: nn.Module, run_layer: Any) -> None:
         prefix = prefixes[index][1]
@@ -325,6 +328,9 @@ def _quantize_calibrated(
         need_channel = use_awq or use_smooth
         observed = linear_modules(layer, prefix) if need_channel else mods
         experts = any(is_expert(n) for n in observed)  # routing varies by batch: no early stop
+        if one_pass and not experts and _gptq_one_pass(layer, prefix, mods, run_layer, group_sizes, opts, result,
+                                                       hessian_dtype, input_groups):
+            return
         with LinearStats(observed, hessian=need_hessian, channel=need_channel,
                          hessian_dtype=hessian_dtype, stop_early=not experts) as stats:
             run_layer()
@@ -364,6 +370,48 @@ def _quantize_calibrated(
     finally:
         for h in act_hooks:
             h.remove()
+
+
+def _gptq_one_pass(layer: nn.Module, prefix: str, mods: dict[str, nn.Linear], run_layer: Any,
+                   group_sizes: dict[str, int | None], opts: _Options, result: QuantizeResult,
+                   hessian_dtype: torch.dtype, input_groups: dict) -> bool:
+    """GPTQ of one decoder layer in a single calibration pass, in true sequential order.
+
+    The batches run in lockstep (:mod:`llmopt.lockstep`): at the first Linear of each group
+    sharing an input (q/k/v, gate/up, …) every batch waits until all have added that input to
+    the group's Hessian; the group is then solved and the forward goes on with its quantized
+    weights. So each Linear is calibrated on inputs that come from the already-quantized
+    Linears before it, and the pass's outputs are the next layer's inputs: one forward per
+    layer instead of an observation pass plus a re-run. The groups come from one batch run
+    once per layer structure. Returns False (nothing done) when a target Linear is not reached
+    by the forward, for the two-pass path to handle.
+    """
+    structure = (type(layer).__name__, tuple(n[len(prefix):] for n in mods))
+    if structure not in input_groups:
+        with LinearStats(mods, hessian=False, channel=False, stop_early=False) as probe:
+            run_layer(batches=1)
+        input_groups[structure] = [[n[len(prefix):] for n in g] for g in probe.shared_groups()]
+    groups = [[prefix + n for n in g] for g in input_groups[structure]]
+    if sorted(n for g in groups for n in g) != sorted(mods):
+        return False
+    lockstep = Lockstep()
+    with LinearStats(mods, hessian=True, channel=False, hessian_dtype=hessian_dtype, stop_early=False) as stats:
+        stats.declare_groups(groups)
+        handles = []
+        for group in groups:
+            def solve(members: dict[str, nn.Linear] = {n: mods[n] for n in group}) -> None:
+                device = next(iter(members.values())).weight.device.type
+                with torch.autocast(device, enabled=False):  # (the batches' forwards run under autocast)
+                    result.store(_gptq_layer(members, stats, group_sizes, opts))
+
+            handles.append(mods[group[0]].register_forward_pre_hook(
+                lambda _m, _args, key=group[0], solve=solve: lockstep.meet(key, solve)))
+        try:
+            run_layer(keep_outputs=True, lockstep=lockstep)
+        finally:
+            for h in handles:
+                h.remove()
+    return True
 
 
 def _starved_experts_rtn(mods: dict[str, nn.Linear], stats: LinearStats, opts: _Options,

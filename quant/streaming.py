@@ -45,7 +45,8 @@ def quantize_estimate(source: Path, method: str, calib_ids: torch.Tensor | None,
     hessian = "gptq" in method or "awq" in method or (calibrated and clip_search is not False)
     n, seq = (calib_ids.shape if calib_ids is not None else (0, 0))
     return estimate_memory(read_config(source), size, hessian=hessian, n_samples=int(n), seq_len=int(seq),
-                           batch_size=batch_size, output_bytes=total, shard_bytes=shard_bytes, baseline=process_rss())
+                           batch_size=batch_size, output_bytes=total, shard_bytes=shard_bytes, baseline=process_rss(),
+                           one_pass=method == "gptq")
 
 
 def quantize_streaming(

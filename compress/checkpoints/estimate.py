@@ -13,7 +13,9 @@ The bound is the largest of what the streaming path holds at once in each phase 
   factored in place, and its Cholesky factor) and float32 working copies of the stacked
   weights (see :func:`llmopt.quant.gptq.gptq_quantize_weight`); for RTN the quantize / pack
   temporaries of the largest Linear and the layer's codes; the stored layer inputs;
-- write: the layer and the output-shard buffer twice (``save_file`` serializes it to bytes).
+- write: the layer and the output-shard buffer twice (``save_file`` serializes it to bytes);
+- one-pass GPTQ: the layer, every batch's intermediates paused mid-layer, and one group's
+  Hessian and solver working memory (solved while they wait).
 
 Plus the process's own baseline (Python, torch, transformers). :func:`check_fits` refuses a job
 whose bound exceeds the free memory, saying what to change.
@@ -41,6 +43,7 @@ class MemoryEstimate:
     baseline: int
     solver: int = 0  # accumulators left + the solver's working memory, at its worst Linear
     stored: int = 0  # the stored layer inputs (what the activations leave while solving)
+    one_pass: int = 0  # one-pass GPTQ: a group's Hessian and solver while every batch waits mid-layer
 
     @property
     def peak(self) -> int:
@@ -50,6 +53,7 @@ class MemoryEstimate:
             self.layer + self.hessians + self.activations + shard,  # observe
             self.layer + self.solver + self.stored + shard,  # solve
             self.layer + self.stored + self.shard_buffer,  # write a shard
+            self.layer + self.one_pass + shard,  # one-pass GPTQ: solve while the batches wait
         )
         return self.baseline + max(phases)
 
@@ -86,8 +90,11 @@ def estimate_memory(
     output_bytes: int = 0,
     shard_bytes: int = GIB,
     baseline: int = 0,
+    one_pass: bool = False,
 ) -> MemoryEstimate:
-    """The bound for streaming one model of ``config`` (see the module docstring)."""
+    """The bound for streaming one model of ``config`` (see the module docstring); ``one_pass``:
+    GPTQ in one lockstep pass (:func:`llmopt.quant.apply._gptq_one_pass`), which solves each
+    group while every batch waits with its intermediates (at most ``i + 2h`` values a token)."""
     s = layer_shapes(config)
     h, i, a, kv = s["hidden"], s["inter"], s["attn"], s["kv"]
     layer_params = h * (a + 2 * kv) + a * h + 3 * h * i + 2 * h
@@ -107,9 +114,13 @@ def estimate_memory(
     activations += 4 * batch_tokens * (3 * i + 2 * a + 2 * kv + 2 * h)  # one mini-batch in flight
     activations += 4 * min(batch_size, max(n_samples, 1)) * s["heads"] * seq_len * seq_len  # attention scores
     embedding = s["vocab"] * h * (4 + stored_bytes_per_value)
+    waiting = 0
+    if one_pass and n_samples:
+        waiting = (2 * stored + 4 * tokens * (i + 2 * h)
+                   + max(_gptq_workspace(n, o) for n, o in linears))  # (the accumulator becomes its Hessian)
     return MemoryEstimate(layer, hessians, activations if n_samples else 0, embedding if n_samples else 0,
                           2 * (min(shard_bytes, output_bytes) if output_bytes else shard_bytes), baseline,
-                          solver, stored)
+                          solver, stored, waiting)
 
 
 def _gptq_workspace(n: int, rows: int) -> int:
