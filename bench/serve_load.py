@@ -11,7 +11,10 @@ status; per server: KV blocks in use after the run (from /metrics; must be 0) an
 RSS after warm-up and after the run. Each phase is bounded in requests and in seconds; requests
 still open at the deadline are closed and counted as ``unfinished``.
 
-llama.cpp's server is measured only when its Python (``--llamacpp-python``, default
+llama.cpp's server gets the same requests, with every special token's logit biased to -100
+(our server ignores EOS for the benchmark) and ``--interrupt_requests False`` (by default a new
+request cuts the running one short, which ended most of its streams after a few tokens); it
+serves one request at a time. It is measured only when its Python (``--llamacpp-python``, default
 /opt/llamacpp/bin/python) and the GGUF file exist; otherwise the results say it was not measured.
 
     python bench/serve_load.py --model /tmp/w4-serve --gguf /tmp/w4.gguf
@@ -89,7 +92,7 @@ def make_phase(tokenizer, seed: int, count: int, rate: float | None, prompt_len:
 async def one(client: httpx.AsyncClient, base: str, req: Req, extra: dict, start: float, rows: list) -> None:
     await asyncio.sleep(max(0.0, start + req.at - time.perf_counter()))
     sent = time.perf_counter()
-    row = {"prompt_tokens": req.prompt_tokens, "status": None, "tokens": 0, "ttft": None, "tpot": None, "e2e": None,
+    row = {"prompt_tokens": req.prompt_tokens, "max_tokens": req.max_tokens, "status": None, "tokens": 0, "ttft": None, "tpot": None, "e2e": None,
            "cancelled": False}
     rows.append(row)
     body = {"model": NAME, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0, "stream": True, **extra}
@@ -105,6 +108,8 @@ async def one(client: httpx.AsyncClient, base: str, req: Req, extra: dict, start
                     continue
                 event = json.loads(line[6:])
                 choices = event.get("choices") or []
+                if choices and choices[0].get("finish_reason"):
+                    row["finish_reason"] = choices[0]["finish_reason"]
                 if choices and choices[0].get("text"):
                     now = time.perf_counter()
                     first = first or now
@@ -158,11 +163,21 @@ def summarize(rows: list[dict], duration: float, sent: int) -> dict:
         "errors_5xx": sum(1 for r in rows if isinstance(r["status"], int) and r["status"] >= 500),
         "errors_other": sum(1 for r in rows if r["status"] != 200), "duration_s": duration,
         "output_tokens": out_tokens, "output_tok_s": out_tokens / duration,
+        "requested_tokens": sum(r["max_tokens"] for r in ok if not r["cancelled"]),
+        "completed_tokens": sum(r["tokens"] for r in ok if not r["cancelled"]),
+        "finish_reasons": _count(r.get("finish_reason") for r in ok if not r["cancelled"]),
     }
     for key in ("ttft", "tpot", "e2e"):
         for q in (50, 99):
             result[f"{key}_p{q}_s"] = pct([r[key] for r in ok], q)
     return result
+
+
+def _count(values) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for v in values:
+        counts[str(v)] = counts.get(str(v), 0) + 1
+    return counts
 
 
 def rss_mib(pid: int) -> float:
@@ -230,6 +245,12 @@ def measure(label: str, cmd: list[str], extra: dict, phases: list[tuple[str, lis
     return result
 
 
+def _share(phase: dict) -> str:
+    """Tokens the completed requests got over the tokens they asked for (1.00: none stopped early)."""
+    asked = phase.get("requested_tokens")
+    return f"{phase['completed_tokens'] / asked:.2f}" if asked else "—"
+
+
 def _ms(v: float | None) -> str:
     return "—" if v is None else f"{v * 1000:.0f} ms"
 
@@ -247,16 +268,16 @@ def write_md(data: dict, path: Path) -> None:
              f"Load average when the run started: {', '.join(f'{x:.1f}' for x in data.get('load_average_at_start', []))}.", "",
              "Phases: " + "; ".join(f"`{p['name']}`: {p['requests']} requests, {p['arrivals']}, prompts {p['prompt_len']} tokens, "
                                     f"outputs {p['output_len']} tokens" for p in data["phase_specs"]), "",
-             "| server | phase | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | e2e p50 | e2e p99 | completed | cancelled | unfinished | 5xx | other errors |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| server | phase | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | e2e p50 | e2e p99 | completed | tokens / asked | cancelled | unfinished | 5xx | other errors |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, server in data["servers"].items():
         if "not_measured" in server:
-            lines.append(f"| {label} | — | not measured: {server['not_measured']} | | | | | | | | | | | |")
+            lines.append(f"| {label} | — | not measured: {server['not_measured']} | | | | | | | | | | | | |")
             continue
         for name, p in server["phases"].items():
             lines.append(f"| {label} | {name} | {p['output_tok_s']:.1f} | {_ms(p['ttft_p50_s'])} | {_ms(p['ttft_p99_s'])} | "
                          f"{_ms(p['tpot_p50_s'])} | {_ms(p['tpot_p99_s'])} | {_ms(p['e2e_p50_s'])} | {_ms(p['e2e_p99_s'])} | "
-                         f"{p['completed']} | {p['cancelled']} | {p['unfinished']} | {p['errors_5xx']} | {p['errors_other'] - p['errors_5xx']} |")
+                         f"{p['completed']} | {_share(p)} | {p['cancelled']} | {p['unfinished']} | {p['errors_5xx']} | {p['errors_other'] - p['errors_5xx']} |")
     lines += ["", "| server | RSS after warm-up | RSS after run | ratio | KV blocks in use after | exit code after SIGTERM |", "|---|---:|---:|---:|---:|---:|"]
     for label, server in data["servers"].items():
         if "not_measured" in server:
@@ -286,9 +307,11 @@ def target_lines(data: dict) -> list[str]:
                      f"{soak['completed']} completed, {soak['cancelled']} cancelled, {soak['unfinished']} unfinished, "
                      f"{soak['errors_5xx']} 5xx, KV blocks in use after {ours.get('kv_blocks_used_after')}, RSS after / after warm-up "
                      f"{ours.get('rss_ratio', float('nan')):.3f} (targets 0, 0, ≤ 1.1): {'met' if ok else 'missed'}.")
+    llama = data["servers"].get("llama.cpp", {}).get("phases", {})
     for name, ratio in data.get("ratios", {}).items():
+        shares = f"tokens / asked of completed requests: llmopt {_share(phases[name])}, llama.cpp {_share(llama[name])}"
         lines.append(f"Output tokens/s against llama.cpp's server, phase {name}: {ratio:.2f}× (target ≥ 1.5×): "
-                     f"{'met' if ratio >= 1.5 else 'missed'}.")
+                     f"{'met' if ratio >= 1.5 else 'missed'} ({shares}).")
     return lines
 
 
@@ -349,11 +372,12 @@ def main() -> None:
     elif not args.gguf or not Path(args.gguf).is_file():
         data["servers"]["llama.cpp"] = {"not_measured": f"no GGUF file ({args.gguf})"}
     else:
-        eos = tokenizer.eos_token_id
+        special = sorted(set(tokenizer.all_special_ids) | {tokenizer.eos_token_id})
         cmd = [str(llama_py), "-m", "llama_cpp.server", "--model", args.gguf, "--model_alias", NAME, "--host", "127.0.0.1",
-               "--port", "{port}", "--n_threads", str(args.threads), "--n_ctx", "2048"]
+               "--port", "{port}", "--n_threads", str(args.threads), "--n_ctx", "2048",
+               "--interrupt_requests", "False"]  # its default cuts the running request short when another arrives
         try:
-            data["servers"]["llama.cpp"] = measure("llama.cpp", cmd, {"logit_bias": {str(eos): -100}}, phases, args.phase_deadline,
+            data["servers"]["llama.cpp"] = measure("llama.cpp", cmd, {"logit_bias": {str(t): -100 for t in special}}, phases, args.phase_deadline,
                                                    kv_metrics=False)
         except RuntimeError as exc:
             data["servers"]["llama.cpp"] = {"not_measured": f"the server failed: {exc}"}
