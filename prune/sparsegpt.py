@@ -52,16 +52,16 @@ def sparsegpt_prune_weight(
     wt = weight.detach().float().T.contiguous()  # [in, out]: a column of W is a contiguous row
     wt[dead] = 0.0
     keep_t = torch.ones(n, out_f, dtype=torch.bool, device=wt.device)
-    with column_loop_threads(wt):
-        for i1 in range(0, n, block_size):
-            i2 = min(i1 + block_size, n)
-            w1 = wt[i1:i2]  # view, updated in place
-            k1 = keep_t[i1:i2]
-            u1 = u[i1:i2, i1:i2]
-            err1 = torch.zeros(i2 - i1, out_f, device=wt.device)
-            if sparsity is not None:  # each row's share of this block, so the totals come out exact
-                k = pruned_per_row(i2, sparsity) - pruned_per_row(i1, sparsity)
-                _drop_lowest(w1, d[i1:i2], k, k1)
+    for i1 in range(0, n, block_size):
+        i2 = min(i1 + block_size, n)
+        w1 = wt[i1:i2]  # view, updated in place
+        k1 = keep_t[i1:i2]
+        u1 = u[i1:i2, i1:i2]
+        err1 = torch.zeros(i2 - i1, out_f, device=wt.device)
+        if sparsity is not None:  # each row's share of this block, so the totals come out exact
+            k = pruned_per_row(i2, sparsity) - pruned_per_row(i1, sparsity)
+            _drop_lowest(w1, d[i1:i2], k, k1)
+        with column_loop_threads(wt, (i2 - i1) * out_f):
             for i in range(i2 - i1):
                 if pattern is not None and i % pattern.m == 0:
                     _drop_lowest(w1[i : i + pattern.m], d[i1 + i : i1 + i + pattern.m], pattern.m - pattern.n, k1[i : i + pattern.m])
@@ -70,8 +70,8 @@ def sparsegpt_prune_weight(
                 w1[i:].addr_(u1[i, i:], e, alpha=-1.0)
                 w1[i] = q  # exact zeros (the update leaves rounding residue)
                 err1[i] = e
-            if i2 < n:
-                wt[i2:].addmm_(u[i1:i2, i2:].T, err1, alpha=-1.0)
+        if i2 < n:
+            wt[i2:].addmm_(u[i1:i2, i2:].T, err1, alpha=-1.0)
 
     keep = keep_t.T.contiguous()
     return (wt.T * keep).to(weight.dtype).contiguous(), keep

@@ -465,7 +465,8 @@ def _gptq_layer(
         weight, device = [w], w.device
         del w
         try:
-            with column_loop_threads(device):  # the range search is latency-bound too (12 s -> 0.9 s on the loaded machine)
+            # the range search and factorization of a small Linear are latency-bound too (12 s -> 0.9 s on a loaded machine)
+            with column_loop_threads(device, weight[0].numel()):
                 qw = gptq_quantize_weight(
                     weight.pop(), hessian.pop(), scheme, gs, block_size=opts.block_size, damp=opts.damp,
                     act_order=opts.act_order, clip=opts.clip_search, mask=mask, hessian_owned=True, weight_owned=stacked,

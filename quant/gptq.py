@@ -20,16 +20,22 @@ from llmopt.formats.schemes import (
 )
 
 
-@contextmanager
-def column_loop_threads(t: torch.Tensor | torch.device) -> Iterator[None]:
-    """One CPU thread for the column-by-column loops of GPTQ / SparseGPT (on CPU tensors, or
-    given their device: a tensor passed here stays referenced until the block ends).
+SMALL_STEP = 1 << 21  # elements a step touches below which its ops are latency-bound: one thread
 
-    Each step is a few small vector ops; with several threads every op waits for all of them,
-    which on a loaded machine costs milliseconds per op (two of the demo model's GPTQ solves:
-    48.7 s with 2 threads, 1.8 s with 1, on a shared 2-core machine).
+
+@contextmanager
+def column_loop_threads(t: torch.Tensor | torch.device, work: int = 0) -> Iterator[None]:
+    """One CPU thread for the small steps of GPTQ / SparseGPT (on CPU tensors, or given their
+    device: a tensor passed here stays referenced until the block ends), when each step touches
+    fewer than ``SMALL_STEP`` elements (``work``; 0: always).
+
+    Each column step is a few small vector ops; with several threads every op waits for all of
+    them, which on a loaded machine costs milliseconds per op (two of the demo model's GPTQ
+    solves: 48.7 s with 2 threads, 1.8 s with 1, on a shared 2-core machine). Large models'
+    steps (a 7B's [128, 28672] row updates) and the factorizations and block updates outside
+    these blocks keep every thread.
     """
-    if (t if isinstance(t, torch.device) else t.device).type != "cpu":
+    if (t if isinstance(t, torch.device) else t.device).type != "cpu" or work >= SMALL_STEP:
         yield
         return
     before = torch.get_num_threads()
@@ -188,12 +194,12 @@ def gptq_quantize_weight(
     zp_t = None if zp is None else zp.T.float().contiguous()
     inv_d = 1.0 / u.diagonal()
 
-    with column_loop_threads(wt):
-        for i1 in range(0, n, block_size):
-            i2 = min(i1 + block_size, n)
-            w1 = wt[i1:i2]  # view, updated in place
-            err1 = torch.zeros(i2 - i1, out_f, device=device)
-            u1 = u[i1:i2, i1:i2]
+    for i1 in range(0, n, block_size):
+        i2 = min(i1 + block_size, n)
+        w1 = wt[i1:i2]  # view, updated in place
+        err1 = torch.zeros(i2 - i1, out_f, device=device)
+        u1 = u[i1:i2, i1:i2]
+        with column_loop_threads(wt, (i2 - i1) * out_f):
             for i in range(i2 - i1):
                 col = i1 + i
                 g = int(col_group[col])
@@ -216,8 +222,8 @@ def gptq_quantize_weight(
                 w1[i:].addr_(u1[i, i:], e, alpha=-1.0)
                 err1[i] = e
                 codes_t[col] = code
-            if i2 < n:
-                wt[i2:].addmm_(u[i1:i2, i2:].T, err1, alpha=-1.0)
+        if i2 < n:
+            wt[i2:].addmm_(u[i1:i2, i2:].T, err1, alpha=-1.0)
 
     codes = codes_t.T
     if perm is not None:

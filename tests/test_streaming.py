@@ -208,7 +208,7 @@ def test_gptq_codes_do_not_depend_on_thread_count():
     torch.set_num_threads(2)
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(gptq, "column_loop_threads", lambda t: contextlib.nullcontext())
+            mp.setattr(gptq, "column_loop_threads", lambda t, work=0: contextlib.nullcontext())
             two = gptq.gptq_quantize_weight(w, h, scheme, 32, act_order=True, clip=True)
     finally:
         torch.set_num_threads(before)
