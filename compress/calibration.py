@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.lockstep import Lockstep, current_context
+from llmopt.core.lockstep import Lockstep, current_context
 
 RunLayer = Callable[..., None]
 LayerFn = Callable[[int, nn.Module, RunLayer], None]
@@ -473,7 +473,7 @@ def run_sequential(
     Afterwards the (compressed) layer is re-run to produce the next layer's inputs, unless
     ``run_layer(keep_outputs=True)`` kept the outputs of a run (one that compressed the layer
     as it went: with ``lockstep=Lockstep()`` the batches run as threads taking turns, so a hook
-    can wait for all of them, see :mod:`llmopt.lockstep`). ``run_layer(batches=k)`` runs the
+    can wait for all of them, see :mod:`llmopt.core.lockstep`). ``run_layer(batches=k)`` runs the
     first ``k`` batches only.
     ``progress`` is an optional ``rich.progress.Progress`` to add a task to; otherwise a
     transient bar is shown unless ``show_progress`` is False. ``compute_dtype`` (e.g.

@@ -31,7 +31,7 @@ from torch import nn
 
 from llmopt.checkpoints.moe import is_expert, is_router, unfuse_experts
 from llmopt.core.errors import NumericalError
-from llmopt.lockstep import Lockstep
+from llmopt.core.lockstep import Lockstep
 from llmopt.quant.awq import AwqMappingResult, awq_apply_layer, awq_clip_layer
 from llmopt.formats.schemes import (
     GROUPED_SCHEMES,
@@ -377,7 +377,7 @@ def _gptq_one_pass(layer: nn.Module, prefix: str, mods: dict[str, nn.Linear], ru
                    hessian_dtype: torch.dtype, input_groups: dict) -> bool:
     """GPTQ of one decoder layer in a single calibration pass, in true sequential order.
 
-    The batches run in lockstep (:mod:`llmopt.lockstep`): at the first Linear of each group
+    The batches run in lockstep (:mod:`llmopt.core.lockstep`): at the first Linear of each group
     sharing an input (q/k/v, gate/up, …) every batch waits until all have added that input to
     the group's Hessian; the group is then solved and the forward goes on with its quantized
     weights. So each Linear is calibrated on inputs that come from the already-quantized

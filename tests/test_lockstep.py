@@ -9,7 +9,7 @@ import pytest
 import torch
 from llmopt.calibration import LinearStats, linear_modules, run_sequential
 from llmopt.formats.schemes import get_scheme
-from llmopt.lockstep import Lockstep
+from llmopt.core.lockstep import Lockstep
 from llmopt.quant.apply import quantize_model
 from llmopt.quant.gptq import gptq_quantize_weight, split_rows
 from test_quant_algorithms import calib_ids, logits, tiny_model
