@@ -210,7 +210,7 @@ def main() -> None:
     plain = LLMEngine(args.model, **common)
     tok = plain.tokenizer
     result = {"model": args.model, "draft": args.draft, "threads": args.threads, "rounds": args.rounds,
-              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "machine": platform.processor() or platform.machine(), "cpu": cpu_name(), "torch": torch.__version__,
               "spec_tokens": args.spec_tokens, "load_average_before": load_before, "targets": TARGETS}
 
     ngram = LLMEngine(args.model, **common, speculative_config={"method": "ngram", "num_speculative_tokens": args.spec_tokens})
@@ -244,12 +244,29 @@ def main() -> None:
         result["serving"] = measure_serving(serving_engines(args, common, plain, ngram), args.requests, rounds, 0)
         result["serving_run"] = {"requests": args.requests, "rounds": rounds, "seconds": time.time() - started_serving,
                                  "load_average_before": load_serving, "load_average_after": [round(x, 2) for x in os.getloadavg()]}
+    previous = args.out / "speculative.json"
+    if not args.draft and previous.is_file():  # keep the draft rows of the last run that had a draft
+        old = json.loads(previous.read_text())
+        if "draft_model" in old:
+            for key in ("draft", "draft_model", "draft_explanation"):
+                if key in old:
+                    result[key] = old[key]
+            result["draft_from_earlier_run"] = old.get("draft_from_earlier_run") or {
+                key: old.get(key) for key in ("machine", "spec_tokens", "load_average_before", "torch")}
     result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     result["seconds"] = time.time() - started
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "speculative.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "speculative.md").write_text(render(result))
     print(render(result))
+
+
+def cpu_name() -> str:
+    info = Path("/proc/cpuinfo")
+    for line in info.read_text().splitlines() if info.is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
 
 
 def serving_engines(args, common: dict, plain, ngram=None) -> dict:
@@ -280,9 +297,9 @@ def parameter_count(engine) -> int:
 
 def render(r: dict) -> str:
     lines = ["# Speculative decoding on the demo model", "",
-             f"{r['threads']} threads, {r['machine']}, torch {r['torch']}, k ≤ {r['spec_tokens']}, {r['rounds']} interleaved rounds "
-             f"in one process; load average before {r['load_average_before']}, after {r['load_average_after']} "
-             f"(a shared 2-core machine: other engineers' jobs ran alongside). Decode tok/s = 1 / TPOT per request, median.",
+             f"{r['threads']} threads, {r.get('cpu', r['machine'])}, torch {r['torch']}, k ≤ {r['spec_tokens']}, {r['rounds']} interleaved rounds "
+             f"in one process; load average before {r['load_average_before']}, after {r['load_average_after']}. "
+             f"Decode tok/s = 1 / TPOT per request, median.",
              "", "| workload | configuration | decode tok/s | per round | vs plain | acceptance | tokens per verify | draft s | verify s | greedy identical |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for key, title in (("prompt_lookup", "rewrite / summarize (held-out Gutenberg)"), ("draft_model", "chat, draft model")):
@@ -308,6 +325,10 @@ def render(r: dict) -> str:
                      f"{'met' if s >= TARGETS['ngram_speedup'] else 'missed'}.")
     dm = r.get("draft_model")
     if dm:
+        earlier = r.get("draft_from_earlier_run")
+        if earlier:
+            lines.append(f"- The draft rows come from an earlier run of this script ({earlier['machine']}, k ≤ {earlier['spec_tokens']}, "
+                         f"load average before {earlier['load_average_before']}): this run had no `--draft` checkpoint.")
         lines += render_draft(r, dm)
     sv = r.get("serving")
     if sv:
