@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
+from llmopt.checkpoints.estimate import IN_PLACE_FACTOR_MIN
 from llmopt.core.errors import NumericalError
 from llmopt.formats.schemes import (
     FP8_MAX,
@@ -60,6 +62,10 @@ def _inverse_hessian_factor(h: torch.Tensor, damp: float, *, consume: bool = Fal
     result to the bit.
     """
     mean_diag = h.diagonal().mean().item()
+    if consume and h.dtype == torch.float64 and h.is_contiguous() and h.device.type == "cpu" and h.shape[0] >= IN_PLACE_FACTOR_MIN:
+        factor = _factor_in_place(h, damp, mean_diag, dtype or torch.float64)
+        if factor is not None:
+            return factor
     if consume and h.dtype == torch.float64 and h.is_contiguous():
         work = h
         work.copy_(h.flip(0, 1))  # JHJ in place (one [n, n] temporary while copied)
@@ -83,6 +89,67 @@ def _inverse_hessian_factor(h: torch.Tensor, damp: float, *, consume: bool = Fal
         del k
     raise NumericalError("the calibration Hessian is not positive definite even with dampening raised 100,000-fold",
                          "raise --damp (e.g. 0.1), use more calibration samples, or check the inputs for NaN / inf")
+
+
+def _factor_in_place(work: torch.Tensor, damp: float, mean_diag: float, dtype: torch.dtype) -> torch.Tensor | None:
+    """:func:`_inverse_hessian_factor` for a large consumed float64 Hessian, with one [n, n]
+    float64 matrix instead of two: LAPACK factors it (``potrf``) and inverts the factor
+    (``trtri``) in place, and the reversed factor is copied out in blocks of rows. Peak: the
+    Hessian plus the returned factor (12 n² bytes for float32 instead of 16 n²). Not the same
+    to the bit as the torch path (another LAPACK), so only from ``IN_PLACE_FACTOR_MIN`` on;
+    None when scipy's LAPACK is missing or would copy."""
+    try:
+        from scipy.linalg.lapack import dpotrf, dtrtri
+    except ImportError:
+        return None
+    n = work.shape[0]
+    work.copy_(work.flip(0, 1)) if n < 2 else _reverse_in_place(work)  # JHJ
+    a = work.numpy().T  # Fortran order: LAPACK writes the lower triangle of `a`, the upper of `work`
+    diag = work.diagonal().clone()
+    for attempt in range(6):
+        if attempt:  # potrf overwrote the upper triangle: rebuild it from the untouched lower one
+            _mirror_lower(work)
+        work.diagonal().copy_(diag).add_(damp * (10**attempt) * mean_diag)
+        c, info = dpotrf(a, lower=1, clean=0, overwrite_a=1)
+        if not np.shares_memory(c, a):
+            return None
+        if info == 0:
+            break
+    else:
+        raise NumericalError("the calibration Hessian is not positive definite even with dampening raised 100,000-fold",
+                             "raise --damp (e.g. 0.1), use more calibration samples, or check the inputs for NaN / inf")
+    c, info = dtrtri(a, lower=1, overwrite_c=1)
+    if info != 0 or not np.shares_memory(c, a):
+        raise NumericalError("the Cholesky factor of the calibration Hessian could not be inverted", "raise --damp (e.g. 0.1)")
+    work.triu_()  # K⁻¹ is the lower triangle of `a` = work.T; clear the rest
+    k_inv = work.T
+    out = torch.empty(n, n, dtype=dtype)
+    rows = max(1, (1 << 22) // n)
+    for r0 in range(0, n, rows):  # out = J K⁻¹ J, a block of rows at a time
+        r1 = min(n, r0 + rows)
+        out[r0:r1] = k_inv[n - r1 : n - r0].flip(0, 1)
+    return out
+
+
+def _reverse_in_place(m: torch.Tensor) -> None:
+    """``m ← J m J`` (rows and columns reversed) with a temporary of two rows at a time."""
+    n = m.shape[0]
+    for i in range(n // 2):
+        top, bottom = m[i].flip(0).clone(), m[n - 1 - i].flip(0).clone()
+        m[i], m[n - 1 - i] = bottom, top
+    if n % 2:
+        m[n // 2] = m[n // 2].flip(0).clone()
+
+
+def _mirror_lower(m: torch.Tensor) -> None:
+    """Copy the strict lower triangle of ``m`` onto its upper one, a block of rows at a time."""
+    n = m.shape[0]
+    rows = max(1, (1 << 22) // n)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        block = m[r0:r1]
+        cols = torch.arange(n).unsqueeze(0) > torch.arange(r0, r1).unsqueeze(1)  # strictly above the diagonal
+        block[cols] = m[:, r0:r1].T[cols]
 
 
 QPARAM_BLOCK = 1 << 24  # weight entries per qparams call: the range search holds a few float32 copies of it

@@ -151,6 +151,28 @@ def test_inverse_factor_matches_the_textbook_formula():
         assert torch.equal(factor, expected.float())
 
 
+def test_in_place_factor_of_large_hessians_matches_the_torch_path(monkeypatch):
+    """Large consumed Hessians are factored in place through LAPACK (one float64 matrix instead
+    of two): the same factor within float64 rounding, dampening retries included."""
+    import llmopt.quant.gptq as gptq
+
+    gen = torch.Generator().manual_seed(1)
+    for rows, damp in ((512, 0.01), (20, 1e-6), (96, 0.01)):  # full rank; rank-deficient (retries); odd size
+        n = 97 if rows == 96 else 96
+        x = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+        h = 2 * x.T @ x / rows
+        expected = gptq._inverse_hessian_factor(h.clone(), damp, consume=True, dtype=torch.float32)
+        monkeypatch.setattr(gptq, "IN_PLACE_FACTOR_MIN", 64)
+        work = h.clone()
+        factor = gptq._factor_in_place(work, damp, h.diagonal().mean().item(), torch.float32)
+        via_entry = gptq._inverse_hessian_factor(h.clone(), damp, consume=True, dtype=torch.float32)
+        monkeypatch.undo()
+        assert factor is not None and factor.shape == expected.shape == (n, n) and factor.dtype == torch.float32
+        assert torch.equal(via_entry, factor)
+        assert torch.allclose(factor, expected, rtol=1e-4, atol=1e-6 * expected.abs().max().item())
+        assert torch.equal(factor.tril(-1), torch.zeros_like(factor))  # upper triangular, as the torch path
+
+
 def test_gptq_blocks_of_rows_and_owned_inputs_change_nothing(monkeypatch):
     """qparams over blocks of rows, and a Hessian / weight handed over (modified in place), give
     the codes of the plain call; batches summed into the Hessian in blocks of rows give the same

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from llmopt.core.errors import LlmoptError
 
 HESSIAN_METHODS = ("gptq", "sparsegpt", "awq", "clip")
+IN_PLACE_FACTOR_MIN = 4096  # Hessians this wide are factored in place (llmopt.quant.gptq._factor_in_place)
 GIB = 1024**3
 
 
@@ -130,7 +131,8 @@ def _gptq_workspace(n: int, rows: int) -> int:
     column loop (float32 factor; weights, codes and mask transposed)."""
     w = 4 * n * rows
     search = 4 * 6 * min(n * rows, 1 << 24)
-    return max(16 * n * n + w, 8 * n * n + 2 * w + search, 4 * n * n + 3 * w)
+    factor = 12 * n * n if n >= IN_PLACE_FACTOR_MIN else 16 * n * n  # Hessian + factor (+ its float32 copy)
+    return max(factor + w, 8 * n * n + 2 * w + search, 4 * n * n + 3 * w)
 
 
 def available_bytes(device: str = "cpu") -> int:
