@@ -152,6 +152,32 @@ def _mirror_lower(m: torch.Tensor) -> None:
         block[cols] = m[:, r0:r1].T[cols]
 
 
+def permute_symmetric_(h: torch.Tensor, perm: torch.Tensor) -> None:
+    """``h ← h[perm][:, perm]`` in place, with temporaries of a block of rows (the columns) and
+    one row (the rows, moved along the permutation's cycles) instead of a copy of ``h``."""
+    n = h.shape[0]
+    rows = max(1, (1 << 22) // max(1, n))
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        h[r0:r1] = h[r0:r1].index_select(1, perm)
+    order = perm.tolist()
+    done = [False] * n
+    for start in range(n):
+        if done[start] or order[start] == start:
+            done[start] = True
+            continue
+        first = h[start].clone()
+        j = start
+        while True:  # row j takes row order[j]
+            done[j] = True
+            k = order[j]
+            if k == start:
+                h[j] = first
+                break
+            h[j] = h[k]
+            j = k
+
+
 QPARAM_BLOCK = 1 << 24  # weight entries per qparams call: the range search holds a few float32 copies of it
 
 
@@ -245,9 +271,7 @@ def gptq_quantize_weight(
     del w
     if perm is not None:
         wt = wt[perm]
-        rows = h.index_select(0, perm)
-        torch.index_select(rows, 1, perm, out=h)  # h[perm][:, perm], in place
-        del rows
+        permute_symmetric_(h, perm)  # h[perm][:, perm], in place
         keep = None if keep is None else keep[:, perm]
     col_group = (perm if perm is not None else torch.arange(n, device=device)) // gs
 

@@ -151,6 +151,18 @@ def test_inverse_factor_matches_the_textbook_formula():
         assert torch.equal(factor, expected.float())
 
 
+def test_symmetric_permutation_in_place_equals_indexing():
+    from llmopt.quant.gptq import permute_symmetric_
+
+    gen = torch.Generator().manual_seed(2)
+    for n in (1, 7, 130):
+        h = torch.randn(n, n, generator=gen, dtype=torch.float64)
+        perm = torch.randperm(n, generator=gen)
+        expected = h[perm][:, perm]
+        permute_symmetric_(h, perm)
+        assert h.shape == expected.shape and torch.equal(h, expected)
+
+
 def test_in_place_factor_of_large_hessians_matches_the_torch_path(monkeypatch):
     """Large consumed Hessians are factored in place through LAPACK (one float64 matrix instead
     of two): the same factor within float64 rounding, dampening retries included."""
