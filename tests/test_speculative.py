@@ -269,3 +269,35 @@ def test_a_checkpoints_saved_runtime_settings_turn_speculation_on(models, tmp_pa
     engine = LLMEngine(path, block_size=4)
     assert engine.spec is not None and engine.spec.config.num_speculative_tokens == 2
     assert LLMEngine(path, block_size=4, speculative_config=None).spec is None
+
+
+def _run_adaptive(ak: "adaptive.AdaptiveK", seq, steps: int, accepts) -> list[int]:
+    """k chosen at each of ``steps`` steps for one sequence whose proposals ``accepts(k)`` accepts."""
+    ks = []
+    for _ in range(steps):
+        k = ak.choose(seq, 1)
+        ks.append(k)
+        if k:
+            ak.observe_acceptance(seq, k, accepts(k))
+    return ks
+
+
+def test_adaptive_k_gives_up_on_a_draft_that_never_agrees_and_returns_when_it_does():
+    class Seq:
+        spec_state = None
+
+    ak = adaptive.AdaptiveK(4)
+    for rows in (1, 2, 3, 5) * 10:
+        ak.observe_step(rows, 0.010 + 0.001 * rows)
+    ak.observe_draft(10, 0.001)  # a cheap draft: k = 4 pays at the prior acceptance
+    seq = Seq()
+    ks = _run_adaptive(ak, seq, 1000, lambda k: 0)
+    assert len(ks) == 1000
+    assert ks[0] == 4 and ks[1] < 4  # one rejected round already lowers k
+    probes = [i for i, k in enumerate(ks) if k]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[-1] == adaptive.PROBE_MAX and all(g <= adaptive.PROBE_MAX for g in gaps)
+    assert sorted(gaps) == gaps and gaps.count(adaptive.PROBE_MAX) >= 10  # the waits only grow, to the cap
+    assert sum(ks) <= 4 + 3 + 4 + 1000 // adaptive.PROBE_MAX  # the first rounds, then one token per PROBE_MAX steps
+    ks = _run_adaptive(ak, seq, 200, lambda k: k)  # the text turns copyable: every proposal accepted
+    assert ks.index(1) <= adaptive.PROBE_MAX and ks[-1] == 4

@@ -1,12 +1,14 @@
 """Adaptive number of proposed tokens per sequence.
 
 A sequence proposing k tokens, each accepted with probability r (the sequence's measured
-acceptance, a moving average), gains ``1 + r + r^2 + … + r^k`` tokens per step. The step costs
+acceptance: accepted over proposed tokens, both exponentially decayed, starting from a prior worth
+``PRIOR_WEIGHT`` proposals that decays with them, so a few rejections already move it), gains ``1 + r + r^2 + … + r^k`` tokens per step. The step costs
 the target forward of its ``1 + k`` rows plus k draft tokens; the target's step time is fitted
 online as ``a + b * rows`` (decode steps only, exponentially weighted), the draft's cost per
 proposed token is measured. k maximises tokens per second; k = 0 (plain decoding) when nothing
-beats it. A sequence at k = 0 tries one proposal again every ``PROBE_EVERY`` steps so a change
-in its text (a quoted passage begins) is noticed.
+beats it. A sequence at k = 0 tries one proposal again after ``PROBE_EVERY`` steps so a change
+in its text (a quoted passage begins) is noticed; each probe that is rejected doubles the wait (up
+to ``PROBE_MAX``), one that is accepted resets it, so a draft that never agrees costs almost nothing.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from dataclasses import dataclass
 DECAY = 0.97  # weight of the past in the running fits
 PRIOR_SLOPE = 0.1  # b / a assumed until the step times vary enough in rows to fit it
 PRIOR_RATE = 0.7  # a new sequence's assumed acceptance
-RATE_DECAY = 0.8
+PRIOR_WEIGHT = 2.0  # ... worth this many proposed tokens
+RATE_DECAY = 0.8  # weight of the past acceptance counts at each verification
 PROBE_EVERY = 16
+PROBE_MAX = 64
 MIN_GAIN = 1.02  # speculate only when the estimate beats plain decoding by this much
 
 
@@ -25,10 +29,18 @@ MIN_GAIN = 1.02  # speculate only when the estimate beats plain decoding by this
 class SeqSpecState:
     """One sequence's acceptance record."""
 
-    rate: float = PRIOR_RATE
     proposed: int = 0
     accepted: int = 0
+    recent_proposed: float = PRIOR_WEIGHT  # decayed counts behind ``rate``, the prior included
+    recent_accepted: float = PRIOR_WEIGHT * PRIOR_RATE
     idle_steps: int = 0
+    probe_every: int = PROBE_EVERY
+    probing: bool = False  # the pending proposal is a probe
+
+    @property
+    def rate(self) -> float:
+        """Estimated probability that a proposed token is accepted."""
+        return self.recent_accepted / self.recent_proposed
 
 
 class StepCostModel:
@@ -82,8 +94,9 @@ class AdaptiveK:
         k = self.best_k(st.rate, batch)
         if k == 0:
             st.idle_steps += 1
-            if st.idle_steps >= PROBE_EVERY:
+            if st.idle_steps >= st.probe_every:
                 st.idle_steps = 0
+                st.probing = True
                 return 1
         else:
             st.idle_steps = 0
@@ -112,7 +125,11 @@ class AdaptiveK:
         st = self.state(seq)
         st.proposed += proposed
         st.accepted += accepted
-        st.rate = RATE_DECAY * st.rate + (1 - RATE_DECAY) * (accepted / proposed)
+        st.recent_proposed = RATE_DECAY * st.recent_proposed + proposed
+        st.recent_accepted = RATE_DECAY * st.recent_accepted + accepted
+        if st.probing:
+            st.probing = False
+            st.probe_every = PROBE_EVERY if accepted else min(2 * st.probe_every, PROBE_MAX)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.target.add(rows, seconds)
