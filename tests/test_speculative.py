@@ -299,5 +299,7 @@ def test_adaptive_k_gives_up_on_a_draft_that_never_agrees_and_returns_when_it_do
     assert gaps[-1] == adaptive.PROBE_MAX and all(g <= adaptive.PROBE_MAX for g in gaps)
     assert sorted(gaps) == gaps and gaps.count(adaptive.PROBE_MAX) >= 10  # the waits only grow, to the cap
     assert sum(ks) <= 4 + 3 + 4 + 1000 // adaptive.PROBE_MAX  # the first rounds, then one token per PROBE_MAX steps
+    later = Seq()  # a new request starts from the engine's recent acceptance, not the fixed prior
+    assert ak.state(later).rate < 0.1 and _run_adaptive(ak, later, 1, lambda k: 0) == [0]
     ks = _run_adaptive(ak, seq, 200, lambda k: k)  # the text turns copyable: every proposal accepted
     assert ks.index(1) <= adaptive.PROBE_MAX and ks[-1] == 4

@@ -2,7 +2,8 @@
 
 A sequence proposing k tokens, each accepted with probability r (the sequence's measured
 acceptance: accepted over proposed tokens, both exponentially decayed, starting from a prior worth
-``PRIOR_WEIGHT`` proposals that decays with them, so a few rejections already move it), gains ``1 + r + r^2 + … + r^k`` tokens per step. The step costs
+``PRIOR_WEIGHT`` proposals that decays with them, so a few rejections already move it; the prior is
+the acceptance of the engine's recent sequences, ``PRIOR_RATE`` before any), gains ``1 + r + r^2 + … + r^k`` tokens per step. The step costs
 the target forward of its ``1 + k`` rows plus k draft tokens; the target's step time is fitted
 online as ``a + b * rows`` (decode steps only, exponentially weighted), the draft's cost per
 proposed token is measured. k maximises tokens per second; k = 0 (plain decoding) when nothing
@@ -80,10 +81,12 @@ class AdaptiveK:
         self.enabled = enabled
         self.target = StepCostModel()
         self.draft_s0 = self.draft_sy = 0.0  # seconds per proposed token, weighted
+        self.seen_proposed = self.seen_accepted = 0.0  # all sequences' counts, decayed: new ones' prior
 
     def state(self, seq) -> SeqSpecState:
         if seq.spec_state is None:
-            seq.spec_state = SeqSpecState()
+            prior = (self.seen_accepted + PRIOR_RATE * PRIOR_WEIGHT) / (self.seen_proposed + PRIOR_WEIGHT)
+            seq.spec_state = SeqSpecState(recent_accepted=PRIOR_WEIGHT * prior)
         return seq.spec_state
 
     def choose(self, seq, batch: int) -> int:
@@ -127,6 +130,8 @@ class AdaptiveK:
         st.accepted += accepted
         st.recent_proposed = RATE_DECAY * st.recent_proposed + proposed
         st.recent_accepted = RATE_DECAY * st.recent_accepted + accepted
+        self.seen_proposed = DECAY * self.seen_proposed + proposed
+        self.seen_accepted = DECAY * self.seen_accepted + accepted
         if st.probing:
             st.probing = False
             st.probe_every = PROBE_EVERY if accepted else min(2 * st.probe_every, PROBE_MAX)
