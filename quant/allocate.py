@@ -6,6 +6,11 @@ bits-per-weight budget is spent (``target_bpw``) or the summed cost is at most `
 Bits are counted as stored in the checkpoint (codes + 16-bit scales) or, with ``size="gguf"``, as
 the ``--type auto`` GGUF file stores them (the block type carrying each format's codes).
 On convex hulls this greedy is the optimum of the continuous relaxation of the knapsack.
+
+With ``seconds`` (each format's measured decode time per weight in the runtime,
+:mod:`llmopt.runtime.format_speed`) the resource spent is decode time instead of bits: the
+fastest plan whose summed cost is at most ``target_kld`` (an embedding lookup reads one row a
+token, so embedding formats cost no time).
 """
 
 from __future__ import annotations
@@ -23,15 +28,32 @@ class Plan:
     predicted_kld: float
     target: dict
     size: str = "checkpoint"
+    objective: str = "size"
+    decode_ms: float | None = None  # predicted weight time of one decode step (objective speed)
 
     def to_dict(self) -> dict:
-        return {"version": 1, "target": self.target, "size": self.size, "bpw": round(self.bpw, 4),
-                "predicted_kld": self.predicted_kld, "formats": self.formats}
+        record = {"version": 1, "target": self.target, "size": self.size, "objective": self.objective,
+                  "bpw": round(self.bpw, 4), "predicted_kld": self.predicted_kld, "formats": self.formats}
+        if self.decode_ms is not None:
+            record["predicted_decode_ms"] = round(self.decode_ms, 4)
+        return record
 
 
-def _hull(t: TensorCost, size: str = "checkpoint") -> list[str]:
-    """Formats on the lower convex hull of (bits, cost), by increasing bits."""
-    bits = t.sized(size)
+def _spent(t: TensorCost, size: str, seconds: dict[str, float] | None) -> dict[str, float]:
+    """What each format of ``t`` spends per weight: bits counted as ``size``, or decode seconds."""
+    if seconds is None:
+        return t.sized(size)
+    return {f: 0.0 if t.kind == "embedding" else seconds[f] for f in t.costs}
+
+
+def decode_seconds(sens: Sensitivity, formats: dict[str, str], seconds: dict[str, float]) -> float:
+    """Predicted seconds one decode step spends reading the quantizable tensors."""
+    return sum(_spent(t, "checkpoint", seconds)[formats[t.name]] * t.numel for t in sens.tensors)
+
+
+def _hull(t: TensorCost, size: str = "checkpoint", seconds: dict[str, float] | None = None) -> list[str]:
+    """Formats on the lower convex hull of (bits or seconds, cost), by increasing bits or seconds."""
+    bits = _spent(t, size, seconds)
     pts = sorted(t.costs, key=lambda f: (bits[f], t.costs[f]))
     hull: list[str] = []
     for f in pts:
@@ -60,13 +82,19 @@ def _other_params(sens: Sensitivity) -> int:
 
 
 def allocate(sens: Sensitivity, target_bpw: float | None = None, target_kld: float | None = None,
-             size: str = "checkpoint") -> Plan:
-    """The plan for one budget (exactly one of ``target_bpw`` / ``target_kld``), bits counted as ``size``."""
+             size: str = "checkpoint", seconds: dict[str, float] | None = None) -> Plan:
+    """The plan for one budget (exactly one of ``target_bpw`` / ``target_kld``), bits counted as
+    ``size``; with ``seconds`` (format → decode seconds per weight) the fastest plan within ``target_kld``."""
     if (target_bpw is None) == (target_kld is None):
         raise ValueError("give exactly one of target_bpw and target_kld")
+    if seconds is not None and target_kld is None:
+        raise ValueError("the speed objective needs a KLD target (a bits budget is a size objective)")
     if size == "gguf" and any(not t.gguf for t in sens.tensors):
         raise ValueError("these sensitivities have no GGUF sizes: measure them again")
-    hulls = {t.name: _hull(t, size) for t in sens.tensors}
+    missing = sorted({f for t in sens.tensors for f in t.costs} - set(seconds)) if seconds is not None else []
+    if missing:
+        raise ValueError(f"no decode time measured for {', '.join(missing)}")
+    hulls = {t.name: _hull(t, size, seconds) for t in sens.tensors}
     by_name = {t.name: t for t in sens.tensors}
     level = {n: 0 for n in hulls}
     formats = {n: h[0] for n, h in hulls.items()}
@@ -82,9 +110,10 @@ def allocate(sens: Sensitivity, target_bpw: float | None = None, target_kld: flo
         if i + 1 >= len(h):
             return None
         t = by_name[name]
-        dbits = (t.sized(size)[h[i + 1]] - t.sized(size)[h[i]]) * t.numel
+        spent = _spent(t, size, seconds)
+        dspent = (spent[h[i + 1]] - spent[h[i]]) * t.numel
         dcost = t.costs[h[i]] - t.costs[h[i + 1]]
-        return dcost / dbits, dbits, dcost
+        return dcost / dspent if dspent > 0 else float("inf"), dspent, dcost
 
     heap = [(-s[0], name) for name in hulls if (s := step(name))]
     heapq.heapify(heap)
@@ -95,10 +124,10 @@ def allocate(sens: Sensitivity, target_bpw: float | None = None, target_kld: flo
         s = step(name)
         if s is None:
             continue
-        _, dbits, dcost = s
-        if budget is not None and bits + dbits > budget:
+        _, dspent, dcost = s
+        if budget is not None and bits + dspent > budget:
             continue  # does not fit; a cheaper upgrade of another tensor might
-        bits += dbits
+        bits += dspent
         cost -= dcost
         level[name] += 1
         formats[name] = hulls[name][level[name]]
@@ -106,6 +135,9 @@ def allocate(sens: Sensitivity, target_bpw: float | None = None, target_kld: flo
         if nxt:
             heapq.heappush(heap, (-nxt[0], name))
     target = {"bpw": target_bpw} if target_bpw is not None else {"kld": target_kld}
+    if seconds is not None:
+        bpw, _ = totals(sens, formats, size)
+        return Plan(formats, bpw, cost, target, size, "speed", 1e3 * decode_seconds(sens, formats, seconds))
     return Plan(formats, bits / n_weights, cost, target, size)
 
 

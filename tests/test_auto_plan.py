@@ -83,6 +83,73 @@ def test_allocation_is_optimal_on_a_small_case():
     assert plan.predicted_kld <= best * 1.5 + 1e-12
 
 
+SECONDS = {"a": 1.0, "b": 1.0, "c": 2.0, "float": 8.0}  # b: as fast as a at the kernels, more bits
+
+
+def test_speed_objective_spends_decode_time_not_bits():
+    """Under a KLD target the speed plan is the fastest assignment (brute force on a small case),
+    takes b over a where both run at one speed, and an embedding's format costs no time."""
+    import itertools
+
+    from llmopt.quant.allocate import decode_seconds
+
+    sens = _synthetic()
+    sens.tensors = sens.tensors[:6]
+    target = totals(sens, {t.name: "b" for t in sens.tensors})[1] * 0.6
+    plan = allocate(sens, target_kld=target, seconds=SECONDS)
+    assert len(plan.formats) == 6 and plan.objective == "speed" and plan.to_dict()["objective"] == "speed"
+    assert plan.predicted_kld <= target and "a" not in plan.formats.values()
+    assert plan.decode_ms == pytest.approx(1e3 * decode_seconds(sens, plan.formats, SECONDS))
+    names = [t.name for t in sens.tensors]
+    feasible = [dict(zip(names, combo)) for combo in itertools.product(SECONDS, repeat=6)]
+    fastest = min(decode_seconds(sens, f, SECONDS) for f in feasible if totals(sens, f)[1] <= target)
+    step = max(t.numel for t in sens.tensors) * (SECONDS["float"] - SECONDS["c"])
+    assert decode_seconds(sens, plan.formats, SECONDS) <= fastest + step  # greedy: within one upgrade
+    sized = allocate(sens, target_kld=target)
+    assert decode_seconds(sens, plan.formats, SECONDS) <= decode_seconds(sens, sized.formats, SECONDS)
+    sens.tensors[0].kind = "embedding"  # a row lookup a token: the most accurate format is free
+    assert allocate(sens, target_kld=target, seconds=SECONDS).formats["t0"] == "float"
+    with pytest.raises(ValueError, match="needs a KLD target"):
+        allocate(sens, target_bpw=5.0, seconds=SECONDS)
+    with pytest.raises(ValueError, match="no decode time measured for c"):
+        allocate(sens, target_kld=target, seconds={"a": 1.0, "b": 1.0, "float": 8.0})
+
+
+def test_format_speeds_are_measured_once_per_machine(tmp_path, monkeypatch):
+    from llmopt.runtime import format_speed
+
+    monkeypatch.setattr(format_speed, "MIN_BYTES", 1 << 20)
+    cache = tmp_path / "speed.json"
+    formats = {n: format_scheme(n, format_speed.IN_FEATURES) for n in ("int4_g32", "int8", "float")}
+    formats["int4"] = format_scheme("int4", format_speed.IN_FEATURES)  # the head's int4: the same kernel as int4_g32
+    first = format_speeds_with(format_speed, formats, cache)
+    assert sorted(first) == sorted(formats) and all(v > 0 for v in first.values())
+    assert first["int4"] == first["int4_g32"]
+    stored = json.loads(cache.read_text())
+    assert len(stored) == 1 and len(next(iter(stored.values()))) == 3  # one entry per kernel format
+    monkeypatch.setattr(format_speed, "measure_format", lambda *a, **k: pytest.fail("measured again"))
+    assert format_speeds_with(format_speed, formats, cache) == first
+
+
+def format_speeds_with(module, formats, cache):
+    return module.format_speeds(formats, threads=1, cache=cache)
+
+
+def test_auto_speed_objective_end_to_end(tmp_path, calib_text, monkeypatch):
+    from llmopt.runtime import format_speed
+
+    monkeypatch.setattr(format_speed, "MIN_BYTES", 1 << 20)
+    monkeypatch.setenv("LLMOPT_CACHE", str(tmp_path / "cache"))
+    src = save_model(tiny_llama(seed=8), tmp_path / "src")
+    config = QuantizeConfig(model=str(src), output=str(tmp_path / "a"), scheme="AUTO", target_kld=0.05, objective="speed",
+                            calib=str(calib_text), calib_samples=4, calib_seq_len=64)
+    plan = run_quantize(config)["plan"]
+    assert len(plan["formats"]) == 2 * 7 + 1 and plan["objective"] == "speed"
+    assert plan["predicted_kld"] <= 0.05 and plan["predicted_decode_ms"] > 0
+    assert set(plan["decode_seconds_per_weight"]) >= set(plan["formats"].values())
+    assert (tmp_path / "cache" / "format_speed" / "format_speed.json").is_file()
+
+
 def _kld(model, ids, ref_logp) -> float:
     with torch.no_grad():
         logp = torch.log_softmax(model(ids).logits.float(), -1)
@@ -182,6 +249,8 @@ def test_auto_checkpoint_loads_and_plan_is_reused(tmp_path, calib_text):
     (["--scheme", "AUTO", "--target-bpw", "5", "--method", "awq"], "rtn or gptq"),
     (["--scheme", "AUTO", "--target-bpw", "5", "--head", "int8"], "chooses the head"),
     (["--scheme", "AUTO", "--plan", "missing.json"], "does not exist"),
+    (["--scheme", "W4A16", "--objective", "speed"], "only apply to --scheme AUTO"),
+    (["--scheme", "AUTO", "--target-bpw", "5", "--objective", "speed"], "fastest plan under a KLD target"),
 ])
 def test_bad_auto_options(tmp_path, args, message):
     src = save_model(tiny_llama(seed=9), tmp_path / "src")

@@ -28,8 +28,9 @@ def plan_for(config: Any, source: Path, calib: torch.Tensor | None) -> tuple[dic
         model, _ = load_model(source)
         sens = measure_sensitivity(model, calib[: config.sensitivity_samples], seed=config.seed)
         del model
+        seconds = decode_speeds(sens) if config.objective == "speed" else None
         try:
-            plan = allocate(sens, config.target_bpw, config.target_kld, config.size_of)
+            plan = allocate(sens, config.target_bpw, config.target_kld, config.size_of, seconds)
         except ValueError as exc:
             raise LlmoptError(str(exc), "raise the target") from exc
         record = plan.to_dict()
@@ -40,8 +41,22 @@ def plan_for(config: Any, source: Path, calib: torch.Tensor | None) -> tuple[dic
         bpw, _ = totals(sens, plan.formats)
         record["bpw"] = round(bpw, 4)
         record["gguf_bpw"] = round(totals(sens, plan.formats, "gguf")[0], 4)
+        if seconds is not None:
+            record["decode_seconds_per_weight"] = seconds
     _print_table(record)
     return options_from_plan(record), record
+
+
+def decode_speeds(sens) -> dict[str, float]:
+    """Decode seconds per weight of every format the sensitivities name, measured in the runtime
+    (once per machine: cached)."""
+    from llmopt.core.console import notice
+    from llmopt.quant.sensitivity import format_scheme
+    from llmopt.runtime.format_speed import IN_FEATURES, format_speeds
+
+    names = sorted({f for t in sens.tensors for f in t.costs})
+    notice("timing each weight format's decode in the runtime (once per machine; cached)")
+    return format_speeds({name: format_scheme(name, IN_FEATURES) for name in names})
 
 
 def read_plan(path: Path) -> dict:
@@ -91,7 +106,8 @@ def _print_table(record: dict) -> None:
     rows = record.get("table") or []
     target = ", ".join(f"{k} {v}" for k, v in record.get("target", {}).items())
     gguf = f" ({record['gguf_bpw']} in a GGUF file)" if "gguf_bpw" in record else ""
-    err.print(f"plan ({target}): {record.get('bpw')} bits per weight{gguf}, predicted mean KLD {record.get('predicted_kld', 0):.4f}")
+    speed = f", predicted weight time {record['predicted_decode_ms']:.2f} ms a token" if "predicted_decode_ms" in record else ""
+    err.print(f"plan ({target}): {record.get('bpw')} bits per weight{gguf}, predicted mean KLD {record.get('predicted_kld', 0):.4f}{speed}")
     if rows:
         err.print(f"  {'tensor':<14}{'format':<11}{'count':>6}{'weights':>13}{'cost':>10}")
         for r in rows:

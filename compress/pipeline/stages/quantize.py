@@ -47,7 +47,11 @@ class QuantizeConfig:
     embedding: str = option("float", "Token embedding: float, int8 (per row) or int6 / int5 / int4 (groups of 32).",
                             choices=("float", "int8", "int6", "int5", "int4"))
     target_bpw: float | None = option(None, "AUTO: average stored bits per weight (codes and 16-bit scales) to fill.")
-    target_kld: float | None = option(None, "AUTO: predicted mean KL divergence to stay under, with the fewest bits.")
+    target_kld: float | None = option(None, "AUTO: predicted mean KL divergence to stay under, with the fewest bits "
+                                      "(or, with --objective speed, the fastest decode).")
+    objective: str = option("size", "AUTO with --target-kld: spend as few bits as possible (size) or as little decode time "
+                            "as possible, each format's time measured once on this machine in the runtime (speed).",
+                            choices=("size", "speed"))
     size_of: str = option("checkpoint", "AUTO: count bits as stored in the checkpoint (codes + 16-bit scales) or in the "
                           "exported --type auto GGUF file (Q4_0 4.5, Q5_0 5.5, Q8_0 8.5 … bits per weight).",
                           choices=("checkpoint", "gguf"))
@@ -128,6 +132,7 @@ class QuantizeConfig:
         given = [f"--{k.replace('_', '-')}" for k in ("target_bpw", "target_kld", "plan") if getattr(self, k) is not None]
         if not self.is_auto:
             given += ["--size-of"] if self.size_of != "checkpoint" else []
+            given += ["--objective"] if self.objective != "size" else []
             if given:
                 raise LlmoptError(f"{', '.join(given)} only apply to --scheme AUTO", "drop them, or use --scheme AUTO")
             return
@@ -141,6 +146,9 @@ class QuantizeConfig:
                               "drop --head / --embedding / --group-size")
         if (self.target_bpw is not None and self.target_bpw <= 0) or (self.target_kld is not None and self.target_kld <= 0):
             raise LlmoptError("--target-bpw / --target-kld must be positive", "e.g. --target-bpw 4.85")
+        if self.objective == "speed" and self.target_kld is None:
+            raise LlmoptError("--objective speed finds the fastest plan under a KLD target, not under a bits budget or a saved plan",
+                              "give --target-kld (e.g. --target-kld 0.05), or drop --objective")
         if self.plan is not None and self.size_of != "checkpoint":
             raise LlmoptError("--size-of chooses how a new plan counts bits; --plan reuses a plan as it is", "drop --size-of")
         if self.plan is not None and not Path(self.plan).is_file():
