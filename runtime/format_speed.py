@@ -4,7 +4,7 @@ A decode step multiplies one activation row by every weight, so its time per wei
 format costs at decode. For each format one matrix with random codes is built, laid out by the
 backend the engine would choose on the CPU, and multiplied by one row; the matrix holds at least
 ``MIN_BYTES`` so that it streams from memory as a model's weights do, not from the cache. The
-median seconds over its weights is the format's figure. Results are cached per CPU model, thread
+formats take turns over several rounds; the median seconds over its weights is a format's figure. Results are cached per CPU model, thread
 count, torch version and kernel build (``cache_dir("format_speed")``), so a machine measures once
 (delete the file to measure again, e.g. after the first measurement ran on a busy machine).
 """
@@ -58,23 +58,29 @@ def _random_linear(scheme: QuantScheme | None, rows: int, generator: torch.Gener
     return QuantLinear(codes, scale, zero, scheme.group_size, None, scheme.name)
 
 
-def measure_format(scheme: QuantScheme | None, threads: int, min_bytes: int = MIN_BYTES) -> float:
-    """Seconds per weight of one decode-row product in ``scheme`` (None: float32) on the CPU."""
+def _timed_linear(scheme: QuantScheme | None, backend, min_bytes: int):
+    rows = max(256, math.ceil(min_bytes * 8 / (IN_FEATURES * _stored_bits(scheme))))
+    lin = _random_linear(scheme, -(-rows // 64) * 64, torch.Generator().manual_seed(0))
+    backend.prepare_linear(lin)
+    return lin, lin.out_features * IN_FEATURES
+
+
+def measure_formats(schemes: list[QuantScheme | None], threads: int, min_bytes: int | None = None) -> list[float]:
+    """Seconds per weight of one decode-row product in each scheme (None: float32) on the CPU.
+    The formats take turns in ``REPEATS`` rounds, so a change in the machine's load touches all."""
     torch.set_num_threads(threads)
     backend = choose_backend("auto", torch.device("cpu"), torch.float32)
-    rows = max(256, math.ceil(min_bytes * 8 / (IN_FEATURES * _stored_bits(scheme))))
-    rows = -(-rows // 64) * 64
-    lin = _random_linear(scheme, rows, torch.Generator().manual_seed(0))
-    backend.prepare_linear(lin)
+    linears = [_timed_linear(scheme, backend, min_bytes or MIN_BYTES) for scheme in schemes]
     x = torch.randn(1, IN_FEATURES, generator=torch.Generator().manual_seed(1))
-    for _ in range(3):  # warm-up: page the weights in, settle the threads
-        lin(x)
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        lin(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / (rows * IN_FEATURES)
+    times: list[list[float]] = [[] for _ in linears]
+    for round_ in range(REPEATS + 1):
+        for (lin, _), seconds in zip(linears, times):
+            start = time.perf_counter()
+            lin(x)
+            lin(x)
+            if round_:  # the first round pages the weights in
+                seconds.append((time.perf_counter() - start) / 2)
+    return [statistics.median(seconds) / weights for (_, weights), seconds in zip(linears, times)]
 
 
 def signature(scheme: QuantScheme | None) -> str:
@@ -104,10 +110,10 @@ def format_speeds(formats: dict[str, QuantScheme | None], threads: int | None = 
     key = _key(threads)
     known = dict(stored.get(key, {}))
     previous_threads = torch.get_num_threads()
+    todo = {signature(scheme): scheme for scheme in formats.values() if signature(scheme) not in known}
     try:
-        for scheme in formats.values():
-            if signature(scheme) not in known:
-                known[signature(scheme)] = measure_format(scheme, threads)
+        if todo:
+            known.update(zip(todo, measure_formats(list(todo.values()), threads)))
     finally:
         torch.set_num_threads(previous_threads)
     if known != stored.get(key):

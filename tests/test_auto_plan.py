@@ -127,7 +127,7 @@ def test_format_speeds_are_measured_once_per_machine(tmp_path, monkeypatch):
     assert first["int4"] == first["int4_g32"]
     stored = json.loads(cache.read_text())
     assert len(stored) == 1 and len(next(iter(stored.values()))) == 3  # one entry per kernel format
-    monkeypatch.setattr(format_speed, "measure_format", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(format_speed, "measure_formats", lambda *a, **k: pytest.fail("measured again"))
     assert format_speeds_with(format_speed, formats, cache) == first
 
 
