@@ -240,6 +240,36 @@ class LinearStats:
     def abs_max(self, name: str) -> torch.Tensor:
         return self.stats(name).abs_max.clone()
 
+    def has(self, name: str) -> bool:
+        """Whether ``name`` saw calibration inputs (a routed expert may see none)."""
+        return name in self._stats
+
+    def _distinct(self, names: list[str]) -> list[InputStats]:
+        found: list[InputStats] = []
+        for name in names:
+            st = self._stats.get(name)
+            if st is not None and st.n_tokens and all(st is not f for f in found):
+                found.append(st)
+        return found
+
+    def pooled_abs_mean(self, names: list[str]) -> torch.Tensor | None:
+        """Mean |x| per channel over every token any of ``names`` saw (the experts behind one
+        norm each see their routed tokens); None when none saw any."""
+        found = self._distinct(names)
+        if not found:
+            return None
+        return (sum(f.abs_sum for f in found) / sum(f.n_tokens for f in found)).float()
+
+    def pooled_abs_max(self, names: list[str]) -> torch.Tensor | None:
+        """Max |x| per channel over the inputs of ``names``; None when none saw any."""
+        found = self._distinct(names)
+        if not found:
+            return None
+        out = found[0].abs_max.clone()
+        for f in found[1:]:
+            torch.maximum(out, f.abs_max, out=out)
+        return out
+
     def l2_norm(self, name: str) -> torch.Tensor:
         return self.stats(name).sq_sum.sqrt().float()
 

@@ -334,8 +334,8 @@ def _quantize_calibrated(
         with LinearStats(observed, hessian=need_hessian, channel=need_channel,
                          hessian_dtype=hessian_dtype, stop_early=not experts) as stats:
             run_layer()
-        if experts:
-            mods = _starved_experts_rtn(mods, stats, opts, group_sizes, result)
+        starved = _starved_experts(mods, stats) if experts else {}
+        calibrated = {n: m for n, m in mods.items() if n not in starved}
         if use_smooth or use_awq:
             mappings, skipped = layer_mappings(layer, prefix)
             if index == 0:
@@ -343,12 +343,15 @@ def _quantize_calibrated(
             if use_smooth:
                 found = smoothquant_apply_layer(mappings, stats, opts.smooth_alpha)
             else:
-                found = awq_apply_layer(mappings, stats, opts.scheme, group_sizes, set(mods), opts.awq_grid)
+                found = awq_apply_layer(mappings, stats, opts.scheme, group_sizes, set(calibrated), opts.awq_grid)
                 if opts.awq_clip:
-                    awq_clip_layer(mods, stats, opts.scheme, group_sizes)
+                    awq_clip_layer(calibrated, stats, opts.scheme, group_sizes)
             for r in found:
                 r.name = f"{prefix}{r.name}"
             result.mappings.extend(found)
+        if starved:  # after the scales are folded: their weights are final now
+            _starved_experts_rtn(starved, mods, opts, group_sizes, result)
+            mods = calibrated
         if use_gptq:
             result.store(_gptq_layer(mods, stats, group_sizes, opts))
         else:
@@ -414,24 +417,20 @@ def _gptq_one_pass(layer: nn.Module, prefix: str, mods: dict[str, nn.Linear], ru
     return True
 
 
-def _starved_experts_rtn(mods: dict[str, nn.Linear], stats: LinearStats, opts: _Options,
-                        group_sizes: dict[str, int | None], result: QuantizeResult) -> dict[str, nn.Linear]:
-    """Quantize the expert Linears that saw fewer than ``MIN_EXPERT_TOKENS`` calibration tokens
-    from their weights alone (RTN, MSE range search), record them, and return the others."""
-    seen = {}
-    for name in mods:
-        try:
-            seen[name] = stats.stats(name).n_tokens
-        except KeyError:  # routing sent no token to this expert
-            seen[name] = 0
-    starved = {n: m for n, m in mods.items() if is_expert(n) and seen[n] < MIN_EXPERT_TOKENS}
-    if not starved:
-        return mods
-    result.store(_rtn_mixed(starved, opts.schemes, group_sizes, "mse"))
-    result.starved_experts.update({n: seen[n] for n in starved})
+def _starved_experts(mods: dict[str, nn.Linear], stats: LinearStats) -> dict[str, int]:
+    """Expert Linears that saw fewer than ``MIN_EXPERT_TOKENS`` calibration tokens → tokens seen."""
+    seen = {name: stats.stats(name).n_tokens if stats.has(name) else 0 for name in mods}
+    return {n: seen[n] for n in mods if is_expert(n) and seen[n] < MIN_EXPERT_TOKENS}
+
+
+def _starved_experts_rtn(starved: dict[str, int], mods: dict[str, nn.Linear], opts: _Options,
+                         group_sizes: dict[str, int | None], result: QuantizeResult) -> None:
+    """Quantize the ``starved`` expert Linears from their weights alone (RTN, MSE range search)
+    and record them."""
+    result.store(_rtn_mixed({n: mods[n] for n in starved}, opts.schemes, group_sizes, "mse"))
+    result.starved_experts.update(starved)
     result.notices.append(f"{len(starved)} expert Linears saw fewer than {MIN_EXPERT_TOKENS} calibration tokens: "
                           f"quantized from their weights alone (RTN), e.g. {next(iter(starved))}")
-    return {n: m for n, m in mods.items() if n not in starved}
 
 
 @torch.no_grad()

@@ -66,9 +66,8 @@ def awq_search_scale(
 
     Only consumers in ``targets`` (the Linears that will be quantized) enter the loss.
     """
-    names = [n for n in mapping.linears if n in targets]
-    first = next(iter(mapping.linears))
-    x_mean = mapping.reduce(stats.abs_mean(first), "mean").clamp(min=1e-5)
+    names = [n for n in mapping.linears if n in targets and stats.has(n)]
+    x_mean = mapping.reduce(stats.pooled_abs_mean(names), "mean").clamp(min=1e-5)
     # Consumers sharing one input (and group size) are evaluated as one row-stacked matrix.
     by_input: dict[int, list[str]] = {}
     for n in names:
@@ -106,12 +105,12 @@ def awq_apply_layer(
     """Search and fold the scales of each mapping in turn, keeping ``stats`` consistent."""
     results = []
     for mapping in mappings:
-        if not any(n in targets for n in mapping.linears):
-            continue
+        if not any(n in targets and stats.has(n) for n in mapping.linears):
+            continue  # nothing calibrated behind it (an expert no token was routed to)
         s, res = awq_search_scale(mapping, stats, scheme, group_sizes, targets, n_grid)
         if res.alpha > 0:
             mapping.fold(s)
-            stats.scale_inputs(list(mapping.linears), mapping.expand(s))
+            stats.scale_inputs(mapping.consumers, mapping.expand(s))
         results.append(res)
     return results
 

@@ -6,11 +6,16 @@ Dividing the op's output channel ``j`` by ``s_j`` and multiplying the consumers'
 grouped-query attention ``v_proj`` has ``kv_heads * head_dim`` outputs while ``o_proj`` has
 ``heads * head_dim`` inputs; each v channel feeds ``heads / kv_heads`` o columns, so the scale
 is repeated per query-head group.
+
+In a mixture-of-experts layer the post-attention norm feeds every expert's gate/up (and a shared
+expert's), and the router: the router is a *follower* — its columns take the scale too, so its
+logits (and the routing) are unchanged — but it is never part of a scale search. Each expert's
+up → down is a mapping of its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -25,6 +30,12 @@ class ScaleMapping:
     linears: dict[str, nn.Linear]  # full name → consumer
     repeat: int = 1  # consumer columns per producer channel (GQA: heads // kv_heads)
     head_dim: int = 1
+    followers: dict[str, nn.Module] = field(default_factory=dict)  # float consumers (routers): rescaled only
+
+    @property
+    def consumers(self) -> list[str]:
+        """Every module whose inputs the fold rescales (Linears, then followers)."""
+        return [*self.linears, *self.followers]
 
     @property
     def channels(self) -> int:
@@ -57,7 +68,7 @@ class ScaleMapping:
         if bias is not None:
             bias.div_(s.to(bias.dtype))
         se = self.expand(s)
-        for lin in self.linears.values():
+        for lin in (*self.linears.values(), *self.followers.values()):
             lin.weight.mul_(se.to(lin.weight.dtype).unsqueeze(0))
 
 
@@ -112,8 +123,37 @@ def layer_mappings(layer: nn.Module, prefix: str = "") -> tuple[list[ScaleMappin
         mappings.append(
             ScaleMapping("up_proj→down_proj", ud["up_proj"], full("mlp", {"down_proj": ud["down_proj"]}))
         )
-    if getattr(mlp, "experts", None) is not None:  # the norm feeds the router too: scaling it would change routing
-        notices.append(f"{prefix}mlp: mixture-of-experts MLP: experts are quantized without AWQ / SmoothQuant scaling")
+    experts = getattr(mlp, "experts", None)
+    if experts is not None:
+        found, moe_notice = _expert_mappings(mlp, norm2, prefix)
+        mappings.extend(found)
+        notices.extend(moe_notice)
     if not mappings:
         notices.append(f"{prefix or 'layer'}: no scale mappings found (not a Llama-family layer?)")
     return mappings, notices
+
+
+def _expert_mappings(mlp: nn.Module, norm: nn.Module | None, prefix: str) -> tuple[list[ScaleMapping], list[str]]:
+    """norm → every expert's (and the shared expert's) gate/up, the router following; each
+    expert's up → down. Experts must be unfused (one Linear per projection)."""
+    experts = mlp.experts
+    pairs = [(f"experts.{j}", e) for j, e in enumerate(experts)] if isinstance(experts, nn.ModuleList) else []
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is not None:
+        pairs.append(("shared_expert", shared))
+    projections = [(name, getattr(e, "gate_proj", None), getattr(e, "up_proj", None), getattr(e, "down_proj", None))
+                   for name, e in pairs]
+    if not pairs or any(not all(isinstance(m, nn.Linear) for m in ms) for _, *ms in projections):
+        return [], [f"{prefix}mlp: mixture-of-experts MLP without one Linear per expert projection: experts are "
+                    "quantized without AWQ / SmoothQuant scaling"]
+    mappings = []
+    followers = {f"{prefix}mlp.{n}": m for n in ("gate", "shared_expert_gate")
+                 if isinstance(m := getattr(mlp, n, None), nn.Module) and getattr(m, "weight", None) is not None
+                 and m.weight.dim() == 2}
+    if norm is not None and all(f.weight.shape[1] == norm.weight.shape[0] for f in followers.values()):
+        consumers = {f"{prefix}mlp.{name}.{p}": m for name, gate, up, _ in projections for p, m in (("gate_proj", gate), ("up_proj", up))}
+        mappings.append(ScaleMapping("post_attention_layernorm→experts", norm, consumers, followers=followers))
+    for name, _, up, down in projections:
+        if up.out_features == down.in_features:
+            mappings.append(ScaleMapping(f"{name}.up_proj→down_proj", up, {f"{prefix}mlp.{name}.down_proj": down}))
+    return mappings, []

@@ -19,10 +19,13 @@ class SmoothResult:
     min_scale: float
 
 
-def smoothquant_scale(mapping: ScaleMapping, stats: LinearStats, alpha: float = 0.5) -> torch.Tensor:
-    """Producer-channel smoothing scale of ``mapping`` from the observed max |x|."""
-    first = next(iter(mapping.linears))
-    x_max = mapping.reduce(stats.abs_max(first).float(), "max")
+def smoothquant_scale(mapping: ScaleMapping, stats: LinearStats, alpha: float = 0.5) -> torch.Tensor | None:
+    """Producer-channel smoothing scale of ``mapping`` from the observed max |x| (over every
+    consumer's inputs: experts see their routed tokens); None when no consumer saw an input."""
+    pooled = stats.pooled_abs_max(list(mapping.linears))
+    if pooled is None:
+        return None
+    x_max = mapping.reduce(pooled.float(), "max")
     w_max = torch.stack(
         [lin.weight.detach().abs().amax(0).float() for lin in mapping.linears.values()]
     ).amax(0)
@@ -41,7 +44,9 @@ def smoothquant_apply_layer(
     results = []
     for mapping in mappings:
         s = smoothquant_scale(mapping, stats, alpha)
+        if s is None:
+            continue  # an expert no token was routed to
         mapping.fold(s)
-        stats.scale_inputs(list(mapping.linears), mapping.expand(s))
+        stats.scale_inputs(mapping.consumers, mapping.expand(s))
         results.append(SmoothResult(mapping.name, float(s.max()), float(s.min())))
     return results

@@ -174,9 +174,10 @@ def dequantized_reference(kind: str, path):
 @pytest.mark.parametrize("method,scheme", [("awq", "W4A16"), ("smoothquant", "W8A8")])
 def test_awq_and_smoothquant_on_moe_with_a_starved_expert(tmp_path, method, scheme):
     """AWQ / SmoothQuant on a Mixtral whose expert 4 never gets a token: every expert Linear is
-    quantized (the starved ones from their weights alone), the experts are not rescaled (the norm
-    before them feeds the router too: said in a notice), routers stay in float; the checkpoint
-    runs in the runtime (W4A16: token for token like transformers on the dequantized weights)."""
+    quantized (the starved ones from their weights alone, after the scales are folded), the
+    experts are rescaled (the norm → all experts' gate/up with the router following, each
+    calibrated expert's up → down), routers stay in float; the checkpoint runs in the runtime
+    (W4A16: token for token like transformers on the dequantized weights)."""
     from llmopt.checkpoints.moe import is_expert
     from llmopt.quant.streaming import quantize_streaming
     from llmopt.runtime.layers import DenseLinear, QuantLinear
@@ -189,9 +190,10 @@ def test_awq_and_smoothquant_on_moe_with_a_starved_expert(tmp_path, method, sche
     experts = [n for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear) and is_expert(n)]
     assert len(experts) == 2 * 5 * 3 and set(experts) <= set(weights)
     assert {n for n in result.starved_experts} == {n for n in experts if f".experts.{DEAD}." in n}
-    assert sum("without AWQ / SmoothQuant scaling" in line for line in result.notices) >= 1
+    assert not any("without AWQ / SmoothQuant scaling" in line for line in result.notices)
     kinds = {re.sub(r"^model\.layers\.\d+\.", "", m.name) for m in result.mappings}
-    assert kinds == {"input_layernorm→q/k/v", "v_proj→o_proj"}  # attention scaled, experts (and router) not
+    calibrated = {f"experts.{j}.up_proj→down_proj" for j in range(5) if j != DEAD}  # nothing to measure for the dead one
+    assert kinds == {"input_layernorm→q/k/v", "v_proj→o_proj", "post_attention_layernorm→experts"} | calibrated
     llm = LLM(tmp_path / "q", block_size=4)
     moe = llm.engine.weights.layers[0].moe
     assert isinstance(moe.router, DenseLinear) and all(isinstance(e.down, QuantLinear) for e in moe.experts)
@@ -203,3 +205,56 @@ def test_awq_and_smoothquant_on_moe_with_a_starved_expert(tmp_path, method, sche
         for prompt, out in zip(prompts, outs):
             tokens, scores = reference(ref, prompt, 8)
             assert_greedy_match(out.token_ids, tokens, scores, method)
+
+
+def _qwen2_moe():
+    import transformers as tf
+
+    cfg = tf.Qwen2MoeConfig(vocab_size=259, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
+    torch.manual_seed(3)
+    return tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_moe_scale_mappings_fold_exactly(kind):
+    """Folding random scales into every mapping of a mixture-of-experts layer (norm → all experts'
+    gate/up with the router following, a shared expert and its gate included; each expert's
+    up → down) leaves the routing and the logits unchanged."""
+    from llmopt.checkpoints.moe import unfuse_experts
+    from llmopt.quant.mappings import layer_mappings
+
+    model = _qwen2_moe() if kind == "qwen2_moe" else starved_model(kind)
+    unfuse_experts(model)
+    ids = torch.randint(3, 259, (2, 24), generator=torch.Generator().manual_seed(5))
+    routed = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: routed.append(out[-1] if isinstance(out, tuple) else out))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        before = model(ids).logits
+    experts = len(model.model.layers[0].mlp.experts)
+    names = set()
+    gen = torch.Generator().manual_seed(6)
+    for i, layer in enumerate(model.model.layers):
+        mappings, notices = layer_mappings(layer, f"model.layers.{i}.")
+        assert notices == []
+        names |= {m.name for m in mappings}
+        for m in mappings:
+            m.fold(torch.rand(m.channels, generator=gen) * 3 + 0.25)
+    with torch.no_grad():
+        after = model(ids).logits
+    for h in hooks:
+        h.remove()
+    expected = {"input_layernorm→q/k/v", "v_proj→o_proj", "post_attention_layernorm→experts",
+                *(f"experts.{j}.up_proj→down_proj" for j in range(experts))}
+    if kind == "qwen2_moe":
+        expected.add("shared_expert.up_proj→down_proj")
+        assert "model.layers.0.mlp.shared_expert_gate" in next(m for m in layer_mappings(model.model.layers[0], "model.layers.0.")[0]
+                                                                if m.name.endswith("experts")).followers
+    assert names == expected
+    assert len(routed) == 2 * len(model.model.layers)
+    half = len(model.model.layers)
+    for a, b in zip(routed[:half], routed[half:]):
+        assert torch.equal(a, b)  # the same experts for every token
+    assert torch.allclose(before, after, atol=1e-4, rtol=1e-4)
