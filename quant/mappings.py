@@ -31,6 +31,7 @@ class ScaleMapping:
     repeat: int = 1  # consumer columns per producer channel (GQA: heads // kv_heads)
     head_dim: int = 1
     followers: dict[str, nn.Module] = field(default_factory=dict)  # float consumers (routers): rescaled only
+    offset: float = 0.0  # a norm that scales by (offset + weight), as Gemma's (1 + w)
 
     @property
     def consumers(self) -> list[str]:
@@ -61,7 +62,7 @@ class ScaleMapping:
         """Divide the producer's channels by ``s`` and multiply the consumers' columns by it."""
         w = self.prev.weight
         if w.dim() == 1:
-            w.div_(s.to(w.dtype))
+            w.add_(self.offset).div_(s.to(w.dtype)).sub_(self.offset)
         else:
             w.div_(s.to(w.dtype).unsqueeze(1))
         bias = getattr(self.prev, "bias", None)
@@ -75,8 +76,10 @@ class ScaleMapping:
 def layer_mappings(layer: nn.Module, prefix: str = "") -> tuple[list[ScaleMapping], list[str]]:
     """The standard mappings of a Llama-family layer, and notices for those that were skipped.
 
-    input_layernorm → q/k/v; v_proj → o_proj (GQA-aware); post_attention_layernorm → gate/up;
-    up_proj → down_proj.
+    input_layernorm → q/k/v; v_proj → o_proj (GQA-aware); the norm before the MLP
+    (``pre_feedforward_layernorm`` where the layer has one, as Gemma 2/3, whose
+    ``post_attention_layernorm`` normalises the attention output instead) → gate/up;
+    up_proj → down_proj. A norm is folded only when it is seen to scale by ``w`` or ``1 + w``.
     """
     mappings: list[ScaleMapping] = []
     notices: list[str] = []
@@ -98,7 +101,7 @@ def layer_mappings(layer: nn.Module, prefix: str = "") -> tuple[list[ScaleMappin
     norm1 = getattr(layer, "input_layernorm", None)
     qkv = lin(attn, "q_proj", "k_proj", "v_proj")
     if norm1 is not None and qkv is not None:
-        mappings.append(ScaleMapping("input_layernorm→q/k/v", norm1, full("self_attn", qkv)))
+        mappings.extend(_norm_mapping("input_layernorm→q/k/v", norm1, full("self_attn", qkv), notices, prefix))
     vo = lin(attn, "v_proj", "o_proj")
     if vo is not None:
         v, o = vo["v_proj"], vo["o_proj"]
@@ -114,10 +117,11 @@ def layer_mappings(layer: nn.Module, prefix: str = "") -> tuple[list[ScaleMappin
             )
         else:
             notices.append(f"{prefix}self_attn: v_proj→o_proj shapes do not allow scaling; skipped")
-    norm2 = getattr(layer, "post_attention_layernorm", None)
+    norm2_name = "pre_feedforward_layernorm" if hasattr(layer, "pre_feedforward_layernorm") else "post_attention_layernorm"
+    norm2 = getattr(layer, norm2_name, None)
     gu = lin(mlp, "gate_proj", "up_proj")
     if norm2 is not None and gu is not None:
-        mappings.append(ScaleMapping("post_attention_layernorm→gate/up", norm2, full("mlp", gu)))
+        mappings.extend(_norm_mapping(f"{norm2_name}→gate/up", norm2, full("mlp", gu), notices, prefix))
     ud = lin(mlp, "up_proj", "down_proj")
     if ud is not None and ud["up_proj"].out_features == ud["down_proj"].in_features:
         mappings.append(
@@ -125,7 +129,7 @@ def layer_mappings(layer: nn.Module, prefix: str = "") -> tuple[list[ScaleMappin
         )
     experts = getattr(mlp, "experts", None)
     if experts is not None:
-        found, moe_notice = _expert_mappings(mlp, norm2, prefix)
+        found, moe_notice = _expert_mappings(mlp, norm2, norm2_name, prefix)
         mappings.extend(found)
         notices.extend(moe_notice)
     if not mappings:
@@ -133,7 +137,34 @@ def layer_mappings(layer: nn.Module, prefix: str = "") -> tuple[list[ScaleMappin
     return mappings, notices
 
 
-def _expert_mappings(mlp: nn.Module, norm: nn.Module | None, prefix: str) -> tuple[list[ScaleMapping], list[str]]:
+def norm_offset(norm: nn.Module) -> float | None:
+    """0 for a norm computing ``x̂ · w``, 1 for ``x̂ · (1 + w)`` (Gemma), None for anything else
+    (found by running it on a constant input, whose normalised value is 1 in every channel)."""
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+        return None
+    try:
+        with torch.no_grad():
+            out = norm(torch.ones(1, w.shape[0], dtype=w.dtype, device=w.device)).float().reshape(-1)
+    except Exception:  # not a norm we can call on its own
+        return None
+    for offset in (0.0, 1.0):
+        if torch.allclose(out, w.float() + offset, rtol=1e-3, atol=1e-3):
+            return offset
+    return None
+
+
+def _norm_mapping(name: str, norm: nn.Module, linears: dict[str, nn.Linear], notices: list[str], prefix: str,
+                  followers: dict[str, nn.Module] | None = None) -> list[ScaleMapping]:
+    """The mapping ``norm → linears`` when the norm's scaling is known; otherwise a notice."""
+    offset = norm_offset(norm)
+    if offset is None:
+        notices.append(f"{prefix}{name}: the norm does not scale by its weight (or 1 + weight); not rescaled")
+        return []
+    return [ScaleMapping(name, norm, linears, followers=followers or {}, offset=offset)]
+
+
+def _expert_mappings(mlp: nn.Module, norm: nn.Module | None, norm_name: str, prefix: str) -> tuple[list[ScaleMapping], list[str]]:
     """norm → every expert's (and the shared expert's) gate/up, the router following; each
     expert's up → down. Experts must be unfused (one Linear per projection)."""
     experts = mlp.experts
@@ -146,14 +177,15 @@ def _expert_mappings(mlp: nn.Module, norm: nn.Module | None, prefix: str) -> tup
     if not pairs or any(not all(isinstance(m, nn.Linear) for m in ms) for _, *ms in projections):
         return [], [f"{prefix}mlp: mixture-of-experts MLP without one Linear per expert projection: experts are "
                     "quantized without AWQ / SmoothQuant scaling"]
-    mappings = []
+    mappings: list[ScaleMapping] = []
+    notices: list[str] = []
     followers = {f"{prefix}mlp.{n}": m for n in ("gate", "shared_expert_gate")
                  if isinstance(m := getattr(mlp, n, None), nn.Module) and getattr(m, "weight", None) is not None
                  and m.weight.dim() == 2}
     if norm is not None and all(f.weight.shape[1] == norm.weight.shape[0] for f in followers.values()):
         consumers = {f"{prefix}mlp.{name}.{p}": m for name, gate, up, _ in projections for p, m in (("gate_proj", gate), ("up_proj", up))}
-        mappings.append(ScaleMapping("post_attention_layernorm→experts", norm, consumers, followers=followers))
+        mappings.extend(_norm_mapping(f"{norm_name}→experts", norm, consumers, notices, prefix, followers))
     for name, _, up, down in projections:
         if up.out_features == down.in_features:
             mappings.append(ScaleMapping(f"{name}.up_proj→down_proj", up, {f"{prefix}mlp.{name}.down_proj": down}))
-    return mappings, []
+    return mappings, notices

@@ -44,6 +44,11 @@ def tiny_model(layers: int = 2, family: str = "llama") -> LlamaForCausalLM:
         model = MistralForCausalLM(MistralConfig(**kwargs))
     elif family == "qwen2":  # q/k/v biases
         model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    elif family in ("gemma2", "gemma3"):  # norms scale by (1 + w); the MLP reads pre_feedforward_layernorm
+        import transformers as tf
+
+        config = (tf.Gemma2Config if family == "gemma2" else tf.Gemma3TextConfig)(**kwargs, head_dim=16)
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     else:  # qwen3: per-head q/k norms, explicit head_dim
         model = Qwen3ForCausalLM(Qwen3Config(**kwargs, head_dim=16))
     model.eval()
@@ -317,7 +322,7 @@ def test_stop_early_gives_same_stats() -> None:
 # AWQ / SmoothQuant folding
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_fold_random_scales_preserves_function_with_gqa(family: str) -> None:
     model = tiny_model(2, family)
     with torch.no_grad():  # non-zero biases where the family has them
@@ -333,10 +338,23 @@ def test_fold_random_scales_preserves_function_with_gqa(family: str) -> None:
         for m in mappings:
             names.add(m.name)
             m.fold(torch.exp(0.5 * torch.randn(m.channels)))
-    assert names == {
-        "input_layernorm→q/k/v", "v_proj→o_proj", "post_attention_layernorm→gate/up", "up_proj→down_proj"
-    }
+    mlp_norm = "pre_feedforward_layernorm" if family.startswith("gemma") else "post_attention_layernorm"
+    assert names == {"input_layernorm→q/k/v", "v_proj→o_proj", f"{mlp_norm}→gate/up", "up_proj→down_proj"}
     torch.testing.assert_close(logits(model, ids), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_norm_of_unknown_form_is_not_folded() -> None:
+    """A LayerNorm (mean removed, bias added) cannot take a scale as an RMSNorm weight does: the
+    mapping is skipped with a notice, never folded wrongly."""
+    from llmopt.quant.mappings import norm_offset
+
+    model = tiny_model(1)
+    layer = model.model.layers[0]
+    assert norm_offset(layer.input_layernorm) == 0.0
+    layer.input_layernorm = torch.nn.LayerNorm(64)
+    mappings, notices = layer_mappings(layer, "model.layers.0.")
+    assert "input_layernorm→q/k/v" not in {m.name for m in mappings} and len(mappings) == 3
+    assert notices == ["model.layers.0.input_layernorm→q/k/v: the norm does not scale by its weight (or 1 + weight); not rescaled"]
 
 
 def test_awq_loss_matches_activations_and_never_increases() -> None:
