@@ -258,3 +258,27 @@ def test_moe_scale_mappings_fold_exactly(kind):
     for a, b in zip(routed[:half], routed[half:]):
         assert torch.equal(a, b)  # the same experts for every token
     assert torch.allclose(before, after, atol=1e-4, rtol=1e-4)
+
+
+def test_quantized_mixtral_loads_in_transformers(tmp_path):
+    """A W4A16 AWQ Mixtral written by llmopt (experts as ``block_sparse_moe.experts.j.w1`` …,
+    compressed-tensors) loads in transformers with every tensor used, and computes the logits of
+    the dequantized checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from llmopt.quant.streaming import quantize_streaming
+    from conftest import byte_tokenizer
+
+    source = save_model(starved_model("mixtral"), tmp_path / "float")
+    quantize_streaming(source, tmp_path / "q", "W4A16", "awq", 32, calib_ids=CALIB, tokenizer=byte_tokenizer(),
+                       check_memory=False, show_progress=False, batch_size=2)
+    with LazyCheckpoint(tmp_path / "q") as ckpt:
+        keys = list(ckpt.keys())
+    assert sum(k.endswith("weight_packed") and ".block_sparse_moe.experts." in k for k in keys) == 2 * 5 * 3
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ref, _ = dequantized_reference("mixtral", tmp_path / "q")
+    with torch.no_grad():
+        want, got = ref(CALIB[:2]).logits, loaded(CALIB[:2]).logits
+    assert got.shape == want.shape == (2, CALIB.shape[1], 259)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
