@@ -18,6 +18,7 @@ from llmopt.core.errors import LlmoptError
 
 from llmopt.distill import checkpoint
 from llmopt.distill.data import DEFAULT_TRAIN, DEFAULT_VALIDATION, pack_text, spread
+from llmopt.distill.generated import generated_corpus, is_generated
 from llmopt.distill.display import TrainDisplay
 from llmopt.distill.precision import resolve_precision
 from llmopt.distill.student import Student, StudentRequest, build_student
@@ -123,7 +124,13 @@ def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
     student = _student(request, teacher, tokenizer, state, bf16_ranking)
     resolve_hidden_weight(request.settings, student)
     with state.main_process_first():
-        train = pack_text(tokenizer, request.data, request.seq_len)
+        data = request.data
+        if is_generated(data):  # the teacher writes it first (once; cached)
+            data = generated_corpus(data, teacher_path, tokenizer, seed=request.settings.seed,
+                                    show_progress=request.show_progress and state.is_main_process)
+        train = pack_text(tokenizer, data, request.seq_len)
+        if data != request.data:
+            train.record["generated"] = request.data
         val = pack_text(tokenizer, request.validation, request.seq_len) if request.validation else None
     val_ids = spread(val, request.settings.val_samples) if val is not None else None
     cache = None

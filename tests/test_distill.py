@@ -420,3 +420,41 @@ def test_two_process_torchrun_shards_data_and_keeps_weights_identical(teacher_di
     assert not set(ranks[0]["first_samples"]) & set(ranks[1]["first_samples"])
     assert ranks[0]["samples_sha256"] != ranks[1]["samples_sha256"]
     assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
+
+
+def test_generated_data_is_the_teachers_own_greedy_answers(teacher_dir, texts, tmp_path, monkeypatch):
+    """``--data generated:CORPUS:N``: N transcripts written once by the runtime, each a request
+    about a passage of CORPUS followed by the teacher's greedy answer (checked against
+    transformers); the run trains on them and records where they came from; a rerun reuses them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmopt.distill import generated
+    from llmopt.distill.run import run_distill
+
+    monkeypatch.setenv("LLMOPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(generated, "ANSWER_TOKENS", 12)
+    monkeypatch.setattr(generated, "PASSAGE_TOKENS", 40)
+    request = _request(teacher_dir, texts, tmp_path / "student", steps=2)
+    request.data = f"generated:{texts['train']}:5"
+    record = run_distill(request).record
+    assert record["data"]["generated"] == request.data
+    folder = Path(record["data"]["name"])
+    files = sorted(folder.glob("*.txt"))
+    assert len(files) == 5 and folder.parent == tmp_path / "cache" / "distill-generated"
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    prompts = generated._prompts(tokenizer, str(texts["train"]), 5, 0)
+    assert len(prompts) == 5 and all(len(p) > 40 for p in prompts)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    with torch.no_grad():
+        answer = teacher.generate(torch.tensor([prompts[0]]), max_new_tokens=12, do_sample=False,
+                                  pad_token_id=0).tolist()[0]
+    stop = tokenizer.eos_token_id
+    answer = answer[: answer.index(stop, len(prompts[0])) + 1] if stop in answer[len(prompts[0]):] else answer
+    assert files[0].read_text() == tokenizer.decode(answer, skip_special_tokens=False)
+    assert "Summarize this passage" in files[0].read_text()
+    monkeypatch.setattr(generated, "atomic_dir", lambda *a, **k: pytest.fail("written again"))
+    assert generated.generated_corpus(request.data, teacher_dir, tokenizer) == str(folder)
+    with pytest.raises(LlmoptError, match="must be positive"):
+        generated.parse("generated:austen:0")
+    assert generated.parse("generated:austen") == ("austen", generated.DEFAULT_REQUESTS)
+    assert generated.parse("generated:hf:wikitext:wikitext-2-raw-v1:7") == ("hf:wikitext:wikitext-2-raw-v1", 7)

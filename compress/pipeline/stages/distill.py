@@ -21,7 +21,9 @@ class DistillConfig:
     width: str | None = option(None, "Width-prune the student: ffn=RATIO,heads=RATIO (fractions of MLP channels / attention heads to remove).", metavar="SPEC")
     layer_method: str = option("block-influence", "How blocks are ranked for --drop-layers.", choices=("block-influence", "perplexity"))
     calib: str = option("austen", "Calibration text for ranking blocks.")
-    data: str = option("gutenberg", "Training text: corpus name, text file, folder of .txt files, or hf:NAME[:CONFIG[:SPLIT]].")
+    data: str = option("gutenberg", "Training text: corpus name, text file, folder of .txt files, hf:NAME[:CONFIG[:SPLIT]], or "
+                       "generated:CORPUS[:N] (the teacher's own greedy answers to N chat requests about passages of CORPUS, "
+                       "written once by the runtime: what a speculative-decoding draft must predict).")
     validation: str = option("heldout", "Held-out text for validation perplexity ('none' to skip).")
     seq_len: int = option(256, "Tokens per packed training sequence.")
     batch_size: int = option(4, "Sequences per micro batch, per process.")
