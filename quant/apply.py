@@ -69,6 +69,7 @@ class QuantizeResult:
     mappings: list[AwqMappingResult | SmoothResult] = field(default_factory=list)
     timings: EngineTimings = field(default_factory=EngineTimings)
     starved_experts: dict[str, int] = field(default_factory=dict)  # expert Linear -> calibration tokens it saw (< MIN_EXPERT_TOKENS)
+    final_hidden: torch.Tensor | None = None  # the last layer's calibration outputs (``keep_final_hidden``)
     sink: Callable[[dict[str, QuantizedWeight]], None] | None = None
 
     def store(self, weights: dict[str, QuantizedWeight]) -> None:
@@ -211,6 +212,7 @@ def quantize_model(
     device: str | torch.device | None = None,
     sink: Callable[[dict[str, QuantizedWeight]], None] | None = None,
     plan: dict[str, QuantScheme] | None = None,
+    keep_final_hidden: bool = False,
 ) -> QuantizeResult:
     """Quantize the decoder-layer Linears of ``model`` in place.
 
@@ -237,7 +239,8 @@ def quantize_model(
     calibrated (moved there and back); ``sink``: receives each layer's quantized weights as
     soon as they exist (the result then keeps only their schemes). ``plan``: a scheme per
     Linear (group size resolved) for mixed precision; Linears it does not name stay in float
-    (RTN and GPTQ methods only).
+    (RTN and GPTQ methods only). ``keep_final_hidden``: calibrated methods keep the last layer's
+    outputs (before the final norm) in ``result.final_hidden``, the output head's inputs.
     """
     start = time.perf_counter()
     if isinstance(scheme, QuantScheme):  # parsed once by the caller (group size included)
@@ -280,7 +283,8 @@ def quantize_model(
         _quantize_calibrated(model, calib_ids, targets, group_sizes, opts, result,
                              dict(batch_size=batch_size, compute_dtype=compute_dtype,
                                   progress=progress, show_progress=show_progress,
-                                  lifecycle=lifecycle, device=device, timings=result.timings))
+                                  lifecycle=lifecycle, device=device, timings=result.timings,
+                                  return_hidden=keep_final_hidden))
     result.seconds = time.perf_counter() - start
     return result
 
@@ -366,10 +370,8 @@ def _quantize_calibrated(
                 ))
 
     try:
-        run_sequential(
-            model, calib_ids, layer_fn, description=f"{opts.method} {opts.scheme.name}",
-            return_hidden=False, **engine_options,
-        )
+        result.final_hidden = run_sequential(model, calib_ids, layer_fn, description=f"{opts.method} {opts.scheme.name}",
+                                             **engine_options)
     finally:
         for h in act_hooks:
             h.remove()

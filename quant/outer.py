@@ -17,11 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from llmopt.formats.schemes import QuantizedWeight, QuantScheme, get_scheme, int_weight_scheme, search_qparams
+from llmopt.quant.gptq import gptq_quantize_weight
 
 OUTER_CHOICES = ("float", "int8", "int6", "int5", "int4")
 OUTER_GROUP = 32  # the group size of the grouped embedding/head formats
+HEAD_GPTQ_ROWS = 8192  # rows of the head solved at once (two float32 copies of them at a time)
 EMBED = "model.embed_tokens"
 HEAD = "lm_head"
 
@@ -51,6 +54,47 @@ def quantize_matrix(w: torch.Tensor, scheme: QuantScheme, col_weight: torch.Tens
     return QuantizedWeight(codes, scale, None, scheme, group)
 
 
+def gptq_matrix(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor) -> QuantizedWeight:
+    """GPTQ of a head ``[vocab, hidden]`` against its input Hessian ``2/n Σ x xᵀ``, in row chunks."""
+    group = scheme.group_size
+    if group is not None and w.shape[1] % group:
+        raise ValueError(f"group size {group} does not divide the {w.shape[1]} columns of the embedding/head")
+    parts = [gptq_quantize_weight(chunk.float(), hessian, scheme, group, clip=True)
+             for chunk in torch.split(w, HEAD_GPTQ_ROWS)]
+    return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), None, scheme, group)
+
+
+def quantize_head(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor | None,
+                  col_weight: torch.Tensor | None = None) -> QuantizedWeight:
+    """The head's codes: GPTQ when its input Hessian is known, else RTN with the clipping search."""
+    return gptq_matrix(w, scheme, hessian) if hessian is not None else quantize_matrix(w, scheme, col_weight)
+
+
+FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+
+
+def head_input_hessian(model: nn.Module, state: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor | None:
+    """``2/n Σ x xᵀ`` (float64) of the head's inputs: the final norm applied, with its tensors from
+    ``state``, to the last decoder layer's outputs ``hidden``; None when the model has no final norm
+    we know (the head is then quantized without calibration)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    norm = next((m for n in FINAL_NORMS if isinstance(m := getattr(decoder, n, None), nn.Module)), None)
+    if norm is None:
+        return None
+    where = {id(m): n for n, m in model.named_modules()}[id(norm)]
+    try:
+        params = {n: state[f"{where}.{n}"].float() for n, _ in norm.named_parameters()}
+    except KeyError:
+        return None
+    x = hidden.reshape(-1, hidden.shape[-1]).float()
+    h = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+    with torch.no_grad():
+        for chunk in torch.split(x, 4096):
+            y = torch.func.functional_call(norm, params, (chunk,)).double()
+            h += y.T @ y
+    return h * (2.0 / max(x.shape[0], 1))
+
+
 @dataclass
 class OuterResult:
     """Quantized outer matrices by module name, float tensors to write instead, and whether the
@@ -63,9 +107,10 @@ class OuterResult:
 
 
 def quantize_outer(tensors: dict[str, torch.Tensor], tied: bool, head: str = "float", embedding: str = "float",
-                   head_hessian_diag: torch.Tensor | None = None) -> OuterResult:
+                   head_hessian_diag: torch.Tensor | None = None, head_hessian: torch.Tensor | None = None) -> OuterResult:
     """Quantize ``model.embed_tokens.weight`` / ``lm_head.weight`` of ``tensors`` (a tied model has
-    only the former) as asked. Keys of ``tensors`` not returned in ``weights``/``floats`` stay as they are."""
+    only the former) as asked; the head by GPTQ when ``head_hessian`` (of its inputs) is given.
+    Keys of ``tensors`` not returned in ``weights``/``floats`` stay as they are."""
     result = OuterResult()
     head_s, embed_s = outer_scheme(head), outer_scheme(embedding)
     embed_w = tensors[f"{EMBED}.weight"]
@@ -74,7 +119,7 @@ def quantize_outer(tensors: dict[str, torch.Tensor], tied: bool, head: str = "fl
         raise ValueError("the checkpoint has no lm_head.weight and its embeddings are not tied")
     if tied and head_s == embed_s:
         if head_s is not None:
-            result.weights[EMBED] = quantize_matrix(embed_w, head_s, head_hessian_diag)
+            result.weights[EMBED] = quantize_head(embed_w, head_s, head_hessian, head_hessian_diag)
         return result
     if tied:
         result.untie = True
@@ -84,5 +129,5 @@ def quantize_outer(tensors: dict[str, torch.Tensor], tied: bool, head: str = "fl
     if embed_s is not None:
         result.weights[EMBED] = quantize_matrix(embed_w, embed_s)
     if head_s is not None:
-        result.weights[HEAD] = quantize_matrix(head_w, head_s, head_hessian_diag)
+        result.weights[HEAD] = quantize_head(head_w, head_s, head_hessian, head_hessian_diag)
     return result

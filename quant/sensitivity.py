@@ -13,7 +13,8 @@ Measured on calibration windows with one forward and one backward pass of the fl
 A tied embedding/head is one matrix: its cost is the sum of both roles. Costs are assumed to
 add across tensors (validated against end-to-end KLD in ``bench/mixed_precision.py``).
 ``ΔW`` is the round-to-nearest error (min-max ranges for Linears, the clipping search of
-:func:`~llmopt.quant.outer.quantize_matrix` for the embedding/head, as each is applied by RTN);
+:func:`~llmopt.quant.outer.quantize_matrix` for the embedding/head, as each is applied by RTN;
+with ``head_gptq`` the head's error is that of GPTQ on its inputs, as a calibrated run stores it);
 GPTQ lowers every Linear's error, so costs predict an upper bound for GPTQ plans.
 """
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from llmopt.formats.schemes import QuantScheme, compute_qparams, effective_group_size, fake_quantize, int_weight_scheme
-from llmopt.quant.outer import EMBED, HEAD, outer_scheme, quantize_matrix
+from llmopt.quant.outer import EMBED, HEAD, outer_scheme, quantize_head
 
 # candidate formats of a decoder Linear: name → (bits, group size (None: one scale per row),
 # symmetric). The GGUF block type each is exported to without rounding again is in
@@ -131,8 +132,10 @@ def _weight_error(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
 
 def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0,
-                        head_chunk: int = 256) -> Sensitivity:
-    """Per-tensor costs of every candidate format on ``calib_ids`` ``[n, seq]`` (float model, CPU)."""
+                        head_chunk: int = 256, head_gptq: bool = False) -> Sensitivity:
+    """Per-tensor costs of every candidate format on ``calib_ids`` ``[n, seq]`` (float model, CPU).
+    ``head_gptq``: the head (and a tied embedding) quantized by GPTQ on its inputs' Hessian, as a
+    calibrated quantization stores it, instead of RTN with the clipping search."""
     model.eval()
     linears = _decoder_linears(model)
     dim = {n: m.in_features for n, m in linears.items()}
@@ -222,8 +225,10 @@ def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0
         roles = ["tied"] if tied else ["embedding", "head"]
         for role in roles:
             w = (embed if role in ("tied", "embedding") else head).weight.float()
-            # the outer matrices are quantized as quantize_outer does it (RTN with the clipping search)
-            errors = {fmt: quantize_matrix(w, outer_scheme(fmt)).dequantize() - w for fmt in OUTER_FORMATS}
+            # the outer matrices are quantized as quantize_outer does it: the head by GPTQ when
+            # calibrated, otherwise (and an untied embedding always) RTN with the clipping search
+            hessian = final.T.double() @ final.double() * (2.0 / final.shape[0]) if head_gptq and role != "embedding" else None
+            errors = {fmt: quantize_head(w, outer_scheme(fmt), hessian).dequantize() - w for fmt in OUTER_FORMATS}
             costs = {fmt: 0.0 for fmt in OUTER_FORMATS}
             if role in ("tied", "embedding"):
                 for fmt, dw in errors.items():

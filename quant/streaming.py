@@ -28,7 +28,7 @@ from llmopt.core.atomic import atomic_dir
 from llmopt.formats.compressed import final_quantization_config, quantized_tensors, write_side_files
 from llmopt.formats.schemes import QuantizedWeight
 from llmopt.quant.apply import DEFAULT_IGNORE, QuantizeResult, quantize_model
-from llmopt.quant.outer import quantize_outer
+from llmopt.quant.outer import head_input_hessian, quantize_outer
 
 Provenance = Callable[[QuantizeResult, MemoryEstimate], dict]
 
@@ -108,11 +108,19 @@ def quantize_streaming(
                     writer.add(name, tensor.to(stream.stored_dtype_of(name)) if tensor.is_floating_point() else tensor)
 
             stream.sink = write_layer
+            calibrated_head = head != "float" and calib_ids is not None and method != "rtn"
             result = quantize_model(stream.model, scheme_name, method, group_size, calib_ids, ignore, strict_groups,
-                                    lifecycle=stream, device=target, sink=write_weights, **options)
+                                    lifecycle=stream, device=target, sink=write_weights,
+                                    keep_final_hidden=calibrated_head, **options)
             outer = stream.outer_tensors()
             if head != "float" or embedding != "float":
-                done = quantize_outer(outer, stream.tied_head(), head, embedding)
+                hessian = None
+                if result.final_hidden is not None:
+                    hessian = head_input_hessian(stream.model, outer, result.final_hidden)
+                    result.final_hidden = None
+                    result.notices.append("the output head was quantized by GPTQ on its calibration inputs" if hessian is not None
+                                          else "no final norm found: the output head was quantized without calibration (RTN)")
+                done = quantize_outer(outer, stream.tied_head(), head, embedding, head_hessian=hessian)
                 for name in done.weights:
                     outer.pop(f"{name}.weight", None)
                 outer.update(done.floats)

@@ -317,3 +317,29 @@ def test_every_format_saved_loaded_run_and_exported(tmp_path, calib_text, method
     for name in names:
         layer, kind = name.split(".")[2], name.rsplit(".", 1)[1]
         assert types[f"blk.{layer}.{gguf_names[kind]}.weight"] == EXPECTED_GGUF[formats[name]], name
+
+
+def test_head_costs_with_gptq_are_exact_and_lower():
+    """``head_gptq``: the head's cost of each format is the exact KLD of the head GPTQ-quantized on
+    the Hessian of its inputs, and below the RTN head's cost; the Linears' costs do not change."""
+    from llmopt.quant.outer import gptq_matrix, outer_scheme
+
+    model = tiny_llama(seed=7, tie_word_embeddings=False)
+    ids = torch.randint(3, 259, (8, 64), generator=torch.Generator().manual_seed(1))
+    rtn = {t.name: t for t in measure_sensitivity(model, ids).tensors}
+    gptq = {t.name: t for t in measure_sensitivity(model, ids, head_gptq=True).tensors}
+    assert sorted(gptq) == sorted(rtn) and len(gptq) == 2 * 7 + 2
+    assert all(gptq[n].costs == rtn[n].costs for n in gptq if gptq[n].kind == "linear")
+    assert gptq["model.embed_tokens"].costs == rtn["model.embed_tokens"].costs  # untied: the embedding stays RTN
+    assert gptq["lm_head"].costs["int4"] < rtn["lm_head"].costs["int4"]
+    finals = []
+    hook = model.lm_head.register_forward_hook(lambda m, a, o: finals.append(a[0].detach().reshape(-1, 64)))
+    with torch.no_grad():
+        ref_logp = torch.log_softmax(model(ids).logits.float(), -1)
+    hook.remove()
+    x = torch.cat(finals).double()
+    w = model.lm_head.weight.data.clone()
+    model.lm_head.weight.data = gptq_matrix(w, outer_scheme("int4"), x.T @ x * (2.0 / x.shape[0])).dequantize()
+    true = _kld(model, ids, ref_logp)
+    model.lm_head.weight.data = w
+    assert gptq["lm_head"].costs["int4"] == pytest.approx(true, rel=1e-3)

@@ -164,3 +164,44 @@ def test_bad_head_options(tmp_path, args, options, message):
     if options is not None:  # the same check for recipes and the Python API
         with pytest.raises(LlmoptError, match=message):
             QuantizeConfig(model=str(src), output=str(tmp_path / "o2"), **options).check()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_calibrated_head_is_gptq_on_its_input_hessian(tmp_path, tied):
+    """With calibration (GPTQ here) the head is quantized by GPTQ against the Hessian of its
+    inputs, the final norm's outputs on the calibration text after the quantized layers: the
+    saved codes equal that computation done in memory, and its output error on those inputs is
+    below the uncalibrated (RTN + clipping search) head's."""
+    from llmopt.quant.apply import quantize_model
+    from llmopt.quant.outer import gptq_matrix, head_input_hessian
+    from llmopt.quant.streaming import quantize_streaming
+    from conftest import byte_tokenizer
+
+    model = tiny_llama(seed=4, tie_word_embeddings=tied)
+    src = save_model(model, tmp_path / "src")
+    calib = torch.randint(3, 259, (4, 48), generator=torch.Generator().manual_seed(2))
+    options = dict(calib_ids=calib, compute_dtype=None, batch_size=2, show_progress=False)
+    result = quantize_streaming(src, tmp_path / "q", "W4A16", "gptq", 32, ignore=(), tokenizer=byte_tokenizer(), check_memory=False,
+                                head="int4", embedding="int4" if tied else "float", **options)
+    assert "the output head was quantized by GPTQ on its calibration inputs" in result.notices
+    weights, _ = read_compressed(tmp_path / "q")
+    name = EMBED if tied else HEAD
+    saved = weights[name]
+    in_memory = copy.deepcopy(model)
+    done = quantize_model(in_memory, "W4A16", "gptq", 32, keep_final_hidden=True, **options)
+    assert done.final_hidden is not None and done.final_hidden.shape == (4, 48, 64)
+    hessian = head_input_hessian(in_memory, in_memory.state_dict(), done.final_hidden)
+    assert hessian.shape == (64, 64) and hessian.dtype == torch.float64
+    w = model.lm_head.weight.detach()
+    want = gptq_matrix(w, outer_scheme("int4"), hessian)
+    assert saved.codes.shape == w.shape
+    assert torch.equal(saved.codes, want.codes) and torch.equal(saved.scale, want.scale)
+    rtn = quantize_matrix(w, outer_scheme("int4"))
+
+    def output_error(qw) -> float:
+        e = (qw.dequantize() - w).double()
+        return float(((e @ hessian) * e).sum())
+
+    assert output_error(saved) < 0.9 * output_error(rtn)
+    if tied:  # one matrix for both roles, still tied
+        assert HEAD not in weights and json.loads((tmp_path / "q" / "config.json").read_text())["tie_word_embeddings"]

@@ -26,7 +26,8 @@ def plan_for(config: Any, source: Path, calib: torch.Tensor | None) -> tuple[dic
         from llmopt.checkpoints.models import load_model
 
         model, _ = load_model(source)
-        sens = measure_sensitivity(model, calib[: config.sensitivity_samples], seed=config.seed)
+        sens = measure_sensitivity(model, calib[: config.sensitivity_samples], seed=config.seed,
+                                   head_gptq=config.method != "rtn")
         del model
         seconds = decode_speeds(sens) if config.objective == "speed" else None
         try:
