@@ -87,7 +87,8 @@ def signature(scheme: QuantScheme | None) -> str:
     """What the kernels' speed depends on: bits, group size, symmetry (``float32`` for float)."""
     if scheme is None:
         return "float32"
-    return f"{scheme.weight_type}{scheme.num_bits}_g{scheme.group_size or 'row'}_{'sym' if scheme.symmetric else 'asym'}"
+    group = f"g{scheme.group_size}" if scheme.group_size else "row"
+    return f"{scheme.weight_type}{scheme.num_bits}_{group}_{'sym' if scheme.symmetric else 'asym'}"
 
 
 def _key(threads: int) -> str:
