@@ -299,16 +299,23 @@ def write_results(rows: list[dict], costs: list[dict] | None = None) -> None:
                   "|---|---|---|---|---|---|---|"]
         for c in costs:
             for pname, ph in c["passes"].items():
+                ratio = f"{ph['calibrate'] / ph['forward']:.2f}" if ph["forward"] else "one pass"
                 lines.append(f"| {c['name']} | {c.get('load', '–')} → {c.get('load_end', '–')} | {pname} | {ph['calibrate']} | "
-                             f"{ph['forward']} | {ph['calibrate'] / ph['forward']:.2f} | {round(ph['observe'] - ph['calibrate'], 2)} |")
+                             f"{ph['forward']} | {ratio} | {round(ph['observe'] - ph['calibrate'], 2)} |")
         lines.append("")
         for c in costs:
             final = "prune" if "prune" in c["passes"] else "quantize"
             last = c["passes"][final]
             profiles = [ph for pname, ph in c["passes"].items() if pname != final]
+            if not last["forward"]:  # one pass per layer: statistics, solves and the next inputs together
+                lines.append(f"- {c['name']}: one pass per layer, {last['calibrate']:.1f} s in all (statistics, solves and "
+                             "the forward that makes the next layer's inputs)")
+                continue
             stats = sum(ph["calibrate"] + ph["forward"] for ph in profiles) + last["calibrate"]
+            profile = "".join(f", of which the {pname} profile {ph['calibrate'] + ph['forward']:.1f} s = "
+                              f"{(ph['calibrate'] + ph['forward']) / last['forward']:.2f} ×" for pname, ph in c["passes"].items() if pname != final)
             lines.append(f"- {c['name']}: statistics {stats:.1f} s = {stats / last['forward']:.2f} × one calibration "
-                         f"forward pass ({last['forward']:.1f} s)")
+                         f"forward pass ({last['forward']:.1f} s){profile}")
     (RESULTS / f"{_name()}.md").write_text("\n".join(lines) + "\n")
     _plot(complete, [r for r in partial if r.get("params_full")])
 

@@ -195,14 +195,15 @@ def owl_outlier_ratios(
     model: nn.Module, calib_ids: torch.Tensor, m: float = 5.0, **run: Any
 ) -> list[float]:
     """OWL's outlier ratio of each decoder layer (Wanda scores of all its Linears > ``m`` × mean),
-    measured on the dense model through the sequential engine (nothing is modified)."""
+    measured on the dense model through the sequential engine. Nothing is modified, so the
+    observing run's outputs are the next layer's inputs: one forward per layer, no re-run."""
     ratios: list[float] = []
 
     def observe(index: int, layer: nn.Module, run_layer: Any) -> None:
         unfuse_experts(layer)
         mods = prunable(layer)
-        with LinearStats(mods, hessian=False, channel=True) as stats:
-            run_layer()
+        with LinearStats(mods, hessian=False, channel=True, stop_early=False) as stats:
+            run_layer(keep_outputs=True)
         seen = {n: mod for n, mod in mods.items() if _tokens_seen(stats, n) > 0}
         ratios.append(outlier_ratio([wanda_scores(mod.weight, stats.l2_norm(n)) for n, mod in seen.items()], m))
 

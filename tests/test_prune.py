@@ -184,6 +184,38 @@ def test_owl_profile_varies_layers_and_keeps_the_mean() -> None:
     assert s["layers"] == pytest.approx(s["layer_targets"], abs=0.01)
 
 
+def test_owl_outlier_ratios_equal_a_direct_dense_measurement() -> None:
+    """OWL's profile (one forward per layer, its outputs kept as the next inputs) gives the outlier
+    ratios of Wanda scores from the dense model's own activations, taken by hooks on one plain
+    forward of every calibration sequence."""
+    from llmopt.prune.sparsify import owl_outlier_ratios
+    from llmopt.prune.wanda import wanda_scores
+
+    model = tiny_llama(seed=5, num_hidden_layers=3)
+    ids = calib_ids()
+    sums: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and ".layers." in name:
+            def hook(m, args, _out, name=name):
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+                sums[name] = sums.get(name, 0) + x.pow(2).sum(0)
+            hooks.append(mod.register_forward_hook(hook))
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    want = []
+    for i, layer in enumerate(model.model.layers):
+        scores = [wanda_scores(m.weight, sums[f"model.layers.{i}.{n}"].sqrt().float())
+                  for n, m in linear_modules(layer).items()]
+        want.append(outlier_ratio(scores, 5.0))
+    got = owl_outlier_ratios(model, ids, 5.0, batch_size=4, compute_dtype=None, show_progress=False)
+    assert len(got) == 3 and len(want) == 3
+    assert got == pytest.approx(want, abs=2e-3)
+    assert max(want) > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # structured: width and depth
 
