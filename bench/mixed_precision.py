@@ -41,7 +41,8 @@ SEQ_LEN = 2048
 LLAMA_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K"}
 Q4_K_M_ANCHOR_BYTES = 105_453_824  # llama.cpp's Q4_K_M file of the demo model (shared/anchors), when llama.cpp is absent
 MODEL = "demo"  # --model (a small model for a smoke run)
-SENSITIVITY_VERSION = 2  # candidate formats int4 g128/g64/g32, int4 asym g32, int5/int6/int8 g32, int8; int4/5/6/8 head
+SENSITIVITY_VERSION = 3  # candidate formats int4 g128/g64/g32, int4 asym g32, int5/int6/int8 g32, int8; int4/5/6/8 head
+# (v3: a calibrated method's head priced as GPTQ stores it)
 
 
 def log(message: str) -> None:
@@ -60,19 +61,20 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def sensitivity(source: Path, samples: int, seq_len: int):
+def sensitivity(source: Path, samples: int, seq_len: int, head_gptq: bool):
+    """Per-tensor costs (cached); ``head_gptq``: the head priced as a calibrated method stores it."""
     from llmopt.checkpoints.models import load_model
     from llmopt.core.data import calibration_ids
     from llmopt.quant.sensitivity import Sensitivity, measure_sensitivity
 
-    cache = OUT / f"sensitivity-v{SENSITIVITY_VERSION}-{samples}x{seq_len}.json"
+    cache = OUT / f"sensitivity-v{SENSITIVITY_VERSION}-{samples}x{seq_len}{'-gptq-head' if head_gptq else ''}.json"
     if cache.exists():
         data = json.loads(cache.read_text())
         return Sensitivity.from_dict(data), data.get("seconds")
     model, tokenizer = load_model(source)
     ids, _ = calibration_ids(tokenizer, "austen", samples, seq_len, 0)
     start = time.perf_counter()
-    sens = measure_sensitivity(model, ids)
+    sens = measure_sensitivity(model, ids, head_gptq=head_gptq)
     seconds = time.perf_counter() - start
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({**sens.to_dict(), "seconds": seconds}))
@@ -238,7 +240,7 @@ def main() -> None:
 
     started = {"utc": datetime.now(timezone.utc).strftime("%H:%M:%S"), "load": load()}
     source = resolve_model(MODEL)
-    sens, sens_seconds = sensitivity(source, args.sens_samples, args.sens_seq_len)
+    sens, sens_seconds = sensitivity(source, args.sens_samples, args.sens_seq_len, head_gptq=args.method != "rtn")
     n_weights = sum(t.numel for t in sens.tensors) + sens.other_params
     log(f"sensitivity: {len(sens.tensors)} tensors, {sens.tokens} tokens, {sens_seconds:.0f} s")
     lc = llama_cpp_available()
@@ -270,9 +272,10 @@ def main() -> None:
                                                                      "head": "int4", "embedding": "int4"}}))
     rows += list(llama_rows.values())
     rows.append(("W8A16 rtn, int8 embedding/head", {"options": {"scheme": "W8A16", "method": "rtn", "head": "int8", "embedding": "int8"}}))
-    if m != "rtn":  # the same budget applied by RTN: the method's share of the gap
-        name = "auto rtn at Q4_K_M file size"
-        rows.append((name, plan_variant(sens, name, "rtn", 0, target_bpw=q4km_bpw, size="gguf")))
+    name = "auto rtn at Q4_K_M file size"
+    if m != "rtn" and (not args.only or name in args.only):  # the same budget applied by RTN: the method's share of the gap
+        sens_rtn, _ = sensitivity(source, args.sens_samples, args.sens_seq_len, head_gptq=False)
+        rows.append((name, plan_variant(sens_rtn, name, "rtn", 0, target_bpw=q4km_bpw, size="gguf")))
     for budget in args.budgets[2:]:
         name = f"auto {m} {budget} bpw"
         rows.append((name, plan_variant(sens, name, m, args.calib_samples, target_bpw=budget)))
@@ -386,7 +389,7 @@ def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> No
         "bpw = checkpoint bits (codes + 16-bit scales) over all weights; GGUF bpw = the `--type auto` GGUF file (or llama.cpp's "
         f"file) in bits over the {n_weights:,} weights. The Q4_K_M-size plans count GGUF block bits (`--size-of gguf`) with "
         f"a budget of {meta['q4km_target_gguf_bpw']} bits per weight: the {meta['q4km_bytes']:,}-byte Q4_K_M file less "
-        f"{meta['gguf_overhead_bytes']:,} bytes of metadata. Predicted KLD: the plan's summed per-tensor costs (RTN errors).",
+        f"{meta['gguf_overhead_bytes']:,} bytes of metadata. Predicted KLD: the plan's summed per-tensor costs (RTN errors for the Linears; for a calibrated method the head's exact KLD as GPTQ quantizes it, the way it is stored).",
         "",
         "| variant | bpw | GGUF MiB | GGUF bpw | predicted KLD | wiki KLD mean | wiki KLD p99 | wiki top-1 | wiki ppl | held-out KLD mean | held-out top-1 | held-out ppl | seconds | load before → after |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
