@@ -265,8 +265,17 @@ def write_results(rows: list[dict], costs: list[dict] | None = None) -> None:
             f"{ph['forward']} | {ph.get('calibrate', '–')} | {solve} | {ph['load']} |")
     lines += ["", "Linear fits of time against parameters (synthetic sizes; per method, wall and CPU time):", ""]
     for method, f in fit.items():
-        lines.append(f"- {method}: {f['slope_s_per_b']:.1f} s per billion parameters + {f['intercept_s']:.1f} s "
+        sign = "+" if f["intercept_s"] >= 0 else "−"
+        lines.append(f"- {method}: {f['slope_s_per_b']:.1f} s per billion parameters {sign} {abs(f['intercept_s']):.1f} s "
                      f"(R² {f['r2']:.3f}, {f['points']} sizes)")
+    for r in complete:
+        same = [p["partial"] for p in partial if p["model"] == r["model"] and p["method"] == r["method"]]
+        layers = r.get("phases_s", {}).get("layers")
+        if r["method"] == "gptq-w4" and same and layers and same[0].get("layer_wall_s"):
+            first = ", ".join(f"{w:.0f}" for w in same[0]["layer_wall_s"])
+            lines.append(f"- {r['model']} {r['method']}: {r['wall_s'] / layers:.0f} s per layer over all {layers} layers, as over "
+                         f"the first layers of its partial run ({first} s): no step grows with the number of layers; GPTQ's "
+                         "seconds per billion parameters rise with the width instead (each solve is cubic in a matrix's input width)")
     if partial:
         lines += ["", "## Partial runs (not completed): per-layer time and the projected full-depth total", "",
                   "Runs too long for this machine, measured over their first layers only (`--layers N`: a checkpoint "
