@@ -59,11 +59,9 @@ class Speculator:
         if isinstance(self.proposer, DraftProposer):
             forwards = self.proposer.propose(decoding, ks, self.engine.sampler.generator)
             self.draft_forwards += len(forwards)
-            for seqs, _rows, seconds in forwards:
-                # every forward counts, catch-ups included: a sequence that resumes drafting after
-                # plain steps (or a new prompt) makes the draft run its missed tokens first, and
-                # under load those forwards are a real part of what proposing costs
-                self.adaptive.observe_draft(seqs, seconds)
+            for seqs, rows, seconds in forwards:
+                if rows <= 2 * seqs:  # decode-like forwards (a prompt's catch-up is a one-time cost)
+                    self.adaptive.observe_draft(seqs, seconds)
         else:
             self.proposer.propose(decoding, ks)
             self.adaptive.observe_draft(max(sum(len(s.spec_tokens) for s in decoding), 1), time.perf_counter() - started)
