@@ -220,7 +220,7 @@ def report(result: dict) -> str:
         lines.append(f"- Demo model float32 tg128 (`llmopt bench demo`, as bench/e2e_speed.py): **{demo['this_run']:.1f} tok/s** "
                      f"this run (rounds: {', '.join(f'{x:.1f}' for x in demo['rounds'])}) vs {demo['e2e_speed_json']:.1f} "
                      f"recorded in bench/results/e2e_speed.json ({demo['this_run'] / demo['e2e_speed_json']:.2f}×; "
-                     "different load on the shared machine).")
+                     "that figure comes from another run, so this is not a same-run ratio).")
     if result["cannot_run"]:
         lines.append("- ¹ cannot run: " + "; ".join(f"{k}: {v}" for k, v in result["cannot_run"].items()))
     return "\n".join(lines) + "\n"
