@@ -303,3 +303,29 @@ def test_adaptive_k_gives_up_on_a_draft_that_never_agrees_and_returns_when_it_do
     assert ak.state(later).rate < 0.1 and _run_adaptive(ak, later, 1, lambda k: 0) == [0]
     ks = _run_adaptive(ak, seq, 200, lambda k: k)  # the text turns copyable: every proposal accepted
     assert ks.index(1) <= adaptive.PROBE_MAX and ks[-1] == 4
+
+
+def test_adaptive_k_waits_for_a_timed_step_and_never_probes_where_nothing_could_pay():
+    class Seq:
+        spec_state = None
+
+    ak = adaptive.AdaptiveK(4, draft_cost_ratio=0.3)
+    seq = Seq()
+    assert ak.choose(seq, 1) == 0  # no decode step timed yet: plain decoding
+    for rows in (1, 2, 4, 8, 16, 32) * 10:
+        ak.observe_step(rows, 0.015 + 0.004 * rows)  # a = 15 ms, b = 4 ms a row
+    # before any draft token is timed, a proposed token costs 0.3 one-row target steps (5.7 ms)
+    assert ak.best_k(1.0, 1) == 4 and ak.best_k(1.0, 32) == 0
+    ks = _run_adaptive(ak, seq, 200, lambda k: 0)  # batch 1: the draft never agrees, probes go on
+    assert len(ks) == 200 and 0 < sum(ks) <= 4 + 3 + 4 + 200 // adaptive.PROBE_EVERY
+    big = Seq()
+    ks = []
+    for _ in range(300):  # batch 32: even an always-right draft would not pay, so no probe at all
+        ks.append(ak.choose(big, 32))
+    assert len(ks) == 300 and set(ks) == {0}
+    assert ak.choose(big, 1) == 1  # the batch shrinks: the overdue probe is made at once
+    cheap = adaptive.AdaptiveK(4, draft_cost_ratio=0.3)
+    for rows in (1, 2, 4, 8, 16, 32) * 10:
+        cheap.observe_step(rows, 0.015 + 0.004 * rows)
+    cheap.observe_draft(10, 0.001)  # measured: 0.1 ms a token, which replaces the prior
+    assert cheap.best_k(1.0, 32) > 0

@@ -6,10 +6,14 @@ acceptance: accepted over proposed tokens, both exponentially decayed, starting 
 the acceptance of the engine's recent sequences, ``PRIOR_RATE`` before any), gains ``1 + r + r^2 + … + r^k`` tokens per step. The step costs
 the target forward of its ``1 + k`` rows plus k draft tokens; the target's step time is fitted
 online as ``a + b * rows`` (decode steps only, exponentially weighted), the draft's cost per
-proposed token is measured. k maximises tokens per second; k = 0 (plain decoding) when nothing
-beats it. A sequence at k = 0 tries one proposal again after ``PROBE_EVERY`` steps so a change
-in its text (a quoted passage begins) is noticed; each probe that is rejected doubles the wait (up
-to ``PROBE_MAX``), one that is accepted resets it, so a draft that never agrees costs almost nothing.
+proposed token is measured (until it is, it is taken as ``draft_cost_ratio`` times a one-row
+target step: the draft's share of the target's weight bytes). k maximises tokens per second; k = 0 (plain decoding) when nothing
+beats it. Until a first decode step has been timed, sequences decode plainly. A sequence at k = 0
+tries one proposal again after ``PROBE_EVERY`` steps so a change in its text (a quoted passage
+begins) is noticed; each probe that is rejected doubles the wait (up to ``PROBE_MAX``), one that is
+accepted resets it, so a draft that never agrees costs almost nothing. No probe is made while the
+batch is so large that even a draft accepted every time would not pay (verifying more rows then
+costs more than it saves): probing there would only pay a draft's catch-up over the whole prompt.
 """
 
 from __future__ import annotations
@@ -76,9 +80,10 @@ class StepCostModel:
 class AdaptiveK:
     """Chooses k per sequence and step from acceptance and measured costs."""
 
-    def __init__(self, k_max: int, enabled: bool = True) -> None:
+    def __init__(self, k_max: int, enabled: bool = True, draft_cost_ratio: float = 0.0) -> None:
         self.k_max = k_max
         self.enabled = enabled
+        self.draft_cost_ratio = draft_cost_ratio
         self.target = StepCostModel()
         self.draft_s0 = self.draft_sy = 0.0  # seconds per proposed token, weighted
         self.seen_proposed = self.seen_accepted = 0.0  # all sequences' counts, decayed: new ones' prior
@@ -93,11 +98,13 @@ class AdaptiveK:
         """k for ``seq`` in a step decoding ``batch`` sequences."""
         if not self.enabled:
             return self.k_max
+        if self.target.coefficients() is None:
+            return 0
         st = self.state(seq)
         k = self.best_k(st.rate, batch)
         if k == 0:
             st.idle_steps += 1
-            if st.idle_steps >= st.probe_every:
+            if st.idle_steps >= st.probe_every and self.best_k(1.0, batch) > 0:
                 st.idle_steps = 0
                 st.probing = True
                 return 1
@@ -110,7 +117,7 @@ class AdaptiveK:
         if fit is None:
             return self.k_max
         a, b = fit
-        draft = self.draft_sy / self.draft_s0 if self.draft_s0 else 0.0
+        draft = self.draft_sy / self.draft_s0 if self.draft_s0 else self.draft_cost_ratio * (a + b)
         base = a / max(batch, 1) + b
         plain = 1.0 / base
         best, best_value = 0, plain

@@ -4,6 +4,7 @@ keep the figures (acceptance, accepted length, draft and verify time)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,13 @@ from .ngram import NgramProposer
 from .rejection import Verdict, greedy_accept, verify
 
 
+def weight_bytes(path) -> int:
+    """Bytes of a checkpoint's weight files (a directory's safetensors, or one GGUF file)."""
+    path = Path(path)
+    files = [path] if path.is_file() else list(path.glob("*.safetensors")) + list(path.glob("*.gguf"))
+    return sum(f.stat().st_size for f in files)
+
+
 class Speculator:
     """Proposes tokens for the decoding sequences of ``engine`` and verifies them.
 
@@ -23,11 +31,13 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, engine, draft_engine=None) -> None:
         self.config = config
         self.engine = engine
+        ratio = 0.0
         if config.method == "draft":
             self.proposer = DraftProposer(draft_engine)
+            ratio = weight_bytes(draft_engine.path) / max(weight_bytes(engine.path), 1)
         else:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.adaptive = AdaptiveK(config.num_speculative_tokens, config.adaptive)
+        self.adaptive = AdaptiveK(config.num_speculative_tokens, config.adaptive, ratio)
         self.reset()
 
     def reset(self) -> None:
