@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+CODE = ("compress", "quant", "prune", "distill", "runtime", "recipes", "pyproject.toml")  # what the comparison is about
 CHILD = """
 import json, sys, torch
 from llmopt.runtime import LLMEngine
@@ -91,7 +92,7 @@ def main() -> None:
 
     commit = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip())
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE], cwd=ROOT, capture_output=True, text=True).stdout.strip())
     load_before = [round(x, 2) for x in os.getloadavg()]
     started = time.time()
     runs: dict[str, dict[str, list]] = {}
