@@ -23,10 +23,11 @@ namespace {
 using namespace llmopt_isa;  // kScalar, kAvx2, kAvx512
 enum Path : int64_t { kAuto = -1, kGemv = 0, kPanel = 1, kFloatGemv = 2 };
 constexpr int64_t kMinTaskMacs = 1 << 18;  // a few microseconds: smaller tasks cost more to hand out than to run
-// GEMV tasks stream at least this many weight bytes per activation row (about 50 us from memory):
-// waking a second thread costs tens of microseconds on a busy machine, more than a small decode
-// linear takes alone.
-constexpr int64_t kMinTaskBytes = 1 << 20;
+// GEMV tasks stream at least this many weight bytes per activation row; kMinTaskMacs bounds
+// them too (about 130 KB of int4 weights at 576 inputs). A lower bound than that changes nothing:
+// decoding a 135M int4 model with 1 MiB tasks (every decode linear on one thread) runs at 0.92x
+// the speed of 64 KiB tasks on a 2-core Zen 4 (bench/gemv_task_size.py).
+int64_t min_task_bytes = 1 << 16;  // set_min_task_bytes changes it (benchmarks)
 // Up to these many rows, the GEMVs (weights streamed once, unpacked in registers) beat the
 // dequantized panel; the integer GEMV holds four rows per pass with AVX-512, one with AVX2.
 constexpr int64_t kGemvRows = 4, kIntGemvRowsAvx512 = 16, kIntGemvRowsAvx2 = 2;
@@ -201,7 +202,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
   int64_t grain = std::max<int64_t>(1, kMinTaskMacs / std::max<int64_t>(1, 16 * K * M));
   if (gemv) {
     const int64_t tile_bytes = 16 * (Kp * 4 / vpl + groups * 4 * (w.offset ? 2 : 1));
-    grain = std::max(grain, kMinTaskBytes / std::max<int64_t>(1, tile_bytes * M));
+    grain = std::max(grain, min_task_bytes / std::max<int64_t>(1, tile_bytes * M));
   }
   const int64_t work_floats = std::max<int64_t>(K, lin::kWorkFloats);
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
@@ -226,5 +227,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "quantized linear on packed weights (see cpu_linear.h)", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("isa"), pybind11::arg("path"),
         pybind11::arg("out") = pybind11::none());
+  m.def("set_min_task_bytes", [](int64_t n) { min_task_bytes = std::max<int64_t>(1, n); },
+        "weight bytes per GEMV task below which a linear stays on one thread");
   m.def("supported_isas", &supported_isas, "instruction sets this CPU can run, slowest first");
 }
