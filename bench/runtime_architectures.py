@@ -152,7 +152,11 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--workdir", default=str(ROOT / "out" / "bench-architectures"))
     parser.add_argument("--skip-demo", action="store_true")
+    parser.add_argument("--render", action="store_true", help="only rewrite runtime_architectures.md from its json")
     args = parser.parse_args()
+    if args.render:
+        (RESULTS / "runtime_architectures.md").write_text(report(json.loads((RESULTS / "runtime_architectures.json").read_text())))
+        return
     torch.set_num_threads(args.threads)
     found, refused = engines(Path(args.workdir), args.threads)
     rates: dict[str, list[float]] = {label: [] for label in found}
@@ -221,6 +225,14 @@ def report(result: dict) -> str:
                      f"this run (rounds: {', '.join(f'{x:.1f}' for x in demo['rounds'])}) vs {demo['e2e_speed_json']:.1f} "
                      f"recorded in bench/results/e2e_speed.json ({demo['this_run'] / demo['e2e_speed_json']:.2f}×; "
                      "that figure comes from another run, so this is not a same-run ratio).")
+    regression = RESULTS / "runtime_regression.json"
+    if regression.is_file():  # the same-run check (bench/runtime_regression.py)
+        r = json.loads(regression.read_text())
+        compared = [row for row in r["rows"] if "tg_ratio" in row]
+        lines.append(f"- Same-run check against commit {r['baseline']} (bench/results/runtime_regression.md, {r['rounds']} "
+                     "alternating rounds): " + "; ".join(
+                         f"{row['model']} tg{r['tg']} {row['current']['tg_median']:.1f} vs {row['baseline']['tg_median']:.1f} tok/s "
+                         f"({row['tg_ratio']:.2f}×), pp{r['pp']} {row['pp_ratio']:.2f}×" for row in compared) + ".")
     if result["cannot_run"]:
         lines.append("- ¹ cannot run: " + "; ".join(f"{k}: {v}" for k, v in result["cannot_run"].items()))
     return "\n".join(lines) + "\n"
