@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    info = Path("/proc/cpuinfo")
+    for line in info.read_text().splitlines() if info.is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def log(message: str) -> None:

@@ -18,7 +18,7 @@ import platform
 import time
 from pathlib import Path
 
-from common import llmopt, run_variants
+from common import cpu_name, llmopt, run_variants
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -73,12 +73,6 @@ def measure(name: str, spec, windows: int, workdir: Path) -> dict:
         "date": time.strftime("%Y-%m-%d"), "load_average_at_start": round(load, 2), "cpu": cpu_name(),
     }
 
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def anchor_rows() -> list[str]:

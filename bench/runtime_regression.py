@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import cpu_name, log
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 CODE = ("compress", "quant", "prune", "distill", "runtime", "recipes", "pyproject.toml")  # what the comparison is about
@@ -35,10 +37,6 @@ engine = LLMEngine({model!r}, threads={threads})
 r = single_stream(engine, pp={pp}, tg={tg}, repetitions={reps})
 print("RESULT " + json.dumps({{"pp": r["pp{pp}_tok_s"], "tg": r["tg{tg}_tok_s"]}}))
 """
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def package_dirs(tree: Path) -> dict[str, str]:
@@ -133,13 +131,6 @@ def main() -> None:
     (args.out / "runtime_regression.md").write_text(render(result))
     print(render(result))
 
-
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo")
-    for line in info.read_text().splitlines() if info.is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def render(r: dict) -> str:

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -260,13 +261,6 @@ def main() -> None:
     (args.out / "speculative.md").write_text(render(result))
     print(render(result))
 
-
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo")
-    for line in info.read_text().splitlines() if info.is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def serving_engines(args, common: dict, plain, ngram=None) -> dict:
