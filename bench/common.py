@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import json
-import platform
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 
 def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
-    info = Path("/proc/cpuinfo")
-    for line in info.read_text().splitlines() if info.is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    """The CPU's model name, as the runtime records it with its measurements."""
+    from llmopt.runtime.format_speed import cpu_model
+
+    return cpu_model()
 
 
 def log(message: str) -> None:
