@@ -41,8 +41,8 @@ SEQ_LEN = 2048
 LLAMA_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K"}
 Q4_K_M_ANCHOR_BYTES = 105_453_824  # llama.cpp's Q4_K_M file of the demo model (shared/anchors), when llama.cpp is absent
 MODEL = "demo"  # --model (a small model for a smoke run)
-SENSITIVITY_VERSION = 3  # candidate formats int4 g128/g64/g32, int4 asym g32, int5/int6/int8 g32, int8; int4/5/6/8 head
-# (v3: a calibrated method's head priced as GPTQ stores it)
+SENSITIVITY_VERSION = 4  # candidate formats int4 g128/g64/g32, int4 / int5 asym g32, int5/int6/int8 g32, int8; int4/5/6/8 head
+# (v3: a calibrated method's head priced as GPTQ stores it; v4: int5 asym g32)
 
 
 def log(message: str) -> None:
@@ -223,7 +223,7 @@ def main() -> None:
     global MODEL, RESULTS, OUT
     parser = argparse.ArgumentParser()
     parser.add_argument("--windows", type=int, default=2)
-    parser.add_argument("--method", default="gptq", choices=["rtn", "gptq"])
+    parser.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq+gptq"])
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--budgets", type=float, nargs="*", default=[4.85, 4.5, 5.5, 4.0])
     parser.add_argument("--llama-types", nargs="*", default=["Q4_K_M", "Q4_0", "Q6_K"])

@@ -258,8 +258,8 @@ def quantize_model(
         raise ValueError("no Linear layers left to quantize: the ignore patterns match all of them")
     group_sizes, notices = resolve_group_sizes(targets, scheme, strict_groups)
     if plan is not None:
-        if "awq" in method or "smoothquant" in method:
-            raise ValueError(f"a per-layer plan takes methods rtn or gptq, not {method}")
+        if "smoothquant" in method:
+            raise ValueError(f"a per-layer plan takes methods rtn, gptq, awq or awq+gptq, not {method}")
         targets = {n: m for n, m in targets.items() if n in plan}
         group_sizes = {n: plan[n].group_size for n in targets}
         notices = []
@@ -347,9 +347,9 @@ def _quantize_calibrated(
             if use_smooth:
                 found = smoothquant_apply_layer(mappings, stats, opts.smooth_alpha)
             else:
-                found = awq_apply_layer(mappings, stats, opts.scheme, group_sizes, set(calibrated), opts.awq_grid)
+                found = awq_apply_layer(mappings, stats, opts.scheme, group_sizes, set(calibrated), opts.awq_grid, opts.schemes)
                 if opts.awq_clip:
-                    awq_clip_layer(calibrated, stats, opts.scheme, group_sizes)
+                    awq_clip_layer(calibrated, stats, opts.scheme, group_sizes, schemes=opts.schemes)
             for r in found:
                 r.name = f"{prefix}{r.name}"
             result.mappings.extend(found)

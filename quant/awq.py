@@ -61,25 +61,28 @@ def awq_search_scale(
     group_sizes: Mapping[str, int | None],
     targets: set[str],
     n_grid: int = 20,
+    schemes: Mapping[str, QuantScheme] | None = None,
 ) -> tuple[torch.Tensor, AwqMappingResult]:
     """Best producer-channel scale for ``mapping`` over ``α = i/(n_grid-1)``, i = 0…n_grid-1.
 
-    Only consumers in ``targets`` (the Linears that will be quantized) enter the loss.
+    Only consumers in ``targets`` (the Linears that will be quantized) enter the loss, each with
+    its own scheme from ``schemes`` (a mixed-precision plan) or else ``scheme``.
     """
+    schemes = schemes or {}
     names = [n for n in mapping.linears if n in targets and stats.has(n)]
     x_mean = mapping.reduce(stats.pooled_abs_mean(names), "mean").clamp(min=1e-5)
-    # Consumers sharing one input (and group size) are evaluated as one row-stacked matrix.
-    by_input: dict[int, list[str]] = {}
+    # Consumers sharing one input, scheme and group size are evaluated as one row-stacked matrix.
+    by_input: dict[tuple, list[str]] = {}
     for n in names:
-        by_input.setdefault(id(stats.stats(n)), []).append(n)
+        by_input.setdefault((id(stats.stats(n)), schemes.get(n, scheme), group_sizes[n]), []).append(n)
     parts = []
-    for group in by_input.values():
+    for (_, part_scheme, gs), group in by_input.items():
         w = torch.cat([mapping.linears[n].weight.detach().float() for n in group], dim=0)
-        parts.append((w, stats.hessian(group[0]).float(), group_sizes[group[0]]))
+        parts.append((w, stats.hessian(group[0]).float(), part_scheme, gs))
 
     def loss(s: torch.Tensor | None) -> float:
         se = None if s is None else mapping.expand(s)
-        return sum(quantization_output_error(w, h, scheme, gs, se) for w, h, gs in parts)
+        return sum(quantization_output_error(w, h, part_scheme, gs, se) for w, h, part_scheme, gs in parts)
 
     base = loss(None)
     best_loss, best_alpha = base, 0.0
@@ -101,13 +104,14 @@ def awq_apply_layer(
     group_sizes: Mapping[str, int | None],
     targets: set[str],
     n_grid: int = 20,
+    schemes: Mapping[str, QuantScheme] | None = None,
 ) -> list[AwqMappingResult]:
     """Search and fold the scales of each mapping in turn, keeping ``stats`` consistent."""
     results = []
     for mapping in mappings:
         if not any(n in targets and stats.has(n) for n in mapping.linears):
             continue  # nothing calibrated behind it (an expert no token was routed to)
-        s, res = awq_search_scale(mapping, stats, scheme, group_sizes, targets, n_grid)
+        s, res = awq_search_scale(mapping, stats, scheme, group_sizes, targets, n_grid, schemes)
         if res.alpha > 0:
             mapping.fold(s)
             stats.scale_inputs(mapping.consumers, mapping.expand(s))
@@ -124,15 +128,19 @@ def awq_clip_layer(
     skip: tuple[str, ...] = ("q_proj", "k_proj"),
     n_grid: int = 20,
     max_shrink: float = 0.5,
+    schemes: Mapping[str, QuantScheme] | None = None,
 ) -> None:
-    """AWQ auto-clip: clamp each weight (row, group) to the range minimising its output error.
+    """AWQ auto-clip: clamp each weight (row, group) to the range minimising its output error
+    under its scheme (``schemes``, else ``scheme``).
 
     q/k projections are skipped as in AWQ (their error is reshaped by the softmax).
     """
+    schemes = schemes or {}
     for name, module in modules.items():
         if name.rsplit(".", 1)[-1] in skip:
             continue
         w = module.weight.data
         gs = group_sizes[name]
-        ratio = search_clip_ratio(w, scheme, gs, stats.hessian(name), n_grid, max_shrink)
-        w.copy_(clamp_to_ratio(w, scheme, gs, ratio))
+        own = schemes.get(name, scheme)
+        ratio = search_clip_ratio(w, own, gs, stats.hessian(name), n_grid, max_shrink)
+        w.copy_(clamp_to_ratio(w, own, gs, ratio))

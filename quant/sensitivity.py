@@ -30,10 +30,10 @@ from llmopt.quant.outer import EMBED, HEAD, outer_scheme, quantize_head
 
 # candidate formats of a decoder Linear: name → (bits, group size (None: one scale per row),
 # symmetric). The GGUF block type each is exported to without rounding again is in
-# ``gguf_bits``; int4a is asymmetric (a zero point per group: GGUF Q4_1).
+# ``gguf_bits``; int4a / int5a are asymmetric (a zero point per group: GGUF Q4_1 / Q5_1).
 LINEAR_FORMATS: dict[str, tuple[int, int | None, bool]] = {
     "int4_g128": (4, 128, True), "int4_g64": (4, 64, True), "int4_g32": (4, 32, True), "int4a_g32": (4, 32, False),
-    "int5_g32": (5, 32, True), "int6_g32": (6, 32, True), "int8_g32": (8, 32, True), "int8": (8, None, True),
+    "int5_g32": (5, 32, True), "int5a_g32": (5, 32, False), "int6_g32": (6, 32, True), "int8_g32": (8, 32, True), "int8": (8, None, True),
 }
 OUTER_FORMATS = ("int4", "int5", "int6", "int8")
 FLOAT = "float"

@@ -166,8 +166,8 @@ def test_predicted_costs_track_true_kld():
     assert "lm_head" in names and "model.embed_tokens" in names and len(names) == 2 * 7 + 2
     linear = sens.tensors[0]
     assert linear.kind == "linear" and set(linear.gguf) == set(linear.bits) == set(linear.costs)
-    assert [linear.gguf[f] for f in ("int4_g128", "int4_g32", "int4a_g32", "int5_g32", "int6_g32", "int8", "float")] == \
-        [4.5, 4.5, 5.0, 5.5, 8.5, 8.5, 16.0]
+    assert [linear.gguf[f] for f in ("int4_g128", "int4_g32", "int4a_g32", "int5_g32", "int5a_g32", "int6_g32", "int8", "float")] == \
+        [4.5, 4.5, 5.0, 5.5, 6.0, 8.5, 8.5, 16.0]
     # more bits, less error: each width's cost below the narrower one's
     assert linear.costs["int8_g32"] < linear.costs["int6_g32"] < linear.costs["int5_g32"] < linear.costs["int4_g32"]
     with torch.no_grad():
@@ -246,7 +246,7 @@ def test_auto_checkpoint_loads_and_plan_is_reused(tmp_path, calib_text):
     (["--scheme", "W4A16", "--target-bpw", "5"], "only apply to --scheme AUTO"),
     (["--scheme", "W4A16", "--size-of", "gguf"], "only apply to --scheme AUTO"),
     (["--scheme", "AUTO", "--plan", "missing.json", "--size-of", "gguf"], "--plan reuses a plan"),
-    (["--scheme", "AUTO", "--target-bpw", "5", "--method", "awq"], "rtn or gptq"),
+    (["--scheme", "AUTO", "--target-bpw", "5", "--method", "smoothquant"], "not smoothquant"),
     (["--scheme", "AUTO", "--target-bpw", "5", "--head", "int8"], "chooses the head"),
     (["--scheme", "AUTO", "--plan", "missing.json"], "does not exist"),
     (["--scheme", "W4A16", "--objective", "speed"], "only apply to --scheme AUTO"),
@@ -261,10 +261,10 @@ def test_bad_auto_options(tmp_path, args, message):
 
 
 EXPECTED_GGUF = {"int4_g128": "Q4_0", "int4_g64": "Q4_0", "int4_g32": "Q4_0", "int4a_g32": "Q4_1", "int5_g32": "Q5_0",
-                 "int6_g32": "Q8_0", "int8_g32": "Q8_0", "int8": "Q8_0", "int5": "Q5_0"}
+                 "int5a_g32": "Q5_1", "int6_g32": "Q8_0", "int8_g32": "Q8_0", "int8": "Q8_0", "int5": "Q5_0"}
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq+gptq"])
 def test_every_format_saved_loaded_run_and_exported(tmp_path, calib_text, method):
     """A plan using every candidate format (and an int5 tied embedding/head): the codes saved are
     on each format's grid, our loader and the runtime agree, and the GGUF export carries each

@@ -357,10 +357,16 @@ def test_a_norm_of_unknown_form_is_not_folded() -> None:
     assert notices == ["model.layers.0.input_layernorm→q/k/v: the norm does not scale by its weight (or 1 + weight); not rescaled"]
 
 
-def test_awq_loss_matches_activations_and_never_increases() -> None:
+@pytest.mark.parametrize("mixed", [False, True])
+def test_awq_loss_matches_activations_and_never_increases(mixed: bool) -> None:
+    """The search's losses equal the output errors recomputed from the recorded activations,
+    each Linear under its own scheme when a mixed-precision plan gives one per Linear."""
+    from llmopt.formats.schemes import int_weight_scheme
+
     model = tiny_model(1)
     ids = calib_ids(8, 16)
     scheme = get_scheme("W4A16", 16)
+    others = [int_weight_scheme(5, 16, False), int_weight_scheme(8, 16), int_weight_scheme(4, 16, False)]
     checked = []
 
     def layer_fn(index, layer, run):
@@ -374,8 +380,9 @@ def test_awq_loss_matches_activations_and_never_increases() -> None:
             g.remove()
         mappings, _ = layer_mappings(layer)
         gsz = {n: 16 for n in mods}
+        schemes = {n: others[i % len(others)] for i, n in enumerate(sorted(mods))} if mixed else {}
         for mapping in mappings:
-            s, res = awq_search_scale(mapping, stats, scheme, gsz, set(mods))
+            s, res = awq_search_scale(mapping, stats, scheme, gsz, set(mods), schemes=schemes)
             assert res.loss <= res.loss_unscaled
             # Recompute both losses directly from the recorded activations.
             direct = {}
@@ -385,7 +392,7 @@ def test_awq_loss_matches_activations_and_never_increases() -> None:
                     x = torch.cat(xs[n]).reshape(-1, lin.in_features)
                     w = lin.weight.detach()
                     ws = w if scale is None else w * scale
-                    wq = rtn_quantize_weight(ws, scheme, 16).dequantize()
+                    wq = rtn_quantize_weight(ws, schemes.get(n, scheme), 16).dequantize()
                     if scale is not None:
                         wq = wq / scale
                     total += out_err(x, w, wq) * 2 / x.shape[0]

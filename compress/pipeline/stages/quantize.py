@@ -22,6 +22,7 @@ from llmopt.pipeline.stages.evaluate import evaluate_output
 
 NF4 = "NF4"
 AUTO = "AUTO"
+AUTO_METHODS = ("rtn", "gptq", "awq", "awq+gptq")  # weight-only methods that take a scheme per Linear
 CALIBRATION_DEFAULTS = {"calib": "austen", "calib_samples": 128, "calib_seq_len": 512}
 
 
@@ -139,8 +140,9 @@ class QuantizeConfig:
         if len(given) != 1:
             raise LlmoptError("--scheme AUTO takes exactly one of --target-bpw, --target-kld and --plan",
                               "e.g. --scheme AUTO --target-bpw 4.85")
-        if self.method not in ("rtn", "gptq"):
-            raise LlmoptError(f"--scheme AUTO quantizes with rtn or gptq, not {self.method}", "use --method gptq")
+        if self.method not in AUTO_METHODS:
+            raise LlmoptError(f"--scheme AUTO quantizes with {', '.join(AUTO_METHODS)}, not {self.method}",
+                              "use --method gptq (or awq+gptq)")
         if self.head != "float" or self.embedding != "float" or self.group_size is not None:
             raise LlmoptError("--scheme AUTO chooses the head, embedding and group sizes itself",
                               "drop --head / --embedding / --group-size")
