@@ -85,13 +85,25 @@ def quantize(name: str, **options) -> tuple[Path, float | None]:
     from llmopt.pipeline.stages.quantize import QuantizeConfig, run_quantize
 
     out = OUT / name.replace(" ", "_")
-    if (out / "config.json").exists():
+    if (out / "config.json").exists() and _same_quantization(out, options):
         return out, json.loads((out / "llmopt.json").read_text()).get("quantize_seconds")
     start = time.perf_counter()
     run_quantize(QuantizeConfig(model=MODEL, output=str(out), overwrite=True, **options))
     seconds = time.perf_counter() - start
     log(f"{name}: quantized in {seconds:.0f} s")
     return out, round(seconds, 1)
+
+
+def _same_quantization(out: Path, options: dict) -> bool:
+    """Whether a checkpoint left by an earlier run was made with ``options``: the same method,
+    calibration windows and (for a plan) formats; otherwise it is quantized again."""
+    record = json.loads((out / "llmopt.json").read_text())
+    samples = (record.get("calibration") or {}).get("samples")
+    if record.get("method") != options.get("method", "rtn") or samples != options.get("calib_samples"):
+        return False
+    if "plan" in options:
+        return (record.get("plan") or {}).get("formats") == json.loads(Path(options["plan"]).read_text())["formats"]
+    return True
 
 
 def baseline(dataset: str, windows: int):
@@ -224,7 +236,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq+gptq"])
-    parser.add_argument("--calib-samples", type=int, default=16)
+    parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--budgets", type=float, nargs="*", default=[4.85, 4.5, 5.5, 4.0])
     parser.add_argument("--llama-types", nargs="*", default=["Q4_K_M", "Q4_0", "Q6_K"])
     parser.add_argument("--sens-samples", type=int, default=4)
