@@ -41,7 +41,7 @@ SEQ_LEN = 2048
 LLAMA_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K"}
 Q4_K_M_ANCHOR_BYTES = 105_453_824  # llama.cpp's Q4_K_M file of the demo model (shared/anchors), when llama.cpp is absent
 MODEL = "demo"  # --model (a small model for a smoke run)
-SENSITIVITY_VERSION = 4  # candidate formats int4 g128/g64/g32, int4 / int5 asym g32, int5/int6/int8 g32, int8; int4/5/6/8 head
+SENSITIVITY_VERSION = 5  # candidate formats int4 g128/g64/g32, int4 / int5 asym g32, nl4 g32, int5/int6/int8 g32, int8; int4/nl4/5/6/8 head
 # (v3: a calibrated method's head priced as GPTQ stores it; v4: int5 asym g32)
 
 
@@ -277,6 +277,11 @@ def main() -> None:
     for budget in args.budgets[:2]:
         name = f"auto {m} {budget} bpw"
         rows.append((name, plan_variant(sens, name, m, args.calib_samples, target_bpw=budget)))
+    for i, budget in enumerate(args.budgets[:2]):  # the same budgets counted in the GGUF file's block bits (nl4: IQ4_NL)
+        name = f"auto {m} {budget} GGUF bpw"
+        rows.append((name, plan_variant(sens, name, m, args.calib_samples, target_bpw=budget, size="gguf")))
+        if lc and i == 0:
+            rows.append((f"llama.cpp runs {name}", {"llama_on": name}))
     llama_rows = {t: (f"llama.cpp {t}", {"llama": t}) for t in args.llama_types if t != "Q4_K_M" and t in files}
     if "Q4_0" in llama_rows:
         rows.append(llama_rows.pop("Q4_0"))
@@ -401,7 +406,8 @@ def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> No
         "bpw = checkpoint bits (codes + 16-bit scales) over all weights; GGUF bpw = the `--type auto` GGUF file (or llama.cpp's "
         f"file) in bits over the {n_weights:,} weights. The Q4_K_M-size plans count GGUF block bits (`--size-of gguf`) with "
         f"a budget of {meta['q4km_target_gguf_bpw']} bits per weight: the {meta['q4km_bytes']:,}-byte Q4_K_M file less "
-        f"{meta['gguf_overhead_bytes']:,} bytes of metadata. Predicted KLD: the plan's summed per-tensor costs (RTN errors for the Linears; for a calibrated method the head's exact KLD as GPTQ quantizes it, the way it is stored).",
+        f"{meta['gguf_overhead_bytes']:,} bytes of metadata; the `GGUF bpw` plans count the same block bits against their "
+        "budget (tensor data only, as a format's nominal bits per weight; nl4 at 4.5 as IQ4_NL, norms at F32). Predicted KLD: the plan's summed per-tensor costs (RTN errors for the Linears; for a calibrated method the head's exact KLD as GPTQ quantizes it, the way it is stored).",
         "",
         "| variant | bpw | GGUF MiB | GGUF bpw | predicted KLD | wiki KLD mean | wiki KLD p99 | wiki top-1 | wiki ppl | held-out KLD mean | held-out top-1 | held-out ppl | seconds | load before → after |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",

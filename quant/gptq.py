@@ -18,6 +18,7 @@ from llmopt.formats.schemes import (
     QuantizedWeight,
     QuantScheme,
     compute_qparams,
+    round_to_grid,
     search_qparams,
 )
 
@@ -330,6 +331,9 @@ def _quantize_row(
     :func:`~.formats.quantize` / :func:`~.formats.dequantize` compute them."""
     if scheme.is_float:
         code = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        return code, code * scale
+    if scheme.grid is not None:
+        code = round_to_grid(w / scale, scheme.grid)
         return code, code * scale
     code = torch.round(w / scale)
     if zp is None:

@@ -3,7 +3,8 @@
 Formats (``OUTER_CHOICES``): ``int8`` — one scale per row, symmetric (W8A16's rule, the
 runtime's int8 head kernels, GGUF Q8_0 exactly); ``int6`` / ``int5`` / ``int4`` — symmetric
 groups of 32 along the row (int5: GGUF Q5_0 exactly, int4: W4A16 g32 and Q4_0 exactly, int6:
-Q8_0 blocks holding 6-bit codes). Scales are chosen by a per-(row, group) clipping search
+Q8_0 blocks holding 6-bit codes); ``nl4`` — groups of 32 on llama.cpp's non-uniform IQ4_NL grid
+(int8 codes in a checkpoint, GGUF IQ4_NL exactly: 4.5 bits, far more accurate than int4). Scales are chosen by a per-(row, group) clipping search
 (least squared error, weighted by the per-column input energy when a Hessian diagonal of the
 head's input is given).
 
@@ -19,10 +20,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from llmopt.formats.schemes import QuantizedWeight, QuantScheme, get_scheme, int_weight_scheme, search_qparams
+from llmopt.formats.schemes import (
+    IQ4_NL_GRID,
+    QuantizedWeight,
+    QuantScheme,
+    get_scheme,
+    grid_scheme,
+    int_weight_scheme,
+    search_qparams,
+)
 from llmopt.quant.gptq import gptq_quantize_weight
 
-OUTER_CHOICES = ("float", "int8", "int6", "int5", "int4")
+OUTER_CHOICES = ("float", "int8", "int6", "int5", "nl4", "int4")
 OUTER_GROUP = 32  # the group size of the grouped embedding/head formats
 HEAD_GPTQ_ROWS = 8192  # rows of the head solved at once (two float32 copies of them at a time)
 EMBED = "model.embed_tokens"
@@ -37,6 +46,8 @@ def outer_scheme(kind: str) -> QuantScheme | None:
         return get_scheme("W8A16")
     if kind in ("int6", "int5", "int4"):
         return int_weight_scheme(int(kind[3:]), OUTER_GROUP)
+    if kind == "nl4":
+        return grid_scheme(IQ4_NL_GRID, OUTER_GROUP)
     raise ValueError(f"unknown embedding/head format {kind!r}: choose one of {', '.join(OUTER_CHOICES)}")
 
 

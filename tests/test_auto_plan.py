@@ -261,13 +261,14 @@ def test_bad_auto_options(tmp_path, args, message):
 
 
 EXPECTED_GGUF = {"int4_g128": "Q4_0", "int4_g64": "Q4_0", "int4_g32": "Q4_0", "int4a_g32": "Q4_1", "int5_g32": "Q5_0",
-                 "int5a_g32": "Q5_1", "int6_g32": "Q8_0", "int8_g32": "Q8_0", "int8": "Q8_0", "int5": "Q5_0"}
+                 "int5a_g32": "Q5_1", "int6_g32": "Q8_0", "int8_g32": "Q8_0", "int8": "Q8_0", "int5": "Q5_0",
+                 "nl4_g32": "IQ4_NL", "nl4": "IQ4_NL"}
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq+gptq"])
 def test_every_format_saved_loaded_run_and_exported(tmp_path, calib_text, method):
-    """A plan using every candidate format (and an int5 tied embedding/head): the codes saved are
-    on each format's grid, our loader and the runtime agree, and the GGUF export carries each
+    """A plan using every candidate format (and an int5 or nl4 tied embedding/head): the codes saved
+    are on each format's grid, our loader and the runtime agree, and the GGUF export carries each
     tensor's codes in the block type of its format."""
     from gguf import GGUFReader
     from llmopt.formats.gguf_export import export_gguf
@@ -277,7 +278,7 @@ def test_every_format_saved_loaded_run_and_exported(tmp_path, calib_text, method
     src = save_model(model, tmp_path / "src")
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     formats = {n: list(LINEAR_FORMATS)[i % len(LINEAR_FORMATS)] for i, n in enumerate(names)}
-    formats["model.embed_tokens"] = "int5"
+    formats["model.embed_tokens"] = "nl4" if method == "gptq" else "int5"
     shapes = {n: list(model.get_submodule(n).weight.shape) for n in formats}
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"formats": formats, "shapes": shapes, "kinds": {"model.embed_tokens": "tied"}}))
@@ -293,6 +294,9 @@ def test_every_format_saved_loaded_run_and_exported(tmp_path, calib_text, method
         assert int(qw.codes.min()) >= scheme.qmin and int(qw.codes.max()) <= scheme.qmax, name
         if scheme.num_bits > 4:  # the extra levels are used
             assert int(qw.codes.min()) < -8 or int(qw.codes.max()) > 7, name
+        if scheme.grid is not None:  # every code on the grid, and most of the grid used
+            assert set(qw.codes.unique().tolist()) <= set(scheme.grid), name
+            assert len(qw.codes.unique()) >= 12, name
     ours = load_dequantized(tmp_path / "q")
     for name in names:
         assert torch.equal(ours.get_submodule(name).weight.data, weights[name].dequantize()), name
@@ -311,7 +315,7 @@ def test_every_format_saved_loaded_run_and_exported(tmp_path, calib_text, method
     report = export_gguf(tmp_path / "q", tmp_path / "q.gguf")
     assert all(v["codes_identical"] for v in report.by_type.values() if v["codes_identical"] is not None)
     types = {t.name: t.tensor_type.name for t in GGUFReader(str(tmp_path / "q.gguf")).tensors}
-    assert types["token_embd.weight"] == "Q5_0" and "output.weight" not in types
+    assert types["token_embd.weight"] == EXPECTED_GGUF[formats["model.embed_tokens"]] and "output.weight" not in types
     gguf_names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                   "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
     for name in names:

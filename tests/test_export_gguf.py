@@ -38,7 +38,8 @@ SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
 TEXT = "the cat sat on the mat. <|im_start|>user\nhello there<|im_end|>"
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 # Largest error relative to each tensor's largest |weight| we accept per type (random N(0, 0.15) weights).
-REL_BOUND = {"F32": 0.0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q6_K": 4e-2, "Q4_K": 0.12, "Q4_1": 0.12, "Q4_0": 0.15}
+REL_BOUND = {"F32": 0.0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q6_K": 4e-2, "Q4_K": 0.12, "Q4_1": 0.12, "Q4_0": 0.15,
+             "IQ4_NL": 0.12}
 
 
 def chat_tokenizer():
@@ -158,7 +159,7 @@ def hf_name(name: str) -> str:
 # Round trips from a dense checkpoint
 
 
-@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q4_K", "Q6_K"])
 def test_round_trip_each_type(dense_dir, source_state, tmp_path, qtype):
     out = tmp_path / f"m-{qtype}.gguf"
     report = export_gguf(dense_dir, out, qtype)
@@ -173,12 +174,13 @@ def test_round_trip_each_type(dense_dir, source_state, tmp_path, qtype):
         src = source_state[hf_name(name)].float().numpy()
         assert w.shape == src.shape, name
         rel = np.abs(w - src).max() / np.abs(src).max()
-        expected = "F32" if w.ndim == 1 else ("Q6_K" if name == "output.weight" and qtype in ("Q4_0", "Q4_1", "Q4_K") else qtype)
+        expected = "F32" if w.ndim == 1 else ("Q6_K" if name == "output.weight" and qtype in ("Q4_0", "Q4_1", "IQ4_NL", "Q4_K") else qtype)
         assert t.tensor_type.name == expected, name
         assert rel <= REL_BOUND[expected] + 1e-7, (name, rel)
     # The report's own read-back agrees with the independent one.
     assert report.by_type[qtype]["max_rel_err"] <= REL_BOUND[qtype] + 1e-7
-    assert field(out, "general.file_type") == {"F32": 0, "F16": 1, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 14, "Q6_K": 18}[qtype]
+    assert field(out, "general.file_type") == {"F32": 0, "F16": 1, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "IQ4_NL": 25,
+                                               "Q4_K": 14, "Q6_K": 18}[qtype]
 
 
 def test_auto_is_lossless_for_dense(tmp_path):
@@ -369,6 +371,30 @@ def test_narrow_codes_carried_exactly(tmp_path, bits, symmetric, qtype):
         assert np.array_equal(codes, qw.codes.numpy())
 
 
+def test_nl4_grid_codes_carried_as_iq4_nl(tmp_path):
+    """int8 codes on the IQ4_NL grid (our nl4 format) go to IQ4_NL blocks unchanged: the grid
+    indices decoded here give our codes, and gguf's own dequantizer gives our dequantized weights
+    bit for bit (fp16 scales, some of them negative). Plain int8 codes stay Q8_0."""
+    from llmopt.formats.schemes import IQ4_NL_GRID, grid_scheme
+
+    weights = quantized_dir(tmp_path / "nl", grid_scheme(IQ4_NL_GRID, 32), 32, fp16_scales=True)
+    qw = weights["model.layers.0.mlp.gate_proj"]
+    assert set(qw.codes.unique().tolist()) == set(IQ4_NL_GRID)
+    assert (qw.scale < 0).any() and (qw.scale > 0).any()
+    report = export_gguf(tmp_path / "nl", tmp_path / "nl.gguf")
+    t = read_tensors(tmp_path / "nl.gguf")["blk.0.ffn_gate.weight"]
+    assert t.tensor_type == T.IQ4_NL
+    assert report.by_type["IQ4_NL"]["codes_identical"] is True and report.by_type["IQ4_NL"]["tensors"] == 14
+    b = np.ascontiguousarray(t.data).reshape(-1, 18)
+    index = np.concatenate([b[:, 2:] & 15, b[:, 2:] >> 4], axis=1)
+    assert np.array_equal(np.array(IQ4_NL_GRID)[index].reshape(qw.codes.shape), qw.codes.numpy())
+    got, want = values(t), qw.dequantize().numpy()
+    assert got.shape == want.shape and np.array_equal(got, want)
+    plain = quantized_dir(tmp_path / "w8", QuantScheme("W8A16", 8, group_size=32), 32, fp16_scales=True)
+    assert not set(plain["model.layers.0.mlp.gate_proj"].codes.unique().tolist()) <= set(IQ4_NL_GRID)
+    assert "IQ4_NL" not in export_gguf(tmp_path / "w8", tmp_path / "w8.gguf").by_type
+
+
 def test_auto_without_exact_mapping_and_unmappable_types(tmp_path):
     quantized_dir(tmp_path / "fp8", get_scheme("FP8"), None)
     report = export_gguf(tmp_path / "fp8", tmp_path / "fp8.gguf")
@@ -518,7 +544,7 @@ def _quantized_mixed(path: Path, schemes: list[QuantScheme]) -> Path:
 
 
 def test_mixed_gguf_runs_in_llama_cpp(tmp_path, monkeypatch):
-    """A checkpoint mixing int4 / int4 asymmetric / int5 / int5 asymmetric / int6 / int8 Linears,
+    """A checkpoint mixing int4 / int4 asymmetric / int5 / int5 asymmetric / int6 / int8 / nl4 Linears,
     exported with ``--type auto``, run by llama.cpp itself: its log-probabilities are as close to
     our dequantized model's as those of the same model with every Linear int8 (Q8_0, an exact
     mapping tested above). llama.cpp rounds activations to 8-bit blocks in quantized dot products
@@ -527,7 +553,7 @@ def test_mixed_gguf_runs_in_llama_cpp(tmp_path, monkeypatch):
     llama_cpp = pytest.importorskip("llama_cpp")
     from llama_cpp import llama_cpp as c_api
     from llmopt.formats.compressed import load_dequantized
-    from llmopt.formats.schemes import int_weight_scheme
+    from llmopt.formats.schemes import IQ4_NL_GRID, grid_scheme, int_weight_scheme
 
     default_params = c_api.llama_model_default_params
 
@@ -554,6 +580,7 @@ def test_mixed_gguf_runs_in_llama_cpp(tmp_path, monkeypatch):
     ref_kld, _, ref_types = compare([get_scheme("W8A16")], "int8")
     assert ref_types == {"Q8_0", "F16", "F32"} and 0 < ref_kld < 0.02
     kld, top1, types = compare([int_weight_scheme(4, 32), int_weight_scheme(4, 32, False), int_weight_scheme(5, 32),
-                                int_weight_scheme(6, 32), get_scheme("W8A16"), int_weight_scheme(5, 32, False)], "mixed")
-    assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"} <= types
+                                int_weight_scheme(6, 32), get_scheme("W8A16"), int_weight_scheme(5, 32, False),
+                                grid_scheme(IQ4_NL_GRID, 32)], "mixed")
+    assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"} <= types
     assert kld < 2 * ref_kld and top1 >= 0.85, (kld, ref_kld, top1)

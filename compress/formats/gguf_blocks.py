@@ -9,6 +9,8 @@ Layouts (one block, little-endian, as ggml stores them; ``d``/``m`` are float16)
   16 bytes of low nibbles laid out as Q4_0's; ``w = d * (u - 16)``, ``u`` in [0, 31].
 * ``Q5_1`` (32 weights, 24 bytes): ``d``, ``m``, ``qh``, low nibbles; ``w = d * u + m``.
 * ``Q8_0`` (32 weights, 34 bytes): ``d``, 32 int8 ``q``; ``w = d * q``.
+* ``IQ4_NL`` (32 weights, 18 bytes): ``d``, nibbles as Q4_0; ``w = d * kvalues[u]`` on llama.cpp's
+  16-value non-uniform grid (``IQ4_NL_GRID``).
 * ``Q4_K`` (256 weights, 144 bytes): ``d``, ``dmin``, 12 bytes holding eight 6-bit sub-block scales
   and mins, 128 bytes of nibbles (sub-blocks of 32); ``w = d * sc * u - dmin * mn``.
 * ``Q6_K`` (256 weights, 210 bytes): 128 bytes of low nibbles, 64 bytes of high 2-bit pairs,
@@ -20,20 +22,25 @@ Our codes are signed (int4 in [-8, 7]) with ``w = (q - z) * s``; the exact mappi
 * int4 asymmetric → Q4_1: ``u = q + 8`` and ``w = (u - 8 - z) * s = s * u - (z + 8) * s``, so
   ``d = fp16(s)``, ``m = fp16(-(z + 8) * s)``;
 * int5 symmetric → Q5_0 (``u = q + 16``), int5 asymmetric → Q5_1 (``m = fp16(-(z + 16) * s)``);
-* int8 (or any narrower integer codes, symmetric or not) → Q8_0: ``q8 = q - z``, ``d = fp16(s)``.
+* int8 (or any narrower integer codes, symmetric or not) → Q8_0: ``q8 = q - z``, ``d = fp16(s)``;
+* int8 codes that all lie on the IQ4_NL grid (our ``nl4`` formats) → IQ4_NL: ``u`` = the code's
+  index in the grid, ``d = fp16(s)`` (signed).
 
 Only the scales are rounded (to float16); the integer codes are carried over unchanged.
 gguf's own ``quants.quantize`` (the llama.cpp reference) is used for dense Q4_0/Q4_1/Q5_0/Q8_0;
-it has no K-quant quantizer, so Q4_K and Q6_K are quantized here (per sub-block range search,
-then the sub-block scales quantized to 6 / 8 bits).
+it has no K-quant or IQ4_NL quantizer, so Q4_K and Q6_K are quantized here (per sub-block range
+search, then the sub-block scales quantized to 6 / 8 bits), and IQ4_NL by our grid scale search.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType as T
 
-USER_TYPES = ("auto", "F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # the GGUF types `--type` accepts
+from llmopt.formats.schemes import IQ4_NL_GRID, grid_scales, round_to_grid
+
+USER_TYPES = ("auto", "F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL", "Q4_K", "Q6_K")  # the GGUF types `--type` accepts
 
 QK = 32  # weights per Q4_0 / Q4_1 / Q5_0 / Q8_0 block
 QK_K = 256  # weights per K-quant super-block
@@ -111,11 +118,39 @@ def encode_q8_0(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+_GRID_INDEX = np.full(256, -1, dtype=np.int16)  # int8 code + 128 → its index in the IQ4_NL grid
+_GRID_INDEX[np.array(IQ4_NL_GRID) + 128] = np.arange(len(IQ4_NL_GRID))
+
+
+def on_iq4_nl_grid(codes: torch.Tensor) -> bool:
+    """Whether every int8 code is an IQ4_NL grid value."""
+    return bool(torch.isin(codes.to(torch.int16), torch.tensor(IQ4_NL_GRID, dtype=torch.int16)).all())
+
+
+def encode_iq4_nl(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """IQ4_NL bytes ``[rows, cols/32*18]`` from grid codes ``[rows, cols]`` and block scales ``[rows, cols/32]``."""
+    rows = codes.shape[0]
+    u = _GRID_INDEX[codes.astype(np.int16) + 128]
+    if (u < 0).any():
+        raise ValueError("a code is not on the IQ4_NL grid")
+    out = np.concatenate([_f16_bytes(d.reshape(-1)), _nibbles(u.reshape(-1, QK))], axis=1)
+    return out.reshape(rows, -1)
+
+
+def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """IQ4_NL bytes of float weights ``[rows, cols]`` (cols % 32 == 0): grid scale search per block."""
+    w = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).reshape(x.shape[0], -1, QK)
+    d = grid_scales(w, IQ4_NL_GRID).to(torch.float16).float()
+    codes = round_to_grid(w / d.unsqueeze(-1), IQ4_NL_GRID).reshape(x.shape)
+    return encode_iq4_nl(codes.to(torch.int8).numpy(), d.numpy())
+
+
 def stored_codes(data: np.ndarray, qtype: T, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """The integer codes and fp16 scales ``d`` stored in a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 tensor's bytes.
+    """The integer codes and fp16 scales ``d`` stored in a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL tensor's bytes.
 
     Codes are returned in our signed convention (``u - 8`` for the 4-bit types, ``u - 16`` for
-    the 5-bit ones), shape ``[rows, cols]``; ``d`` has shape ``[rows, cols/32]`` (float32).
+    the 5-bit ones, the grid value for IQ4_NL), shape ``[rows, cols]``; ``d`` has shape
+    ``[rows, cols/32]`` (float32).
     """
     blocks = np.ascontiguousarray(data.reshape(-1)).reshape(-1, _type_bytes(qtype))
     d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
@@ -125,6 +160,8 @@ def stored_codes(data: np.ndarray, qtype: T, rows: int) -> tuple[np.ndarray, np.
         start = 2 if qtype == T.Q5_0 else 4
         high = np.unpackbits(blocks[:, start : start + 4], axis=-1, bitorder="little")
         codes = (_unnibble(blocks[:, start + 4 :]) | (high << 4)).astype(np.int8) - 16
+    elif qtype == T.IQ4_NL:
+        codes = np.array(IQ4_NL_GRID, dtype=np.int8)[_unnibble(blocks[:, 2:])]
     else:
         start = 2 if qtype == T.Q4_0 else 4
         codes = _unnibble(blocks[:, start:]).astype(np.int8) - 8

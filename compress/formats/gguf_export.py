@@ -5,7 +5,8 @@ What each tensor becomes:
 * 1-D tensors (norms, biases): F32, as llama.cpp keeps them.
 * Linears quantized by us (compressed-tensors): their integer codes are carried over unchanged
   when a GGUF block type holds them — int4 symmetric → Q4_0, int4 asymmetric → Q4_1, int5
-  symmetric → Q5_0, int5 asymmetric → Q5_1, int8 symmetric and int6 / int7 → Q8_0 (any group
+  symmetric → Q5_0, int5 asymmetric → Q5_1, int8 codes all on the IQ4_NL grid (``nl4``) →
+  IQ4_NL, int8 symmetric and int6 / int7 → Q8_0 (any group
   size that is a multiple of 32, per-channel included: a group spans whole blocks that share
   its scale). Only the scales are rounded, to float16.
   ``--type auto`` takes the first exact mapping, or F16 (near-lossless) when there is none
@@ -49,13 +50,15 @@ from llmopt.formats.gguf_vocab import Vocab, build_vocab, write_vocab
 from llmopt.checkpoints.models import read_config, resolve_model
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
-CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}
-FOUR_BIT = {T.Q4_0, T.Q4_1, T.Q4_K}
-FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q4_0: T.F16, T.Q4_1: T.F16, T.Q5_0: T.F16, T.Q5_1: T.F16, T.Q8_0: T.F16}
+CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL}
+FOUR_BIT = {T.Q4_0, T.Q4_1, T.Q4_K, T.IQ4_NL}
+FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q4_0: T.F16, T.Q4_1: T.F16, T.Q5_0: T.F16, T.Q5_1: T.F16, T.Q8_0: T.F16,
+            T.IQ4_NL: T.F16}
 FILE_TYPES = {
     T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16, T.BF16: LlamaFileType.MOSTLY_BF16,
     T.Q8_0: LlamaFileType.MOSTLY_Q8_0, T.Q4_0: LlamaFileType.MOSTLY_Q4_0, T.Q4_1: LlamaFileType.MOSTLY_Q4_1,
     T.Q5_0: LlamaFileType.MOSTLY_Q5_0, T.Q5_1: LlamaFileType.MOSTLY_Q5_1, T.Q4_K: LlamaFileType.MOSTLY_Q4_K_S, T.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+    T.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL,
 }
 F16_MAX = 65504.0
 
@@ -282,6 +285,8 @@ def describe_quantized(qw: Any) -> str:
     group = f"g{qw.group_size}" if qw.group_size else "per-channel"
     if s.is_float:
         return f"fp8_e4m3 {group}"
+    if s.grid is not None or (s.num_bits == 8 and s.symmetric and blocks.on_iq4_nl_grid(qw.codes)):
+        return f"nl4 (IQ4_NL grid) {group}"
     return f"int{s.num_bits} {'sym' if s.symmetric else 'asym'} {group}"
 
 
@@ -298,6 +303,8 @@ def carry_types(qw: Any) -> list[T]:
         return [T.Q4_0, T.Q4_1, T.Q8_0] if sym else [T.Q4_1, T.Q8_0]
     if bits == 5:
         return [T.Q5_0, T.Q5_1, T.Q8_0] if sym else [T.Q5_1, T.Q8_0]
+    if bits == 8 and sym and blocks.on_iq4_nl_grid(qw.codes):
+        return [T.IQ4_NL, T.Q8_0]
     if bits < 8 or sym:  # q - z of codes up to 7 bits stays within int8
         return [T.Q8_0]
     return []
@@ -525,6 +532,8 @@ def encode(p: Planned) -> tuple[np.ndarray, T | None]:
             return blocks.encode_q5_0(codes, p.expected_d), T.Q5_0
         if p.qtype == T.Q8_0:
             return blocks.encode_q8_0(codes, p.expected_d), T.Q8_0
+        if p.qtype == T.IQ4_NL:
+            return blocks.encode_iq4_nl(codes, p.expected_d), T.IQ4_NL
         cols = codes.shape[1]
         group = qw.group_size or cols
         scale = qw.scale.float().repeat_interleave(group // blocks.QK, dim=1)
@@ -543,6 +552,8 @@ def encode(p: Planned) -> tuple[np.ndarray, T | None]:
         return blocks.quantize_q4_k(x), T.Q4_K
     if p.qtype == T.Q6_K:
         return blocks.quantize_q6_k(x), T.Q6_K
+    if p.qtype == T.IQ4_NL:
+        return blocks.quantize_iq4_nl(x), T.IQ4_NL
     return quants.quantize(x, p.qtype), p.qtype
 
 

@@ -8,6 +8,13 @@ Each (row, group) has a ``scale`` and, for asymmetric schemes, an integer ``zero
     W_hat = (q - zero_point) * scale                          # dequantized
 
 FP8 (e4m3) weights have a per-row scale and no zero point; the codes are float8 values.
+
+A *grid* scheme (``QuantScheme.grid``) restricts the int8 codes to a fixed set of values: each
+weight rounds to the nearest ``scale * g`` over ``g`` in the grid. ``IQ4_NL_GRID`` is llama.cpp's
+16-value non-uniform IQ4_NL grid: 4 bits of information per weight held in int8 codes, so that
+compressed-tensors loaders read them exactly (as 8-bit) and the GGUF export stores them as
+IQ4_NL (4.5 bits per weight) without rounding again. Grid scales are signed: the weight of
+largest magnitude may map onto either end of the (asymmetric) grid.
 The algorithms (RTN, GPTQ, AWQ …) only choose scales and codes; how they are laid out on
 disk (compressed-tensors, GGUF) is decided by the savers from what is defined here.
 """
@@ -34,6 +41,7 @@ class QuantScheme:
     group_size: int | None = None  # None: one scale per output row
     symmetric: bool = True
     activations: ActType | None = None  # dynamic per-token activation quantization
+    grid: tuple[int, ...] | None = None  # allowed integer codes, ascending (None: every code)
 
     # Integer codes are signed for both symmetric and asymmetric schemes (asymmetric ones add a
     # signed zero point), matching compressed-tensors.
@@ -60,6 +68,11 @@ class QuantScheme:
             return float(self.num_bits)
         extra = 16 + (self.num_bits if self.has_zero_point else 0)
         return self.num_bits + extra / self.group_size
+
+    @property
+    def info_bits(self) -> int:
+        """Bits of information per code: ``num_bits``, or log2 of a grid's size."""
+        return self.num_bits if self.grid is None else (len(self.grid) - 1).bit_length()
 
     def with_group_size(self, group_size: int | None) -> "QuantScheme":
         return replace(self, group_size=group_size)
@@ -98,6 +111,15 @@ def int_weight_scheme(num_bits: int, group_size: int | None, symmetric: bool = T
         if (preset.num_bits, preset.weight_type, preset.symmetric, preset.activations) == (num_bits, "int", symmetric, None):
             return preset.with_group_size(group_size)
     return QuantScheme(f"W{num_bits}A16", num_bits, group_size=group_size, symmetric=symmetric)
+
+
+# llama.cpp's IQ4_NL values (kvalues_iq4nl): a non-uniform 4-bit grid fitted to bell-shaped weights.
+IQ4_NL_GRID = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def grid_scheme(grid: tuple[int, ...], group_size: int | None) -> QuantScheme:
+    """A weight-only scheme whose int8 codes lie on ``grid`` (symmetric, signed scales)."""
+    return QuantScheme("W8A16", 8, group_size=group_size, grid=tuple(grid))
 
 
 def effective_group_size(in_features: int, asked: int | None) -> int | None:
@@ -141,6 +163,8 @@ def compute_qparams(
     if scheme.is_float:
         absmax = wg.abs().amax(dim=-1) * clip_ratio
         return (absmax / FP8_MAX).clamp(min=1e-12), None
+    if scheme.grid is not None:
+        return grid_scales(wg, scheme.grid, clip_ratio), None
     if scheme.symmetric:
         absmax = wg.abs().amax(dim=-1) * clip_ratio
         # Below 8 bits use the full negative code as llama.cpp's Q4_0 / Q5_0 do: absmax maps onto
@@ -168,6 +192,8 @@ def quantize(
     if scheme.is_float:
         q = (wg / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return q.reshape(w.shape)
+    if scheme.grid is not None:
+        return round_to_grid(wg / s, scheme.grid).to(torch.int8).reshape(w.shape)
     q = torch.round(wg / s)
     if zero_point is not None:
         q = q + zero_point.unsqueeze(-1)
@@ -216,6 +242,8 @@ def search_qparams(
     wf = w.float()
     wg = _grouped(wf, group_size)
     col_w = None if weight is None else _grouped(weight.float().expand_as(wf), group_size)
+    if scheme.grid is not None:
+        return grid_scales(wg, scheme.grid, 1.0, col_w), None
     best_err = torch.full(wg.shape[:2], float("inf"))
     best_scale, best_zp = compute_qparams(wf, scheme, group_size)
     for i in range(grid + 1):
@@ -231,6 +259,48 @@ def search_qparams(
         if zp is not None:
             best_zp = torch.where(better, zp, best_zp)
     return best_scale, best_zp
+
+
+GRID_TRIES = 8  # scale candidates on each side of those mapping the extreme weight onto an end of the grid
+
+
+def round_to_grid(x: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
+    """Each value of ``x`` (in grid units) replaced by the nearest grid value (float32)."""
+    values = torch.tensor(grid, dtype=torch.float32, device=x.device)
+    edges = (values[1:] + values[:-1]) / 2
+    return values[torch.bucketize(x.float().contiguous(), edges)]
+
+
+def grid_scales(
+    wg: torch.Tensor, grid: tuple[int, ...], clip_ratio: torch.Tensor | float = 1.0, col_w: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Signed scales ``[out, n_groups]`` of grouped weights ``wg`` ``[out, n_groups, group]`` on ``grid``.
+
+    Much as llama.cpp chooses IQ4_NL scales: the weight of largest magnitude ``m`` (times
+    ``clip_ratio``) maps near either end ``e`` of the grid: candidates ``m / (e + 2t)`` for
+    ``|t| <= GRID_TRIES``, each also refined to the least-squares scale of its codes; the
+    candidate with the least (``col_w``-weighted) squared error wins (within 0.2% of a dense
+    sweep of signed scales on Gaussian weights).
+    """
+    wg = wg.float()
+    pick = wg.abs().argmax(dim=-1, keepdim=True)
+    extreme = torch.gather(wg, -1, pick).squeeze(-1) * clip_ratio
+    extreme = torch.where(extreme.abs() < 1e-12, torch.full_like(extreme, 1e-12), extreme)
+    weight = torch.ones_like(wg) if col_w is None else col_w.float()
+    best_err = torch.full(wg.shape[:2], float("inf"), device=wg.device)
+    best = extreme / grid[0]
+    for end, t in ((end, t) for end in (grid[0], grid[-1]) for t in range(-GRID_TRIES, GRID_TRIES + 1)):
+        d = extreme / (end + 2 * t)
+        q = round_to_grid(wg / d.unsqueeze(-1), grid)
+        wq = weight * q
+        refined = (wq * wg).sum(-1) / (wq * q).sum(-1).clamp(min=1e-30)
+        refined = torch.where(refined.abs() > 1e-12, refined, d)
+        for cand in (d, refined):
+            err = (weight * (round_to_grid(wg / cand.unsqueeze(-1), grid) * cand.unsqueeze(-1) - wg).pow(2)).sum(-1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better, cand, best)
+    return best
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,10 +43,11 @@ class QuantizeConfig:
     calib_seq_len: int = option(512, "Tokens per calibration window.", min=8)
     seed: int = option(0, "Seed for the calibration sample offsets.")
     ignore: tuple[str, ...] = option((), "Keep matching Linears in float (repeatable; lm_head stays float unless --head says otherwise).", metavar="REGEX")
-    head: str = option("float", "Output head: float, int8 (per row) or int6 / int5 / int4 (groups of 32); a tied head shares the embedding's.",
-                       choices=("float", "int8", "int6", "int5", "int4"))
-    embedding: str = option("float", "Token embedding: float, int8 (per row) or int6 / int5 / int4 (groups of 32).",
-                            choices=("float", "int8", "int6", "int5", "int4"))
+    head: str = option("float", "Output head: float, int8 (per row) or int6 / int5 / int4 / nl4 (groups of 32; nl4: "
+                       "llama.cpp's IQ4_NL grid, int8 codes in the checkpoint, GGUF IQ4_NL); a tied head shares the embedding's.",
+                       choices=("float", "int8", "int6", "int5", "nl4", "int4"))
+    embedding: str = option("float", "Token embedding: float, int8 (per row) or int6 / int5 / int4 / nl4 (groups of 32).",
+                            choices=("float", "int8", "int6", "int5", "nl4", "int4"))
     target_bpw: float | None = option(None, "AUTO: average stored bits per weight (codes and 16-bit scales) to fill.")
     target_kld: float | None = option(None, "AUTO: predicted mean KL divergence to stay under, with the fewest bits "
                                       "(or, with --objective speed, the fastest decode).")
