@@ -62,7 +62,7 @@ def check_w8a8_activation_rules(model, out, weights, ids, logits, expected) -> N
 @pytest.mark.parametrize(
     "scheme, method, group",
     [("W4A16", "rtn", "32"), ("W4A16", "gptq", "64"), ("W4A16", "awq", "32"), ("W8A16", "rtn", None),
-     ("W8A8", "smoothquant", None), ("FP8", "rtn", None)],
+     ("W8A8", "smoothquant", None), ("FP8", "rtn", None), ("IQ4_NL", "gptq", None)],
 )
 def test_quantize_writes_loadable_checkpoint(tmp_path, tiny_model_dir, scheme, method, group):
     out = tmp_path / "q"
@@ -77,6 +77,12 @@ def test_quantize_writes_loadable_checkpoint(tmp_path, tiny_model_dir, scheme, m
     weights, qconfig = read_compressed(out)
     assert qconfig["quant_method"] == "compressed-tensors"
     assert len(weights) == 2 * 7 and not any("lm_head" in n for n in weights)
+    if scheme == "IQ4_NL":  # int8 codes, all on the grid, groups of 32
+        from llmopt.formats.schemes import IQ4_NL_GRID
+
+        for qw in weights.values():
+            assert qw.scheme.num_bits == 8 and qw.group_size == 32
+            assert set(qw.codes.unique().tolist()) <= set(IQ4_NL_GRID)
 
     # our loader and plain transformers (with compressed-tensors) compute the same function
     model, _ = load_model(str(out))
@@ -91,7 +97,7 @@ def test_quantize_writes_loadable_checkpoint(tmp_path, tiny_model_dir, scheme, m
 
     info = json.loads(run_cli("inspect", str(out), "--json").stdout)
     q_proj = next(m for m in info["modules"] if m["name"].endswith("layers.0.self_attn.q_proj"))
-    expected_format = {"W4A16": "int4", "W8A16": "int8", "W8A8": "int8", "FP8": "fp8"}[scheme]
+    expected_format = {"W4A16": "int4", "W8A16": "int8", "W8A8": "int8", "FP8": "fp8", "IQ4_NL": "int8"}[scheme]
     assert q_proj["format"] == expected_format
     if group:
         assert q_proj["group_size"] == int(group)

@@ -157,7 +157,7 @@ def _scheme_from_ct(ct: QuantizationScheme) -> tuple[QuantScheme, int | None]:
     wtype = "float" if w.type == QuantizationType.FLOAT else "int"
     for preset in PRESETS.values():
         candidate = preset.with_group_size(group_size)
-        if (candidate.num_bits, candidate.weight_type, candidate.symmetric, candidate.activations) == (
+        if candidate.grid is None and (candidate.num_bits, candidate.weight_type, candidate.symmetric, candidate.activations) == (
             w.num_bits, wtype, w.symmetric, acts
         ):
             return candidate, group_size

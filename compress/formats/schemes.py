@@ -86,8 +86,10 @@ PRESETS: dict[str, QuantScheme] = {
     "W8A8": QuantScheme("W8A8", 8, activations="int8"),
     "FP8": QuantScheme("FP8", 8, weight_type="float"),
     "FP8_DYNAMIC": QuantScheme("FP8_DYNAMIC", 8, weight_type="float", activations="fp8"),
+    # llama.cpp's IQ4_NL grid (defined below), held as int8 grid values in compressed-tensors
+    "IQ4_NL": QuantScheme("IQ4_NL", 8, group_size=32, grid=(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)),
 }
-GROUPED_SCHEMES = {"W4A16", "W4A16_ASYM"}
+GROUPED_SCHEMES = {"W4A16", "W4A16_ASYM", "IQ4_NL"}
 
 
 def get_scheme(name: str, group_size: int | None = None) -> QuantScheme:
@@ -108,13 +110,13 @@ def int_weight_scheme(num_bits: int, group_size: int | None, symmetric: bool = T
     if not 2 <= num_bits <= 8:
         raise ValueError(f"integer weights take 2 to 8 bits, not {num_bits}")
     for preset in PRESETS.values():
-        if (preset.num_bits, preset.weight_type, preset.symmetric, preset.activations) == (num_bits, "int", symmetric, None):
+        if preset.grid is None and (preset.num_bits, preset.weight_type, preset.symmetric, preset.activations) == (num_bits, "int", symmetric, None):
             return preset.with_group_size(group_size)
     return QuantScheme(f"W{num_bits}A16", num_bits, group_size=group_size, symmetric=symmetric)
 
 
 # llama.cpp's IQ4_NL values (kvalues_iq4nl): a non-uniform 4-bit grid fitted to bell-shaped weights.
-IQ4_NL_GRID = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_NL_GRID: tuple[int, ...] = PRESETS["IQ4_NL"].grid
 
 
 def grid_scheme(grid: tuple[int, ...], group_size: int | None) -> QuantScheme:

@@ -33,10 +33,12 @@ class QuantizeConfig:
     model: str = option(help="Model to quantize.", argument=True, runner_owned=True)
     output: str = option(help="Output checkpoint directory.", short="-o", runner_owned=True)
     scheme: str = option(help="W4A16, W4A16_ASYM, W8A16, W8A8, FP8, FP8_DYNAMIC or NF4 (compressed-tensors names); "
+                              "IQ4_NL: llama.cpp's non-uniform 4-bit grid, groups of 32 (int8 grid codes in the checkpoint, "
+                              "IQ4_NL blocks in a GGUF export); "
                               "AUTO: a format per tensor from measured sensitivities (--target-bpw, --target-kld or --plan).",
                          metavar="SCHEME")
     method: str = option("rtn", "rtn, gptq, awq, awq+gptq, smoothquant, smoothquant+gptq.", metavar="METHOD")
-    group_size: int | None = option(None, "int4 group size (32/64/128; 0: per-channel). Default 128.", min=0)
+    group_size: int | None = option(None, "int4 / IQ4_NL group size (32/64/128; 0: per-channel). Default 128 (IQ4_NL: 32).", min=0)
     strict_groups: bool = option(False, "Refuse layers the group size does not divide instead of using the largest divisor.")
     calib: str = option("austen", "Calibration text: corpus name, file, folder or hf:NAME.")
     calib_samples: int = option(128, "Calibration windows.", min=1)
