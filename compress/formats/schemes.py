@@ -21,6 +21,7 @@ disk (compressed-tensors, GGUF) is decided by the savers from what is defined he
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -266,11 +267,22 @@ def search_qparams(
 GRID_TRIES = 8  # scale candidates on each side of those mapping the extreme weight onto an end of the grid
 
 
+@functools.lru_cache(maxsize=8)
+def _grid_table(grid: tuple[int, ...]) -> torch.Tensor:
+    """The nearest grid value for each half-unit bin ``[k/2, (k+1)/2)``, ``k`` from ``2 * grid[0]``
+    to ``2 * grid[-1]``: midpoints of integer grid values are multiples of 1/2, so no bin
+    straddles one and the lookup is exact."""
+    values = torch.tensor(grid, dtype=torch.float32)
+    centers = torch.arange(2 * grid[0], 2 * grid[-1] + 1, dtype=torch.float32) / 2 + 0.25
+    return values[(centers.unsqueeze(-1) - values).abs().argmin(-1)]
+
+
 def round_to_grid(x: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
-    """Each value of ``x`` (in grid units) replaced by the nearest grid value (float32)."""
-    values = torch.tensor(grid, dtype=torch.float32, device=x.device)
-    edges = (values[1:] + values[:-1]) / 2
-    return values[torch.bucketize(x.float().contiguous(), edges)]
+    """Each value of ``x`` (in grid units) replaced by the nearest grid value (float32; a value
+    exactly halfway between two grid values takes the upper one)."""
+    table = _grid_table(grid).to(x.device)
+    bins = torch.floor(x.float() * 2).clamp_(2 * grid[0], 2 * grid[-1]).sub_(2 * grid[0])
+    return table[bins.long()]
 
 
 def grid_scales(
@@ -291,17 +303,22 @@ def grid_scales(
     weight = torch.ones_like(wg) if col_w is None else col_w.float()
     best_err = torch.full(wg.shape[:2], float("inf"), device=wg.device)
     best = extreme / grid[0]
+
+    def consider(d: torch.Tensor, q: torch.Tensor) -> None:
+        nonlocal best, best_err
+        err = (weight * (q * d.unsqueeze(-1) - wg).square()).sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, d, best)
+
     for end, t in ((end, t) for end in (grid[0], grid[-1]) for t in range(-GRID_TRIES, GRID_TRIES + 1)):
         d = extreme / (end + 2 * t)
         q = round_to_grid(wg / d.unsqueeze(-1), grid)
+        consider(d, q)
         wq = weight * q
         refined = (wq * wg).sum(-1) / (wq * q).sum(-1).clamp(min=1e-30)
         refined = torch.where(refined.abs() > 1e-12, refined, d)
-        for cand in (d, refined):
-            err = (weight * (round_to_grid(wg / cand.unsqueeze(-1), grid) * cand.unsqueeze(-1) - wg).pow(2)).sum(-1)
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best = torch.where(better, cand, best)
+        consider(refined, round_to_grid(wg / refined.unsqueeze(-1), grid))
     return best
 
 
