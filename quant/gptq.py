@@ -258,7 +258,8 @@ def gptq_quantize_weight(
     n_groups = n // gs
     if n % gs:
         raise ValueError(f"group size {gs} does not divide {n} input features")
-    dynamic = group_size is not None and not static_groups
+    # super-block scales (IQ4_XS) tie the groups of a super-block: they are chosen together, up front
+    dynamic = group_size is not None and not static_groups and scheme.scale_steps is None
     if dynamic:
         scale = torch.zeros(out_f, n_groups, device=w.device)
         zp = None if scheme.symmetric or scheme.is_float else torch.zeros(out_f, n_groups, dtype=torch.int32, device=w.device)

@@ -27,6 +27,8 @@ from torch import nn
 
 from llmopt.formats.schemes import (
     IQ4_NL_GRID,
+    IQ4_XS_STEPS,
+    SUPERBLOCK,
     QuantScheme,
     compute_qparams,
     effective_group_size,
@@ -37,14 +39,17 @@ from llmopt.formats.schemes import (
 from llmopt.quant.outer import EMBED, HEAD, outer_scheme, quantize_head
 
 # candidate formats of a decoder Linear: name → (bits, group size (None: one scale per row),
-# symmetric, grid of allowed codes (None: all)). The GGUF block type each is exported to without
-# rounding again is in ``gguf_bits``; int4a / int5a are asymmetric (a zero point per group: GGUF
-# Q4_1 / Q5_1); nl4 holds IQ4_NL grid codes in int8 (8.5 bits in a checkpoint, 4.5 as GGUF IQ4_NL).
-LINEAR_FORMATS: dict[str, tuple[int, int | None, bool, tuple[int, ...] | None]] = {
-    "int4_g128": (4, 128, True, None), "int4_g64": (4, 64, True, None), "int4_g32": (4, 32, True, None),
-    "int4a_g32": (4, 32, False, None), "nl4_g32": (8, 32, True, IQ4_NL_GRID), "int5_g32": (5, 32, True, None),
-    "int5a_g32": (5, 32, False, None), "int6_g32": (6, 32, True, None), "int8_g32": (8, 32, True, None),
-    "int8": (8, None, True, None),
+# symmetric, grid of allowed codes (None: all), super-block scale steps (None: free scales)).
+# The GGUF block type each is exported to without rounding again is in ``gguf_bits``; int4a /
+# int5a are asymmetric (a zero point per group: GGUF Q4_1 / Q5_1); nl4 holds IQ4_NL grid codes in
+# int8 (8.5 bits in a checkpoint, 4.5 as GGUF IQ4_NL); nl4x also quantizes its scales per 256
+# features (GGUF IQ4_XS, 4.25 bits; IQ4_NL on rows 256 does not divide).
+LINEAR_FORMATS: dict[str, tuple[int, int | None, bool, tuple[int, ...] | None, int | None]] = {
+    "int4_g128": (4, 128, True, None, None), "int4_g64": (4, 64, True, None, None), "int4_g32": (4, 32, True, None, None),
+    "int4a_g32": (4, 32, False, None, None), "nl4x_g32": (8, 32, True, IQ4_NL_GRID, IQ4_XS_STEPS),
+    "nl4_g32": (8, 32, True, IQ4_NL_GRID, None), "int5_g32": (5, 32, True, None, None),
+    "int5a_g32": (5, 32, False, None, None), "int6_g32": (6, 32, True, None, None), "int8_g32": (8, 32, True, None, None),
+    "int8": (8, None, True, None, None),
 }
 OUTER_FORMATS = ("int4", "nl4", "int5", "int6", "int8")
 FLOAT = "float"
@@ -57,9 +62,9 @@ def format_scheme(name: str, in_features: int) -> QuantScheme | None:
     if name == FLOAT:
         return None
     if name in LINEAR_FORMATS:
-        bits, group, symmetric, grid = LINEAR_FORMATS[name]
+        bits, group, symmetric, grid, steps = LINEAR_FORMATS[name]
         if grid is not None:
-            return grid_scheme(grid, effective_group_size(in_features, group))
+            return grid_scheme(grid, effective_group_size(in_features, group), steps)
         return int_weight_scheme(bits, effective_group_size(in_features, group), symmetric)
     return outer_scheme(name)
 
@@ -76,13 +81,13 @@ def format_bits(name: str, in_features: int, float_bits: int) -> float:
 
 def gguf_bits(name: str, in_features: int) -> float:
     """Bits per weight of the format in a ``--type auto`` GGUF file: the block type that carries its
-    codes (Q4_0 / IQ4_NL 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5), F16 when none does or for float."""
+    codes (IQ4_XS 4.25, Q4_0 / IQ4_NL 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5), F16 when none does or for float."""
     scheme = format_scheme(name, in_features)
     group = None if scheme is None else (scheme.group_size or in_features)
     if scheme is None or group % 32 or in_features % 32:
         return float(GGUF_FLOAT_BITS)
     if scheme.grid == IQ4_NL_GRID:
-        return 4.5
+        return 4.25 if scheme.scale_steps == IQ4_XS_STEPS and in_features % SUPERBLOCK == 0 and group == 32 else 4.5
     if scheme.num_bits in (4, 5):
         return scheme.num_bits + (0.5 if scheme.symmetric else 1.0)
     return 8.5

@@ -39,7 +39,7 @@ TEXT = "the cat sat on the mat. <|im_start|>user\nhello there<|im_end|>"
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 # Largest error relative to each tensor's largest |weight| we accept per type (random N(0, 0.15) weights).
 REL_BOUND = {"F32": 0.0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q6_K": 4e-2, "Q4_K": 0.12, "Q4_1": 0.12, "Q4_0": 0.15,
-             "IQ4_NL": 0.12}
+             "IQ4_NL": 0.12, "IQ4_XS": 0.12}
 
 
 def chat_tokenizer():
@@ -159,7 +159,7 @@ def hf_name(name: str) -> str:
 # Round trips from a dense checkpoint
 
 
-@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q4_K", "IQ4_XS", "Q6_K"])
 def test_round_trip_each_type(dense_dir, source_state, tmp_path, qtype):
     out = tmp_path / f"m-{qtype}.gguf"
     report = export_gguf(dense_dir, out, qtype)
@@ -174,13 +174,13 @@ def test_round_trip_each_type(dense_dir, source_state, tmp_path, qtype):
         src = source_state[hf_name(name)].float().numpy()
         assert w.shape == src.shape, name
         rel = np.abs(w - src).max() / np.abs(src).max()
-        expected = "F32" if w.ndim == 1 else ("Q6_K" if name == "output.weight" and qtype in ("Q4_0", "Q4_1", "IQ4_NL", "Q4_K") else qtype)
+        expected = "F32" if w.ndim == 1 else ("Q6_K" if name == "output.weight" and qtype in ("Q4_0", "Q4_1", "IQ4_NL", "Q4_K", "IQ4_XS") else qtype)
         assert t.tensor_type.name == expected, name
         assert rel <= REL_BOUND[expected] + 1e-7, (name, rel)
     # The report's own read-back agrees with the independent one.
     assert report.by_type[qtype]["max_rel_err"] <= REL_BOUND[qtype] + 1e-7
     assert field(out, "general.file_type") == {"F32": 0, "F16": 1, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "IQ4_NL": 25,
-                                               "Q4_K": 14, "Q6_K": 18}[qtype]
+                                               "Q4_K": 14, "IQ4_XS": 30, "Q6_K": 18}[qtype]
 
 
 def test_auto_is_lossless_for_dense(tmp_path):
@@ -395,6 +395,33 @@ def test_nl4_grid_codes_carried_as_iq4_nl(tmp_path):
     assert "IQ4_NL" not in export_gguf(tmp_path / "w8", tmp_path / "w8.gguf").by_type
 
 
+def test_nl4x_super_block_scales_carried_as_iq4_xs(tmp_path):
+    """nl4x: grid codes whose group scales are k * d per 256 features (d float16, k in [-32, 31])
+    go to IQ4_XS blocks with codes, d and 6-bit scales exact; gguf's own dequantizer gives our
+    weights bit for bit. The same codes with free scales stay IQ4_NL."""
+    from llmopt.formats.schemes import IQ4_NL_GRID, IQ4_XS_STEPS, grid_scheme, superblock_factors
+
+    weights = quantized_dir(tmp_path / "xs", grid_scheme(IQ4_NL_GRID, 32, IQ4_XS_STEPS), 32)
+    qw = weights["model.layers.1.mlp.down_proj"]  # 512 columns: two super-blocks per row
+    d, k = superblock_factors(qw.scale, 32, IQ4_XS_STEPS)
+    assert d.shape == (qw.codes.shape[0], 2) and k.shape == qw.scale.shape
+    assert int(k.min()) == -32 and int(k.max()) <= 31 and len(k.unique()) > 20
+    report = export_gguf(tmp_path / "xs", tmp_path / "xs.gguf")
+    assert report.by_type["IQ4_XS"]["codes_identical"] is True and report.by_type["IQ4_XS"]["tensors"] == 14
+    t = read_tensors(tmp_path / "xs.gguf")["blk.1.ffn_down.weight"]
+    assert t.tensor_type == T.IQ4_XS
+    b = np.ascontiguousarray(t.data).reshape(-1, 136)
+    assert np.array_equal(b[:, :2].copy().view(np.float16).astype(np.float32).reshape(d.shape), d.numpy())
+    low = np.stack([b[:, 4:8] & 15, b[:, 4:8] >> 4], axis=-1).reshape(-1, 8)
+    high = (b[:, 2:4].copy().view(np.uint16).reshape(-1, 1) >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    assert np.array_equal((low | (high.astype(np.uint8) << 4)).astype(np.int16).reshape(k.shape) - 32, k.numpy())
+    got, want = values(t), qw.dequantize().numpy()
+    assert got.shape == want.shape and np.array_equal(got, want)
+    free = quantized_dir(tmp_path / "nl", grid_scheme(IQ4_NL_GRID, 32), 32)
+    assert superblock_factors(free["model.layers.1.mlp.down_proj"].scale, 32, IQ4_XS_STEPS) is None
+    assert set(export_gguf(tmp_path / "nl", tmp_path / "nl.gguf").by_type) == {"IQ4_NL", "F16", "F32"}
+
+
 def test_auto_without_exact_mapping_and_unmappable_types(tmp_path):
     quantized_dir(tmp_path / "fp8", get_scheme("FP8"), None)
     report = export_gguf(tmp_path / "fp8", tmp_path / "fp8.gguf")
@@ -538,13 +565,14 @@ def _quantized_mixed(path: Path, schemes: list[QuantScheme]) -> Path:
     for i, (name, module) in enumerate(linears):
         scheme = schemes[i % len(schemes)]
         scale, zp = compute_qparams(module.weight.data, scheme, scheme.group_size)
-        weights[name] = QuantizedWeight.from_weight(module.weight.data, scheme, scheme.group_size, scale.half().float(), zp)
+        scale = scale if scheme.scale_steps else scale.half().float()  # super-block scales are exact already
+        weights[name] = QuantizedWeight.from_weight(module.weight.data, scheme, scheme.group_size, scale, zp)
     save_compressed(model, chat_tokenizer(), path, weights, ["lm_head"])
     return path
 
 
 def test_mixed_gguf_runs_in_llama_cpp(tmp_path, monkeypatch):
-    """A checkpoint mixing int4 / int4 asymmetric / int5 / int5 asymmetric / int6 / int8 / nl4 Linears,
+    """A checkpoint mixing int4 / int4 asymmetric / int5 / int5 asymmetric / int6 / int8 / nl4 / nl4x Linears,
     exported with ``--type auto``, run by llama.cpp itself: its log-probabilities are as close to
     our dequantized model's as those of the same model with every Linear int8 (Q8_0, an exact
     mapping tested above). llama.cpp rounds activations to 8-bit blocks in quantized dot products
@@ -553,7 +581,7 @@ def test_mixed_gguf_runs_in_llama_cpp(tmp_path, monkeypatch):
     llama_cpp = pytest.importorskip("llama_cpp")
     from llama_cpp import llama_cpp as c_api
     from llmopt.formats.compressed import load_dequantized
-    from llmopt.formats.schemes import IQ4_NL_GRID, grid_scheme, int_weight_scheme
+    from llmopt.formats.schemes import IQ4_NL_GRID, IQ4_XS_STEPS, grid_scheme, int_weight_scheme
 
     default_params = c_api.llama_model_default_params
 
@@ -581,6 +609,6 @@ def test_mixed_gguf_runs_in_llama_cpp(tmp_path, monkeypatch):
     assert ref_types == {"Q8_0", "F16", "F32"} and 0 < ref_kld < 0.02
     kld, top1, types = compare([int_weight_scheme(4, 32), int_weight_scheme(4, 32, False), int_weight_scheme(5, 32),
                                 int_weight_scheme(6, 32), get_scheme("W8A16"), int_weight_scheme(5, 32, False),
-                                grid_scheme(IQ4_NL_GRID, 32)], "mixed")
-    assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"} <= types
+                                grid_scheme(IQ4_NL_GRID, 32), grid_scheme(IQ4_NL_GRID, 32, IQ4_XS_STEPS)], "mixed")
+    assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS"} <= types
     assert kld < 2 * ref_kld and top1 >= 0.85, (kld, ref_kld, top1)

@@ -11,6 +11,10 @@ Layouts (one block, little-endian, as ggml stores them; ``d``/``m`` are float16)
 * ``Q8_0`` (32 weights, 34 bytes): ``d``, 32 int8 ``q``; ``w = d * q``.
 * ``IQ4_NL`` (32 weights, 18 bytes): ``d``, nibbles as Q4_0; ``w = d * kvalues[u]`` on llama.cpp's
   16-value non-uniform grid (``IQ4_NL_GRID``).
+* ``IQ4_XS`` (256 weights, 136 bytes): ``d``, ``scales_h`` (uint16: bits ``2j, 2j+1`` are the high
+  two bits of sub-block ``j``'s 6-bit scale ``ls``), ``scales_l`` (4 bytes: low nibbles of ``ls``,
+  even sub-blocks in the low half), eight sub-blocks of 32 nibbles laid out as IQ4_NL's;
+  ``w = d * (ls - 32) * kvalues[u]``.
 * ``Q4_K`` (256 weights, 144 bytes): ``d``, ``dmin``, 12 bytes holding eight 6-bit sub-block scales
   and mins, 128 bytes of nibbles (sub-blocks of 32); ``w = d * sc * u - dmin * mn``.
 * ``Q6_K`` (256 weights, 210 bytes): 128 bytes of low nibbles, 64 bytes of high 2-bit pairs,
@@ -24,7 +28,8 @@ Our codes are signed (int4 in [-8, 7]) with ``w = (q - z) * s``; the exact mappi
 * int5 symmetric → Q5_0 (``u = q + 16``), int5 asymmetric → Q5_1 (``m = fp16(-(z + 16) * s)``);
 * int8 (or any narrower integer codes, symmetric or not) → Q8_0: ``q8 = q - z``, ``d = fp16(s)``;
 * int8 codes that all lie on the IQ4_NL grid (our ``nl4`` formats) → IQ4_NL: ``u`` = the code's
-  index in the grid, ``d = fp16(s)`` (signed).
+  index in the grid, ``d = fp16(s)`` (signed); → IQ4_XS when, in addition, each super-block's 8
+  group scales are ``k * d`` (``nl4x``): ``ls = k + 32`` and that block's ``d``, both exact.
 
 Only the scales are rounded (to float16); the integer codes are carried over unchanged.
 gguf's own ``quants.quantize`` (the llama.cpp reference) is used for dense Q4_0/Q4_1/Q5_0/Q8_0;
@@ -38,9 +43,16 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from llmopt.formats.schemes import IQ4_NL_GRID, grid_scales, round_to_grid
+from llmopt.formats.schemes import (
+    IQ4_NL_GRID,
+    IQ4_XS_STEPS,
+    grid_scales,
+    round_to_grid,
+    superblock_factors,
+    superblock_scales,
+)
 
-USER_TYPES = ("auto", "F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL", "Q4_K", "Q6_K")  # the GGUF types `--type` accepts
+USER_TYPES = ("auto", "F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL", "Q4_K", "IQ4_XS", "Q6_K")  # the GGUF types `--type` accepts
 
 QK = 32  # weights per Q4_0 / Q4_1 / Q5_0 / Q8_0 block
 QK_K = 256  # weights per K-quant super-block
@@ -137,6 +149,35 @@ def encode_iq4_nl(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+def encode_iq4_xs(codes: np.ndarray, d: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """IQ4_XS bytes ``[rows, cols/256*136]`` from grid codes ``[rows, cols]``, super-block scales
+    ``d`` ``[rows, cols/256]`` (float16 values) and sub-block multipliers ``k`` ``[rows, cols/32]``."""
+    rows = codes.shape[0]
+    u = _GRID_INDEX[codes.astype(np.int16) + 128]
+    if (u < 0).any():
+        raise ValueError("a code is not on the IQ4_NL grid")
+    ls = (k.astype(np.int16) + 32).reshape(-1, 8)
+    if (ls < 0).any() or (ls > 63).any():
+        raise ValueError("an IQ4_XS sub-block scale is outside [-32, 31]")
+    high = ((ls >> 4) & 3).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))
+    scales_h = np.bitwise_or.reduce(high, axis=1).astype(np.uint16).reshape(-1, 1).view(np.uint8)
+    low = (ls & 15).astype(np.uint8)
+    scales_l = low[:, 0::2] | (low[:, 1::2] << 4)
+    qs = _nibbles(u.reshape(-1, QK)).reshape(-1, 8 * 16)
+    out = np.concatenate([_f16_bytes(d.reshape(-1)), scales_h, scales_l, qs], axis=1)
+    return out.reshape(rows, -1)
+
+
+def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
+    """IQ4_XS bytes of float weights ``[rows, cols]`` (cols % 256 == 0): grid scale search per
+    sub-block, the sub-block scales then quantized per super-block."""
+    w = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).reshape(x.shape[0], -1, QK)
+    scale = superblock_scales(grid_scales(w, IQ4_NL_GRID), QK, IQ4_XS_STEPS)
+    d, k = superblock_factors(scale, QK, IQ4_XS_STEPS)
+    codes = round_to_grid(w / scale.unsqueeze(-1), IQ4_NL_GRID).reshape(x.shape)
+    return encode_iq4_xs(codes.to(torch.int8).numpy(), d.numpy(), k.numpy())
+
+
 def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
     """IQ4_NL bytes of float weights ``[rows, cols]`` (cols % 32 == 0): grid scale search per block."""
     w = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).reshape(x.shape[0], -1, QK)
@@ -146,7 +187,7 @@ def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
 
 
 def stored_codes(data: np.ndarray, qtype: T, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """The integer codes and fp16 scales ``d`` stored in a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL tensor's bytes.
+    """The integer codes and fp16 scales ``d`` stored in a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL / IQ4_XS tensor's bytes.
 
     Codes are returned in our signed convention (``u - 8`` for the 4-bit types, ``u - 16`` for
     the 5-bit ones, the grid value for IQ4_NL), shape ``[rows, cols]``; ``d`` has shape
@@ -162,6 +203,12 @@ def stored_codes(data: np.ndarray, qtype: T, rows: int) -> tuple[np.ndarray, np.
         codes = (_unnibble(blocks[:, start + 4 :]) | (high << 4)).astype(np.int8) - 16
     elif qtype == T.IQ4_NL:
         codes = np.array(IQ4_NL_GRID, dtype=np.int8)[_unnibble(blocks[:, 2:])]
+    elif qtype == T.IQ4_XS:  # d is returned per sub-block of 32: the super-block's d times ls - 32
+        sh = blocks[:, 2:4].copy().view(np.uint16).reshape(-1, 1) >> (2 * np.arange(8, dtype=np.uint16))
+        sl = blocks[:, 4:8]
+        ls = np.stack([sl & 15, sl >> 4], axis=-1).reshape(-1, 8) | ((sh & 3).astype(np.uint8) << 4)
+        d = (d.reshape(-1, 1) * (ls.astype(np.float32) - 32)).reshape(rows, -1)
+        codes = np.array(IQ4_NL_GRID, dtype=np.int8)[_unnibble(blocks[:, 8:].reshape(-1, 16))]
     else:
         start = 2 if qtype == T.Q4_0 else 4
         codes = _unnibble(blocks[:, start:]).astype(np.int8) - 8

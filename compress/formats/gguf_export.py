@@ -6,7 +6,7 @@ What each tensor becomes:
 * Linears quantized by us (compressed-tensors): their integer codes are carried over unchanged
   when a GGUF block type holds them — int4 symmetric → Q4_0, int4 asymmetric → Q4_1, int5
   symmetric → Q5_0, int5 asymmetric → Q5_1, int8 codes all on the IQ4_NL grid (``nl4``) →
-  IQ4_NL, int8 symmetric and int6 / int7 → Q8_0 (any group
+  IQ4_NL, or IQ4_XS when their scales are also quantized per 256 features (``nl4x``), int8 symmetric and int6 / int7 → Q8_0 (any group
   size that is a multiple of 32, per-channel included: a group spans whole blocks that share
   its scale). Only the scales are rounded, to float16.
   ``--type auto`` takes the first exact mapping, or F16 (near-lossless) when there is none
@@ -44,21 +44,22 @@ from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
 from llmopt.formats import gguf_blocks as blocks
+from llmopt.formats.schemes import IQ4_XS_STEPS, SUPERBLOCK, superblock_factors
 from llmopt.core.atomic import atomic_file, check_output
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.gguf_vocab import Vocab, build_vocab, write_vocab
 from llmopt.checkpoints.models import read_config, resolve_model
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
-CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL}
-FOUR_BIT = {T.Q4_0, T.Q4_1, T.Q4_K, T.IQ4_NL}
+CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS}
+FOUR_BIT = {T.Q4_0, T.Q4_1, T.Q4_K, T.IQ4_NL, T.IQ4_XS}
 FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q4_0: T.F16, T.Q4_1: T.F16, T.Q5_0: T.F16, T.Q5_1: T.F16, T.Q8_0: T.F16,
-            T.IQ4_NL: T.F16}
+            T.IQ4_NL: T.F16, T.IQ4_XS: T.IQ4_NL}
 FILE_TYPES = {
     T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16, T.BF16: LlamaFileType.MOSTLY_BF16,
     T.Q8_0: LlamaFileType.MOSTLY_Q8_0, T.Q4_0: LlamaFileType.MOSTLY_Q4_0, T.Q4_1: LlamaFileType.MOSTLY_Q4_1,
     T.Q5_0: LlamaFileType.MOSTLY_Q5_0, T.Q5_1: LlamaFileType.MOSTLY_Q5_1, T.Q4_K: LlamaFileType.MOSTLY_Q4_K_S, T.Q6_K: LlamaFileType.MOSTLY_Q6_K,
-    T.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL,
+    T.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL, T.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
 }
 F16_MAX = 65504.0
 
@@ -304,10 +305,20 @@ def carry_types(qw: Any) -> list[T]:
     if bits == 5:
         return [T.Q5_0, T.Q5_1, T.Q8_0] if sym else [T.Q5_1, T.Q8_0]
     if bits == 8 and sym and blocks.on_iq4_nl_grid(qw.codes):
-        return [T.IQ4_NL, T.Q8_0]
+        return ([T.IQ4_XS] if _iq4_xs_factors(qw) is not None else []) + [T.IQ4_NL, T.Q8_0]
     if bits < 8 or sym:  # q - z of codes up to 7 bits stays within int8
         return [T.Q8_0]
     return []
+
+
+def _iq4_xs_factors(qw: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """IQ4_XS's super-block ``d`` and sub-block multipliers of ``qw``'s scales (per 32 columns),
+    or None when the scales are not of that form or 256 does not divide the rows."""
+    cols = qw.codes.shape[1]
+    group = qw.group_size or cols
+    if cols % SUPERBLOCK or group % blocks.QK:
+        return None
+    return superblock_factors(qw.scale.float().repeat_interleave(group // blocks.QK, dim=1), blocks.QK, IQ4_XS_STEPS)
 
 
 def _fits(qtype: T, cols: int) -> bool:
@@ -383,6 +394,8 @@ def _carry(name: str, source: str, qw: Any, qtype: T, fmt: str, note: str) -> Pl
     d16 = scale.to(torch.float16)
     if not torch.isfinite(d16).all():
         raise UnmappableTypeError(f"{source}: a scale exceeds float16's range", "export with --type F32")
+    if qtype == T.IQ4_XS:  # the scales are carried exactly: a float16 d per super-block times an integer
+        d16 = scale
     codes = qw.codes.to(torch.int16)
     if qtype == T.Q8_0 and qw.zero_point is not None:
         codes = codes - qw.zero_point.to(torch.int16).repeat_interleave(group, dim=1)
@@ -534,6 +547,9 @@ def encode(p: Planned) -> tuple[np.ndarray, T | None]:
             return blocks.encode_q8_0(codes, p.expected_d), T.Q8_0
         if p.qtype == T.IQ4_NL:
             return blocks.encode_iq4_nl(codes, p.expected_d), T.IQ4_NL
+        if p.qtype == T.IQ4_XS:
+            d, k = _iq4_xs_factors(qw)
+            return blocks.encode_iq4_xs(codes, d.numpy(), k.numpy()), T.IQ4_XS
         cols = codes.shape[1]
         group = qw.group_size or cols
         scale = qw.scale.float().repeat_interleave(group // blocks.QK, dim=1)
@@ -554,6 +570,8 @@ def encode(p: Planned) -> tuple[np.ndarray, T | None]:
         return blocks.quantize_q6_k(x), T.Q6_K
     if p.qtype == T.IQ4_NL:
         return blocks.quantize_iq4_nl(x), T.IQ4_NL
+    if p.qtype == T.IQ4_XS:
+        return blocks.quantize_iq4_xs(x), T.IQ4_XS
     return quants.quantize(x, p.qtype), p.qtype
 
 

@@ -14,7 +14,11 @@ weight rounds to the nearest ``scale * g`` over ``g`` in the grid. ``IQ4_NL_GRID
 16-value non-uniform IQ4_NL grid: 4 bits of information per weight held in int8 codes, so that
 compressed-tensors loaders read them exactly (as 8-bit) and the GGUF export stores them as
 IQ4_NL (4.5 bits per weight) without rounding again. Grid scales are signed: the weight of
-largest magnitude may map onto either end of the (asymmetric) grid.
+largest magnitude may map onto either end of the (asymmetric) grid. With ``scale_steps`` the
+scales of each super-block of ``SUPERBLOCK`` (256) input features are further restricted to
+integer multiples ``k * d`` of one float16 ``d``, ``-steps/2 <= k < steps/2``: llama.cpp's IQ4_XS
+(6-bit sub-block scales, 4.25 bits per weight) when ``steps`` is 64 (rows whose length 256
+does not divide keep free scales: IQ4_NL).
 The algorithms (RTN, GPTQ, AWQ …) only choose scales and codes; how they are laid out on
 disk (compressed-tensors, GGUF) is decided by the savers from what is defined here.
 """
@@ -43,6 +47,7 @@ class QuantScheme:
     symmetric: bool = True
     activations: ActType | None = None  # dynamic per-token activation quantization
     grid: tuple[int, ...] | None = None  # allowed integer codes, ascending (None: every code)
+    scale_steps: int | None = None  # grid schemes: scales are k * d per super-block, |k| < steps / 2
 
     # Integer codes are signed for both symmetric and asymmetric schemes (asymmetric ones add a
     # signed zero point), matching compressed-tensors.
@@ -120,9 +125,14 @@ def int_weight_scheme(num_bits: int, group_size: int | None, symmetric: bool = T
 IQ4_NL_GRID: tuple[int, ...] = PRESETS["IQ4_NL"].grid
 
 
-def grid_scheme(grid: tuple[int, ...], group_size: int | None) -> QuantScheme:
-    """A weight-only scheme whose int8 codes lie on ``grid`` (symmetric, signed scales)."""
-    return QuantScheme("W8A16", 8, group_size=group_size, grid=tuple(grid))
+SUPERBLOCK = 256  # input features sharing one float16 scale of the group scales (llama.cpp's QK_K)
+IQ4_XS_STEPS = 64  # IQ4_XS: 6-bit signed sub-block scales
+
+
+def grid_scheme(grid: tuple[int, ...], group_size: int | None, scale_steps: int | None = None) -> QuantScheme:
+    """A weight-only scheme whose int8 codes lie on ``grid`` (symmetric, signed scales; with
+    ``scale_steps``, group scales quantized per super-block)."""
+    return QuantScheme("W8A16", 8, group_size=group_size, grid=tuple(grid), scale_steps=scale_steps)
 
 
 def effective_group_size(in_features: int, asked: int | None) -> int | None:
@@ -167,7 +177,7 @@ def compute_qparams(
         absmax = wg.abs().amax(dim=-1) * clip_ratio
         return (absmax / FP8_MAX).clamp(min=1e-12), None
     if scheme.grid is not None:
-        return grid_scales(wg, scheme.grid, clip_ratio), None
+        return superblock_scales(grid_scales(wg, scheme.grid, clip_ratio), wg.shape[-1], scheme.scale_steps), None
     if scheme.symmetric:
         absmax = wg.abs().amax(dim=-1) * clip_ratio
         # Below 8 bits use the full negative code as llama.cpp's Q4_0 / Q5_0 do: absmax maps onto
@@ -246,7 +256,7 @@ def search_qparams(
     wg = _grouped(wf, group_size)
     col_w = None if weight is None else _grouped(weight.float().expand_as(wf), group_size)
     if scheme.grid is not None:
-        return grid_scales(wg, scheme.grid, 1.0, col_w), None
+        return superblock_scales(grid_scales(wg, scheme.grid, 1.0, col_w), wg.shape[-1], scheme.scale_steps), None
     best_err = torch.full(wg.shape[:2], float("inf"))
     best_scale, best_zp = compute_qparams(wf, scheme, group_size)
     for i in range(grid + 1):
@@ -320,6 +330,43 @@ def grid_scales(
         refined = torch.where(refined.abs() > 1e-12, refined, d)
         consider(refined, round_to_grid(wg / refined.unsqueeze(-1), grid))
     return best
+
+
+def superblock_scales(scale: torch.Tensor, group: int, steps: int | None) -> torch.Tensor:
+    """Group scales ``[out, n_groups]`` rounded to ``k * d`` per super-block of ``SUPERBLOCK``
+    features (``d`` float16, signed integers ``-steps/2 <= k < steps/2``, never 0), as llama.cpp
+    quantizes IQ4_XS sub-block scales: the scale of largest magnitude is ``-steps/2 * d``. Returned
+    unchanged without ``steps`` or when super-blocks do not tile the row."""
+    per = SUPERBLOCK // group if group and SUPERBLOCK % group == 0 else 0
+    if steps is None or not per or scale.shape[1] % per:
+        return scale
+    low = -(steps // 2)
+    s = scale.float().reshape(scale.shape[0], -1, per)
+    extreme = torch.gather(s, -1, s.abs().argmax(-1, keepdim=True))
+    d = (extreme / low).to(torch.float16).float()
+    d = torch.where(d == 0, torch.full_like(d, 2.0**-24), d)  # float16's smallest step: all-zero blocks
+    k = torch.round(s / d).clamp_(low, steps // 2 - 1)
+    k = torch.where(k == 0, torch.ones_like(k), k)  # a zero scale would divide by zero; weights this small round to ~0
+    return (k * d).reshape(scale.shape)
+
+
+def superblock_factors(scale: torch.Tensor, group: int, steps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(d [out, n_super] float32 holding float16 values, k [out, n_groups] integers)`` with
+    ``scale == k * d`` exactly and ``k`` in the ``steps`` range, or None when ``scale`` is not of
+    that form (the inverse of :func:`superblock_scales`, for exporters)."""
+    per = SUPERBLOCK // group if group and SUPERBLOCK % group == 0 else 0
+    if not per or scale.shape[1] % per:
+        return None
+    low = -(steps // 2)
+    s = scale.float().reshape(scale.shape[0], -1, per)
+    extreme = torch.gather(s, -1, s.abs().argmax(-1, keepdim=True))
+    d = extreme / low
+    if not torch.equal(d.to(torch.float16).float(), d) or (d == 0).any():
+        return None
+    k = torch.round(s / d)
+    if not torch.equal(k * d, s) or (k < low).any() or (k >= steps // 2).any():
+        return None
+    return d.squeeze(-1), k.reshape(scale.shape)
 
 
 # ---------------------------------------------------------------------------------------------
