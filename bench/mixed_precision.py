@@ -38,7 +38,8 @@ ANCHORS = ROOT.parent / "shared" / "anchors" / "llamacpp_smollm2.json"
 OUT = ROOT / "out" / "mixed"
 DATASETS = ("wikitext2", "heldout")
 SEQ_LEN = 2048
-LLAMA_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K"}
+LLAMA_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K",
+                "IQ4_NL": "LLAMA_FTYPE_MOSTLY_IQ4_NL"}
 Q4_K_M_ANCHOR_BYTES = 105_453_824  # llama.cpp's Q4_K_M file of the demo model (shared/anchors), when llama.cpp is absent
 MODEL = "demo"  # --model (a small model for a smoke run)
 SENSITIVITY_VERSION = 6  # candidate formats int4 g128/g64/g32, int4 / int5 asym g32, nl4 / nl4x g32, int5/int6/int8 g32, int8; int4/nl4/5/6/8 head
@@ -131,10 +132,11 @@ def measure(path: Path, windows: int) -> dict:
     from llmopt.accuracy import run_eval
     from llmopt.formats.gguf_export import export_gguf
 
-    row: dict = {"checkpoint_bytes": sum(f.stat().st_size for f in path.glob("*.safetensors"))}
+    weights = list(path.glob("*.safetensors"))
+    row: dict = {"checkpoint_bytes": sum(f.stat().st_size for f in weights)}
     gguf = path.parent / f"{path.name}.gguf"
-    if not gguf.exists():
-        export_gguf(path, gguf, "auto")
+    if not gguf.exists() or gguf.stat().st_mtime < max(f.stat().st_mtime for f in weights):  # never a stale export
+        export_gguf(path, gguf, "auto", overwrite=True)
     row["gguf_bytes"] = gguf.stat().st_size
     for dataset in DATASETS:
         row[dataset] = figures(run_eval(str(path), MODEL, dataset, SEQ_LEN, windows))
@@ -238,7 +240,7 @@ def main() -> None:
     parser.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq+gptq"])
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--budgets", type=float, nargs="*", default=[4.85, 4.5, 5.5, 4.0])
-    parser.add_argument("--llama-types", nargs="*", default=["Q4_K_M", "Q4_0", "Q6_K"])
+    parser.add_argument("--llama-types", nargs="*", default=["Q4_K_M", "Q4_0", "Q6_K", "IQ4_NL"])
     parser.add_argument("--sens-samples", type=int, default=4)
     parser.add_argument("--sens-seq-len", type=int, default=512)
     parser.add_argument("--deadline", default=None, help="UTC HH:MM after which no new row starts")
@@ -288,6 +290,7 @@ def main() -> None:
     rows.append((f"W4A16 g32 {m}, int4 embedding/head", {"options": {"scheme": "W4A16", "group_size": 32, "method": m,
                                                                      "head": "int4", "embedding": "int4"}}))
     rows += list(llama_rows.values())
+    rows.append((f"IQ4_NL {m}, nl4 embedding/head", {"options": {"scheme": "IQ4_NL", "method": m, "head": "nl4", "embedding": "nl4"}}))
     rows.append(("W8A16 rtn, int8 embedding/head", {"options": {"scheme": "W8A16", "method": "rtn", "head": "int8", "embedding": "int8"}}))
     name = "auto rtn at Q4_K_M file size"
     if m != "rtn" and (not args.only or name in args.only):  # the same budget applied by RTN: the method's share of the gap
