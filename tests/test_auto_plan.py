@@ -66,6 +66,19 @@ def test_allocation_counts_gguf_bits():
     assert totals(sens, nominal.formats, "gguf")[0] > 6.0  # the nominal plan overshoots in the file
 
 
+def test_format_bits_in_checkpoint_and_gguf():
+    """What each candidate costs where it is stored: nl4 / nl4x hold int8 codes in a checkpoint
+    (8.5 bits) and IQ4_NL / IQ4_XS blocks in a GGUF file (4.5 / 4.25 bits, IQ4_XS only on rows
+    that 256 divides); the uniform formats as their GGUF block types."""
+    from llmopt.quant.sensitivity import format_bits, gguf_bits
+
+    assert [format_bits(f, 512, 16) for f in ("int4_g32", "int4_g128", "nl4_g32", "nl4x_g32", "int8")] == \
+        [4.5, 4.125, 8.5, 8.5, 8 + 16 / 512]
+    assert {f: gguf_bits(f, 512) for f in ("int4_g128", "int4a_g32", "nl4_g32", "nl4x_g32", "int5a_g32", "int6_g32")} == \
+        {"int4_g128": 4.5, "int4a_g32": 5.0, "nl4_g32": 4.5, "nl4x_g32": 4.25, "int5a_g32": 6.0, "int6_g32": 8.5}
+    assert gguf_bits("nl4x_g32", 576) == 4.5 and gguf_bits("nl4", 576) == 4.5 and gguf_bits("float", 576) == 16.0
+
+
 def test_allocation_is_optimal_on_a_small_case():
     """The greedy plan costs no more than the best of all assignments within the budget."""
     import itertools
