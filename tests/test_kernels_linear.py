@@ -84,7 +84,7 @@ def check_all(codes, scale, zp, group, activations, k, bias=None):
     """Every ISA, path and row count against the reference."""
     packed = cpu_linear.pack(codes, scale, zp, group, activations)
     assert packed is not None
-    lanes = group is None or group % (8 if packed.format == "int4" else 4) == 0
+    lanes = group is None or group % (8 if packed.format in ("int4", "nl4") else 4) == 0
     weight = dequantize(codes, scale, zp, group)
     for rows in ROWS:
         x = torch.randn(rows, k)
@@ -106,6 +106,26 @@ def test_int4(preset, group):
     k = 3 * group if group else 131  # per-channel: an input size off the 8-value lanes
     codes, scale, zp, act = quantized(preset, group, N, k)
     check_all(codes, scale, zp, group, act, k, bias=torch.randn(N))
+
+
+@pytest.mark.parametrize("group,k,steps", [(32, 96, None), (None, 131, None), (32, 512, 64), (12, 60, None)])
+def test_nl4_grid_codes(group, k, steps):
+    """int8 codes on the IQ4_NL grid (signed scales; IQ4_XS super-block scales too) pack as 4-bit
+    grid indices, half int8's bytes, and every ISA and path matches the reference."""
+    from llmopt.formats.schemes import IQ4_NL_GRID, grid_scheme
+
+    scheme = grid_scheme(IQ4_NL_GRID, group, steps)
+    w = torch.randn(N, k) * 0.1
+    scale, zp = compute_qparams(w, scheme, group)
+    codes = quantize(w, scale, zp, scheme, group)
+    assert set(codes.unique().tolist()) <= set(IQ4_NL_GRID) and (scale < 0).any()
+    packed = cpu_linear.pack(codes, scale, None, group, None)
+    off = codes.clone()
+    off[0, 0] = 126  # one code off the grid: plain int8
+    int8 = cpu_linear.pack(off, scale, None, group, None)
+    assert packed.format == "nl4" and int8.format == "int8"
+    assert packed.data.shape[1] == -(-k // 8) and int8.data.shape[1] == -(-k // 4)  # 8 vs 4 codes per 32-bit lane
+    check_all(codes, scale, None, group, None, k, bias=torch.randn(N))
 
 
 @pytest.mark.parametrize("preset,k", [("W8A16", 131), ("FP8", 131), ("W8A8", 131), ("FP8_DYNAMIC", 96)])

@@ -47,6 +47,7 @@ from llmopt.formats.schemes import (
     IQ4_NL_GRID,
     IQ4_XS_STEPS,
     grid_scales,
+    on_grid,
     round_to_grid,
     superblock_factors,
     superblock_scales,
@@ -132,11 +133,6 @@ def encode_q8_0(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 _GRID_INDEX = np.full(256, -1, dtype=np.int16)  # int8 code + 128 → its index in the IQ4_NL grid
 _GRID_INDEX[np.array(IQ4_NL_GRID) + 128] = np.arange(len(IQ4_NL_GRID))
-
-
-def on_iq4_nl_grid(codes: torch.Tensor) -> bool:
-    """Whether every int8 code is an IQ4_NL grid value."""
-    return bool(torch.isin(codes.to(torch.int16), torch.tensor(IQ4_NL_GRID, dtype=torch.int16)).all())
 
 
 def encode_iq4_nl(codes: np.ndarray, d: np.ndarray) -> np.ndarray:

@@ -44,7 +44,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
 from llmopt.formats import gguf_blocks as blocks
-from llmopt.formats.schemes import IQ4_XS_STEPS, SUPERBLOCK, superblock_factors
+from llmopt.formats.schemes import IQ4_XS_STEPS, SUPERBLOCK, on_grid, superblock_factors
 from llmopt.core.atomic import atomic_file, check_output
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.gguf_vocab import Vocab, build_vocab, write_vocab
@@ -286,7 +286,7 @@ def describe_quantized(qw: Any) -> str:
     group = f"g{qw.group_size}" if qw.group_size else "per-channel"
     if s.is_float:
         return f"fp8_e4m3 {group}"
-    if s.grid is not None or (s.num_bits == 8 and s.symmetric and blocks.on_iq4_nl_grid(qw.codes)):
+    if s.grid is not None or (s.num_bits == 8 and s.symmetric and on_grid(qw.codes)):
         return f"nl4 (IQ4_NL grid) {group}"
     return f"int{s.num_bits} {'sym' if s.symmetric else 'asym'} {group}"
 
@@ -304,7 +304,7 @@ def carry_types(qw: Any) -> list[T]:
         return [T.Q4_0, T.Q4_1, T.Q8_0] if sym else [T.Q4_1, T.Q8_0]
     if bits == 5:
         return [T.Q5_0, T.Q5_1, T.Q8_0] if sym else [T.Q5_1, T.Q8_0]
-    if bits == 8 and sym and blocks.on_iq4_nl_grid(qw.codes):
+    if bits == 8 and sym and on_grid(qw.codes):
         return ([T.IQ4_XS] if _iq4_xs_factors(qw) is not None else []) + [T.IQ4_NL, T.Q8_0]
     if bits < 8 or sym:  # q - z of codes up to 7 bits stays within int8
         return [T.Q8_0]

@@ -129,6 +129,11 @@ SUPERBLOCK = 256  # input features sharing one float16 scale of the group scales
 IQ4_XS_STEPS = 64  # IQ4_XS: 6-bit signed sub-block scales
 
 
+def on_grid(codes: torch.Tensor, grid: tuple[int, ...] = IQ4_NL_GRID) -> bool:
+    """Whether every integer code is a value of ``grid`` (int8 codes of an nl4 / nl4x weight)."""
+    return codes.numel() > 0 and bool(torch.isin(codes.to(torch.int16), torch.tensor(grid, dtype=torch.int16)).all())
+
+
 def grid_scheme(grid: tuple[int, ...], group_size: int | None, scale_steps: int | None = None) -> QuantScheme:
     """A weight-only scheme whose int8 codes lie on ``grid`` (symmetric, signed scales; with
     ``scale_steps``, group scales quantized per super-block)."""

@@ -1,4 +1,8 @@
-"""C++ CPU kernels for quantized linears (int4, int8, fp8 weight-only; W8A8 integer).
+"""C++ CPU kernels for quantized linears (int4, int8, nl4, fp8 weight-only; W8A8 integer).
+
+int8 codes that all lie on llama.cpp's IQ4_NL grid (our nl4 / nl4x formats) are packed as 4-bit
+grid indices (``nl4``): half int8's bytes; the kernels turn an index into its grid value with a
+16-entry table (a byte shuffle in the integer GEMV, a float permute elsewhere).
 
 ``pack`` turns a quantized weight (codes, scales, zero points as stored in checkpoints) into the
 layout the kernels read (see ``csrc/cpu_linear.h``): output features in tiles of 16, each
@@ -25,12 +29,12 @@ from types import ModuleType
 
 import torch
 from llmopt.core.errors import LlmoptError
-from llmopt.formats.schemes import fake_quantize_activations
+from llmopt.formats.schemes import IQ4_NL_GRID, fake_quantize_activations, on_grid
 
 from .build import IsaExtension
 
 SOURCES = ["linear.cpp", "cpu_linear_avx2.cpp", "cpu_linear_avx512.cpp", "cpu_linear_scalar.cpp"]
-FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "w8a8": 3}
+FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "w8a8": 3, "nl4": 4}
 PATHS = {"gemv": 0, "panel": 1, "float-gemv": 2}  # gemv: the integer GEMV where it applies
 TILE = 16
 PACK_ROWS = 2048  # output features packed per step (bounds the int64 intermediates)
@@ -41,7 +45,7 @@ W8A8_MAX_K = 65536
 class PackedLinear:
     """A quantized weight in the kernels' layout."""
 
-    format: str  # int4 | int8 | fp8 | w8a8
+    format: str  # int4 | int8 | fp8 | w8a8 | nl4
     out_features: int
     in_features: int
     group_size: int | None  # None: one scale per output feature
@@ -94,6 +98,14 @@ def _lanes(values: torch.Tensor, bits: int) -> torch.Tensor:
     return words.view(tiles, TILE, chunks).transpose(1, 2).contiguous()
 
 
+_GRID_INDEX = torch.zeros(256, dtype=torch.int64)  # int8 code + 128 → its index in the IQ4_NL grid
+_GRID_INDEX[torch.tensor(IQ4_NL_GRID) + 128] = torch.arange(len(IQ4_NL_GRID))
+
+
+def _int4_range(codes: torch.Tensor) -> bool:
+    return int(codes.min()) >= -8 and int(codes.max()) <= 7
+
+
 def pack(
     codes: torch.Tensor,
     scale: torch.Tensor,
@@ -129,8 +141,10 @@ def pack(
             sums = torch.zeros(tiles * TILE, dtype=torch.int32)
             sums[:n] = codes.sum(1, dtype=torch.int32)
             wsum = sums
+        elif zero_point is None and n * k and not _int4_range(codes) and on_grid(codes):
+            fmt, data = "nl4", _lanes(_GRID_INDEX[codes.to(torch.int64) + 128], 4)  # 4-bit grid indices
         else:
-            fmt = "int4" if n * k and int(codes.min()) >= -8 and int(codes.max()) <= 7 else "int8"
+            fmt = "int4" if n * k and _int4_range(codes) else "int8"
             half = 8 if fmt == "int4" else 128
             data = _lanes(codes.to(torch.int16) + half, 4 if fmt == "int4" else 8)
             if zero_point is not None:

@@ -6,6 +6,8 @@
 //   i * bits ... i * bits + bits - 1) is input feature chunk * VPL + i.
 //     int4 / int8 weight-only: unsigned codes u = q + 2^(bits-1), weight = u * scale + offset
 //     fp8 e4m3: the raw bytes, weight = e4m3(byte) * scale
+//     nl4: 4-bit indices u into llama.cpp's IQ4_NL grid, weight = (kNl4Bytes[u] + half) * scale
+//          with kNl4Bytes = grid + 128 (u8) and half = -128
 //     w8a8: the signed int8 codes, weight = q * scale (per output feature)
 //   scale / offset: [tiles][groups][16] float32. Without an offset tensor, offset = half * scale.
 // This header holds plain data only: it is included by translation units built for different
@@ -16,7 +18,10 @@
 
 namespace llmopt_linear {
 
-enum Format : int { kInt4 = 0, kInt8 = 1, kFp8 = 2, kW8A8 = 3 };
+enum Format : int { kInt4 = 0, kInt8 = 1, kFp8 = 2, kW8A8 = 3, kNl4 = 4 };
+
+// IQ4_NL's grid values plus 128: unsigned bytes for the integer dot products.
+constexpr uint8_t kNl4Bytes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 struct Job {
   int format;
@@ -41,7 +46,7 @@ struct Job {
   float* out;           // [M][N]
 };
 
-inline int values_per_lane(int format) { return format == kInt4 ? 8 : 4; }
+inline int values_per_lane(int format) { return format == kInt4 || format == kNl4 ? 8 : 4; }
 
 // Each variant computes output features [16 * t0, 16 * t1) for every row.
 namespace scalar {

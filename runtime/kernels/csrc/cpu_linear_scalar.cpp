@@ -26,7 +26,7 @@ void weight_only(const Job& j, int64_t tile, int64_t lane, float* w) {
   for (int64_t k = 0; k < j.K; ++k) {
     const int64_t at = (tile * j.groups + k / j.gs) * 16 + lane;
     const float s = j.scale[at];
-    const uint32_t q = code(j, tile, lane, k);
+    const uint32_t q = j.format == kNl4 ? kNl4Bytes[code(j, tile, lane, k)] : code(j, tile, lane, k);
     if (j.format == kFp8) {
       w[k] = fp8_value(q) * s;
     } else {

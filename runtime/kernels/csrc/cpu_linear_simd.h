@@ -3,7 +3,7 @@
 // anonymous namespace after the target pragma.
 //
 // Four paths, each computing output features [16 * t0, 16 * t1) for every row:
-//   igemv  few rows (decode), int4 / int8 codes: integer dot products with the activations
+//   igemv  few rows (decode), int4 / int8 / nl4 codes: integer dot products with the activations
 //          split into three int8 levels (see "integer GEMV" below).
 //   gemv   few rows, any format: the packed weights are read once and unpacked in registers.
 //          Integer value i of a lane is isolated with one AND (no shift) and converted, which
@@ -21,6 +21,10 @@ using llmopt_linear::Job;
 using llmopt_linear::kPanelK;
 
 constexpr int VT = 16 / Vec::W;  // vectors per 16-feature tile
+
+// What a lane's values are: integer codes, e4m3 bytes, or 4-bit indices into kNl4Bytes (nl4).
+constexpr int kIntKind = 0, kFp8Kind = 1, kLutKind = 2;
+alignas(64) constexpr float kNl4Floats[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 template <int I>
 struct Int {
@@ -82,23 +86,13 @@ inline Vec::F fp8_value(Vec::I lanes) {
   return Vec::mul(Vec::as_float(bits), Vec::bcast(0x1p120f));
 }
 
-// Value I of each lane times 2^(BITS * I) (the GEMV form; see the file comment).
-template <int BITS, bool FP8, int I>
-inline Vec::F decode_scaled(Vec::I lanes) {
-  if constexpr (FP8) {
-    return fp8_value<I>(lanes);
-  } else if constexpr (I == 32 / BITS - 1) {
-    return Vec::cvt(Vec::template srli<32 - BITS>(lanes));
-  } else {
-    return Vec::cvt(Vec::andi(lanes, Vec::set1i(((1 << BITS) - 1) << (BITS * I))));
-  }
-}
-
 // Value I of each lane (the panel form).
-template <int BITS, bool FP8, int I>
+template <int BITS, int KIND, int I>
 inline Vec::F decode_exact(Vec::I lanes) {
-  if constexpr (FP8) {
+  if constexpr (KIND == kFp8Kind) {
     return fp8_value<I>(lanes);
+  } else if constexpr (KIND == kLutKind) {
+    return Vec::lut_floats(Vec::andi(Vec::template srli<BITS * I>(lanes), Vec::set1i((1 << BITS) - 1)), kNl4Floats);
   } else if constexpr (I == 32 / BITS - 1) {
     return Vec::cvt(Vec::template srli<32 - BITS>(lanes));
   } else if constexpr (I == 0) {
@@ -108,13 +102,28 @@ inline Vec::F decode_exact(Vec::I lanes) {
   }
 }
 
+// Value I of each lane times 2^(BITS * I) (the GEMV form; see the file comment). Table
+// entries (nl4) are read exactly: their activations are not pre-scaled.
+template <int BITS, int KIND, int I>
+inline Vec::F decode_scaled(Vec::I lanes) {
+  if constexpr (KIND == kFp8Kind) {
+    return fp8_value<I>(lanes);
+  } else if constexpr (KIND == kLutKind) {
+    return decode_exact<BITS, KIND, I>(lanes);
+  } else if constexpr (I == 32 / BITS - 1) {
+    return Vec::cvt(Vec::template srli<32 - BITS>(lanes));
+  } else {
+    return Vec::cvt(Vec::andi(lanes, Vec::set1i(((1 << BITS) - 1) << (BITS * I))));
+  }
+}
+
 inline Vec::F group_offset(const Job& j, int64_t at, Vec::F scale) {
   return j.offset ? Vec::load(j.offset + at) : Vec::mul(scale, Vec::bcast(j.half));
 }
 
 // ---- gemv: MR rows from m0, TPS tiles from t
 
-template <int BITS, bool FP8, int MR, int TPS>
+template <int BITS, int KIND, int MR, int TPS>
 void gemv_step(const Job& j, int64_t t, int64_t m0) {
   constexpr int VPL = 32 / BITS, NV = TPS * VT;
   const int64_t chunks = j.Kp / VPL, per_group = j.gs / VPL;
@@ -140,7 +149,7 @@ void gemv_step(const Job& j, int64_t t, int64_t m0) {
         constexpr int I = decltype(i)::value;
         Vec::F w[NV];
 #pragma GCC unroll 16
-        for (int v = 0; v < NV; ++v) w[v] = decode_scaled<BITS, FP8, I>(lanes[v]);
+        for (int v = 0; v < NV; ++v) w[v] = decode_scaled<BITS, KIND, I>(lanes[v]);
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) {
           Vec::F xb = Vec::bcast(xc[m * j.Kp + I]);
@@ -153,7 +162,7 @@ void gemv_step(const Job& j, int64_t t, int64_t m0) {
     for (int v = 0; v < NV; ++v) {
       const int64_t at = ((t + v / VT) * j.groups + g) * 16 + (v % VT) * Vec::W;
       Vec::F s = Vec::load(j.scale + at);
-      if constexpr (FP8) {
+      if constexpr (KIND == kFp8Kind) {
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) acc[m][v] = Vec::fma(part[m][v], s, acc[m][v]);
       } else {
@@ -182,32 +191,32 @@ constexpr int gemv_tiles() {
   else return MR <= 2 ? 4 : 2;
 }
 
-template <int BITS, bool FP8, int MR>
+template <int BITS, int KIND, int MR>
 void gemv_rows(const Job& j, int64_t t0, int64_t t1, int64_t m0) {
   constexpr int TPS = gemv_tiles<MR>();
   int64_t t = t0;
-  for (; t + TPS <= t1; t += TPS) gemv_step<BITS, FP8, MR, TPS>(j, t, m0);
+  for (; t + TPS <= t1; t += TPS) gemv_step<BITS, KIND, MR, TPS>(j, t, m0);
   if constexpr (TPS > 2) {
-    for (; t + 2 <= t1; t += 2) gemv_step<BITS, FP8, MR, 2>(j, t, m0);
+    for (; t + 2 <= t1; t += 2) gemv_step<BITS, KIND, MR, 2>(j, t, m0);
   }
-  for (; t < t1; ++t) gemv_step<BITS, FP8, MR, 1>(j, t, m0);
+  for (; t < t1; ++t) gemv_step<BITS, KIND, MR, 1>(j, t, m0);
 }
 
-template <int BITS, bool FP8>
+template <int BITS, int KIND>
 void gemv_format(const Job& j, int64_t t0, int64_t t1) {
   for (int64_t m = 0; m < j.M; m += 4) {
     switch (min64(4, j.M - m)) {
-      case 1: gemv_rows<BITS, FP8, 1>(j, t0, t1, m); break;
-      case 2: gemv_rows<BITS, FP8, 2>(j, t0, t1, m); break;
-      case 3: gemv_rows<BITS, FP8, 3>(j, t0, t1, m); break;
-      default: gemv_rows<BITS, FP8, 4>(j, t0, t1, m); break;
+      case 1: gemv_rows<BITS, KIND, 1>(j, t0, t1, m); break;
+      case 2: gemv_rows<BITS, KIND, 2>(j, t0, t1, m); break;
+      case 3: gemv_rows<BITS, KIND, 3>(j, t0, t1, m); break;
+      default: gemv_rows<BITS, KIND, 4>(j, t0, t1, m); break;
     }
   }
 }
 
 // ---- panel: dequantize TPS tiles x [k0, k1) into buf[k - k0][16 * TPS], then FMA micro-kernel
 
-template <int BITS, bool FP8, int TPS>
+template <int BITS, int KIND, int TPS>
 void dequantize(const Job& j, int64_t t, int64_t k0, int64_t k1, float* buf) {
   constexpr int VPL = 32 / BITS, NV = TPS * VT;
   const int64_t chunks = j.Kp / VPL;
@@ -227,8 +236,8 @@ void dequantize(const Job& j, int64_t t, int64_t k0, int64_t k1, float* buf) {
 #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) {
         const int64_t at = ((t + v / VT) * j.groups + g) * 16 + (v % VT) * Vec::W;
-        Vec::F s = Vec::load(j.scale + at), u = decode_exact<BITS, FP8, I>(lanes[v]);
-        if constexpr (FP8) {
+        Vec::F s = Vec::load(j.scale + at), u = decode_exact<BITS, KIND, I>(lanes[v]);
+        if constexpr (KIND == kFp8Kind) {
           Vec::store(row + v * Vec::W, Vec::mul(u, s));
         } else {
           Vec::store(row + v * Vec::W, Vec::fma(u, s, group_offset(j, at, s)));
@@ -281,7 +290,7 @@ void micro_rows(const Job& j, int64_t col0, int64_t k0, int64_t k1, const float*
   }
 }
 
-template <int BITS, bool FP8>
+template <int BITS, int KIND>
 void panel_format(const Job& j, int64_t t0, int64_t t1, float* buf) {
   constexpr int TPS = VT == 2 ? 1 : 2;  // two vectors of columns per micro-kernel row
   for (int64_t t = t0; t < t1; t += TPS) {
@@ -289,10 +298,10 @@ void panel_format(const Job& j, int64_t t0, int64_t t1, float* buf) {
     for (int64_t k0 = 0; k0 < j.K; k0 += kPanelK) {
       const int64_t k1 = min64(j.K, k0 + kPanelK);
       if (whole) {
-        dequantize<BITS, FP8, TPS>(j, t, k0, k1, buf);
+        dequantize<BITS, KIND, TPS>(j, t, k0, k1, buf);
         micro_rows<TPS * VT>(j, t * 16, k0, k1, buf);
       } else {
-        dequantize<BITS, FP8, 1>(j, t, k0, k1, buf);
+        dequantize<BITS, KIND, 1>(j, t, k0, k1, buf);
         micro_rows<VT>(j, t * 16, k0, k1, buf);
       }
     }
@@ -375,7 +384,7 @@ inline void w8a8_all(const Job& j, int64_t t0, int64_t t1) {
 constexpr float kLevel = 254.0f;
 
 inline void split_levels_all(const Job& j, int8_t* xq, float* xls, float* xbsum) {
-  const bool int4 = j.format == llmopt_linear::kInt4;
+  const bool int4 = j.format == llmopt_linear::kInt4 || j.format == llmopt_linear::kNl4;  // nibble lanes
   const int64_t nblk = j.Kp / j.xblock, xb = j.xblock;
   alignas(64) float r[256];
   alignas(64) int8_t q[256];
@@ -422,7 +431,7 @@ inline int32_t load32(const int8_t* p) {
 }
 
 // Tiles tiles[0 .. TPS) (any tiles: the caller streams far-apart ones together, see igemv_format).
-template <bool INT4, int MR, int TPS>
+template <bool INT4, bool LUT, int MR, int TPS>
 void igemv_step(const Job& j, const int64_t* tiles, int64_t m0) {
   constexpr int VPL = INT4 ? 8 : 4, NV = TPS * VT;
   const int64_t chunks = j.Kp / VPL, per_block = j.xblock / VPL, nblk = j.Kp / j.xblock;
@@ -450,6 +459,10 @@ void igemv_step(const Job& j, const int64_t* tiles, int64_t m0) {
         if constexpr (INT4) {
           w0[v] = Vec::andi(lanes, Vec::set1i(0x0F0F0F0F));
           w1[v] = Vec::andi(Vec::template srli<4>(lanes), Vec::set1i(0x0F0F0F0F));
+          if constexpr (LUT) {  // nl4: indices to grid bytes (<= 241: VNNI only, see igemv_entry)
+            w0[v] = Vec::lut_bytes(w0[v], llmopt_linear::kNl4Bytes);
+            w1[v] = Vec::lut_bytes(w1[v], llmopt_linear::kNl4Bytes);
+          }
         } else {
           w0[v] = lanes;
         }
@@ -504,18 +517,18 @@ constexpr int igemv_tiles() {
 }
 
 // The four tiles of an AVX-512 step for MR rows, as steps of igemv_tiles<MR>() tiles.
-template <bool INT4, int MR>
+template <bool INT4, bool LUT, int MR>
 void igemv_split(const Job& j, const int64_t* tiles, int64_t m0) {
   constexpr int S = igemv_tiles<1>(), TPS = igemv_tiles<MR>();
 #pragma GCC unroll 4
-  for (int i = 0; i < S; i += TPS) igemv_step<INT4, MR, TPS>(j, tiles + i, m0);
+  for (int i = 0; i < S; i += TPS) igemv_step<INT4, LUT, MR, TPS>(j, tiles + i, m0);
 }
 
 // Tiles [t0, t1): a step reads igemv_tiles<1>() tiles from far-apart parts of the range at once
 // (one per segment of `len` tiles). Independent sequential streams keep more memory requests in
 // flight than adjacent tiles, which read as one stream: a single core streams the weights about
 // twice as fast. The tiles left over run one at a time.
-template <bool INT4>
+template <bool INT4, bool LUT = false>
 void igemv_format(const Job& j, int64_t t0, int64_t t1) {
   constexpr int S = igemv_tiles<1>();
   const int64_t len = (t1 - t0) / S;
@@ -523,41 +536,46 @@ void igemv_format(const Job& j, int64_t t0, int64_t t1) {
   for (int64_t i = 0; i < len; ++i) {
     for (int s = 0; s < S; ++s) tiles[s] = t0 + s * len + i;
     if constexpr (VT == 2) {  // AVX2: 16 registers hold one row's accumulators
-      for (int64_t m = 0; m < j.M; ++m) igemv_step<INT4, 1, S>(j, tiles, m);
+      for (int64_t m = 0; m < j.M; ++m) igemv_step<INT4, LUT, 1, S>(j, tiles, m);
     } else {
       for (int64_t m = 0; m < j.M; m += 4) {  // the step's weights stay in cache across row blocks
         switch (min64(4, j.M - m)) {
-          case 1: igemv_split<INT4, 1>(j, tiles, m); break;
-          case 2: igemv_split<INT4, 2>(j, tiles, m); break;
-          case 3: igemv_split<INT4, 3>(j, tiles, m); break;
-          default: igemv_split<INT4, 4>(j, tiles, m); break;
+          case 1: igemv_split<INT4, LUT, 1>(j, tiles, m); break;
+          case 2: igemv_split<INT4, LUT, 2>(j, tiles, m); break;
+          case 3: igemv_split<INT4, LUT, 3>(j, tiles, m); break;
+          default: igemv_split<INT4, LUT, 4>(j, tiles, m); break;
         }
       }
     }
   }
   for (int64_t t = t0 + S * len; t < t1; ++t)
-    for (int64_t m = 0; m < j.M; ++m) igemv_step<INT4, 1, 1>(j, &t, m);
+    for (int64_t m = 0; m < j.M; ++m) igemv_step<INT4, LUT, 1, 1>(j, &t, m);
 }
 
 inline void igemv_entry(const Job& j, int64_t t0, int64_t t1) {
   if (j.format == llmopt_linear::kInt4) return igemv_format<true>(j, t0, t1);
-  if constexpr (VT == 1) igemv_format<false>(j, t0, t1);  // u8 x s8 needs VNNI (AVX2's maddubs saturates)
+  if constexpr (VT == 1) {  // u8 x s8 needs VNNI (AVX2's maddubs saturates): int8 and nl4 bytes
+    if (j.format == llmopt_linear::kNl4) return igemv_format<true, true>(j, t0, t1);
+    igemv_format<false>(j, t0, t1);
+  }
 }
 
 // ---- entry points
 
 inline void gemv_entry(const Job& j, int64_t t0, int64_t t1) {
   switch (j.format) {
-    case llmopt_linear::kInt4: return gemv_format<4, false>(j, t0, t1);
-    case llmopt_linear::kInt8: return gemv_format<8, false>(j, t0, t1);
-    default: return gemv_format<8, true>(j, t0, t1);
+    case llmopt_linear::kInt4: return gemv_format<4, kIntKind>(j, t0, t1);
+    case llmopt_linear::kInt8: return gemv_format<8, kIntKind>(j, t0, t1);
+    case llmopt_linear::kNl4: return gemv_format<4, kLutKind>(j, t0, t1);
+    default: return gemv_format<8, kFp8Kind>(j, t0, t1);
   }
 }
 
 inline void panel_entry(const Job& j, int64_t t0, int64_t t1, float* work) {
   switch (j.format) {
-    case llmopt_linear::kInt4: return panel_format<4, false>(j, t0, t1, work);
-    case llmopt_linear::kInt8: return panel_format<8, false>(j, t0, t1, work);
-    default: return panel_format<8, true>(j, t0, t1, work);
+    case llmopt_linear::kInt4: return panel_format<4, kIntKind>(j, t0, t1, work);
+    case llmopt_linear::kInt8: return panel_format<8, kIntKind>(j, t0, t1, work);
+    case llmopt_linear::kNl4: return panel_format<4, kLutKind>(j, t0, t1, work);
+    default: return panel_format<8, kFp8Kind>(j, t0, t1, work);
   }
 }

@@ -53,6 +53,16 @@ struct Vec {
   static I dot_u8(I acc, I w, I x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
   }
+  // Bytes holding 4-bit indices (< 16) replaced by the 16-entry byte table's entries.
+  static I lut_bytes(I idx, const uint8_t* table) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), idx);
+  }
+  // Float table[u] for 32-bit lanes holding u < 16 (table: 16 floats).
+  static F lut_floats(I u, const float* table) {
+    F low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), u);
+    F high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), u);
+    return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(u, 28)));  // bit 3 of u picks
+  }
 };
 #endif
 
@@ -92,5 +102,9 @@ struct Vec {
     return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, w0, x0), w1, x1);
   }
   static I dot_u8(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }  // u8 w, s8 x
+  static I lut_bytes(I idx, const uint8_t* table) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), idx);
+  }
+  static F lut_floats(I u, const float* table) { return _mm512_permutexvar_ps(u, _mm512_loadu_ps(table)); }
 };
 #endif

@@ -49,7 +49,8 @@ void prepare_gemv(lin::Job& j, std::vector<float>& xs_buf, std::vector<float>& s
     float* row = xs + m * j.Kp;
     for (int64_t k = 0; k < j.K; ++k) {
       const int i = static_cast<int>(k % vpl);
-      row[k] = (j.format == lin::kFp8 || i == vpl - 1) ? x[k] : std::ldexp(x[k], -bits * i);
+      const bool exact = j.format == lin::kFp8 || j.format == lin::kNl4 || i == vpl - 1;  // see decode_scaled
+      row[k] = exact ? x[k] : std::ldexp(x[k], -bits * i);
     }
     std::fill(row + j.K, row + j.Kp, 0.0f);
     for (int64_t g = 0; g < j.groups; ++g) {
@@ -110,7 +111,7 @@ struct Packed {
          std::optional<torch::Tensor> wsum_, int64_t format_, int64_t n_, int64_t k_, int64_t group_size_)
       : data(std::move(data_)), scale(std::move(scale_)), offset(std::move(offset_)), wsum(std::move(wsum_)),
         format(format_), n(n_), k(k_), group_size(group_size_) {
-    check(format >= lin::kInt4 && format <= lin::kW8A8, "unknown format");
+    check(format >= lin::kInt4 && format <= lin::kNl4, "unknown format");
     const int vpl = lin::values_per_lane(static_cast<int>(format));
     const int64_t tiles = (n + 15) / 16, kp = (k + vpl - 1) / vpl * vpl;
     check(data.scalar_type() == torch::kInt && data.is_contiguous() && data.numel() == tiles * (kp / vpl) * 16,
@@ -163,7 +164,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
   j.M = M, j.N = n, j.K = K, j.Kp = Kp, j.groups = groups, j.gs = groups == 1 ? Kp : group_size;
   j.data = reinterpret_cast<const uint32_t*>(w.data.data_ptr<int32_t>());
   j.scale = w.scale.data_ptr<float>();
-  j.half = format == lin::kInt4 ? -8.0f : format == lin::kInt8 ? -128.0f : 0.0f;
+  j.half = format == lin::kInt4 ? -8.0f : format == lin::kInt8 || format == lin::kNl4 ? -128.0f : 0.0f;
   j.x = x.data_ptr<float>();
   j.out = out.data_ptr<float>();
   if (w.offset) j.offset = w.offset->data_ptr<float>();
@@ -178,8 +179,9 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
   } else if (isa != kScalar) {
     const bool fits = j.gs % vpl == 0;
     check((path != kGemv && path != kFloatGemv) || fits, "the GEMV paths need groups of whole lanes");
-    // Integer GEMV: int4 everywhere, int8 codes with VNNI only (AVX2's maddubs would saturate).
-    const bool int_ok = format == lin::kInt4 || (format == lin::kInt8 && isa == kAvx512);
+    // Integer GEMV: int4 everywhere, int8 and nl4 (grid bytes up to 241) with VNNI only (AVX2's
+    // maddubs would saturate).
+    const bool int_ok = format == lin::kInt4 || ((format == lin::kInt8 || format == lin::kNl4) && isa == kAvx512);
     const int64_t int_rows = isa == kAvx512 ? kIntGemvRowsAvx512 : kIntGemvRowsAvx2;
     igemv = fits && int_ok && (path == kGemv || (path == kAuto && M <= int_rows));
     gemv = igemv || path == kGemv || path == kFloatGemv || (path == kAuto && fits && M <= kGemvRows);
