@@ -46,7 +46,7 @@ def quantization_output_error(
         ws = wf
     else:
         ws = wf * s.float().unsqueeze(0)
-    scale, zp = compute_qparams(ws, scheme, group_size)
+    scale, zp = compute_qparams(ws, scheme, group_size, grid_tries=0)  # grids: a quick scale (the search ranks scalings)
     wq = fake_quantize(ws, scale, zp, scheme, group_size)
     if s is not None:
         wq = wq / s.float().unsqueeze(0)

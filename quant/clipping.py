@@ -42,7 +42,7 @@ def search_clip_ratio(
     best_ratio = torch.ones(wg.shape[:2])
     for i in range(grid + 1):
         ratio = 1.0 - max_shrink * i / grid
-        scale, zp = compute_qparams(wf, scheme, group_size, clip_ratio=ratio)
+        scale, zp = compute_qparams(wf, scheme, group_size, clip_ratio=ratio, grid_tries=0)  # grids: the ratio's own scale
         e = _grouped(fake_quantize(wf, scale, zp, scheme, group_size), group_size) - wg
         if blocks is not None:
             err = (torch.bmm(e.transpose(0, 1), blocks) * e.transpose(0, 1)).sum(-1).T

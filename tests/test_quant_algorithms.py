@@ -522,6 +522,7 @@ def test_smoothquant_folding_preserves_function_and_balances() -> None:
         ("rtn", "W4A16", 32), ("gptq", "W4A16", 32), ("gptq", "W4A16_ASYM", 0),
         ("awq", "W4A16", 32), ("awq+gptq", "W4A16_ASYM", 16), ("smoothquant", "W8A8", None),
         ("smoothquant+gptq", "W8A8", None), ("gptq", "FP8_DYNAMIC", None), ("awq", "FP8", None),
+        ("awq+gptq", "IQ4_NL", 32),
     ],
 )
 def test_quantize_model_methods(method: str, scheme: str, gs: int | None) -> None:

@@ -171,10 +171,12 @@ def compute_qparams(
     scheme: QuantScheme,
     group_size: int | None = None,
     clip_ratio: torch.Tensor | float = 1.0,
+    grid_tries: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Min-max scales (and zero points) per (row, group) of ``w``.
 
     ``clip_ratio`` shrinks the range (scalar or ``[out, n_groups]``); see :func:`search_qparams`.
+    Grid schemes search their scales (:func:`grid_scales`, ``grid_tries`` candidates a side).
     Returns ``scale [out, n_groups]`` (float32) and ``zero_point [out, n_groups]`` (int32) or None.
     """
     wg = _grouped(w.float(), group_size)
@@ -182,7 +184,8 @@ def compute_qparams(
         absmax = wg.abs().amax(dim=-1) * clip_ratio
         return (absmax / FP8_MAX).clamp(min=1e-12), None
     if scheme.grid is not None:
-        return superblock_scales(grid_scales(wg, scheme.grid, clip_ratio), wg.shape[-1], scheme.scale_steps), None
+        scales = grid_scales(wg, scheme.grid, clip_ratio, tries=GRID_TRIES if grid_tries is None else grid_tries)
+        return superblock_scales(scales, wg.shape[-1], scheme.scale_steps), None
     if scheme.symmetric:
         absmax = wg.abs().amax(dim=-1) * clip_ratio
         # Below 8 bits use the full negative code as llama.cpp's Q4_0 / Q5_0 do: absmax maps onto
@@ -301,13 +304,14 @@ def round_to_grid(x: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
 
 
 def grid_scales(
-    wg: torch.Tensor, grid: tuple[int, ...], clip_ratio: torch.Tensor | float = 1.0, col_w: torch.Tensor | None = None
+    wg: torch.Tensor, grid: tuple[int, ...], clip_ratio: torch.Tensor | float = 1.0, col_w: torch.Tensor | None = None,
+    tries: int = GRID_TRIES,
 ) -> torch.Tensor:
     """Signed scales ``[out, n_groups]`` of grouped weights ``wg`` ``[out, n_groups, group]`` on ``grid``.
 
     Much as llama.cpp chooses IQ4_NL scales: the weight of largest magnitude ``m`` (times
     ``clip_ratio``) maps near either end ``e`` of the grid: candidates ``m / (e + 2t)`` for
-    ``|t| <= GRID_TRIES``, each also refined to the least-squares scale of its codes; the
+    ``|t| <= tries``, each also refined to the least-squares scale of its codes; the
     candidate with the least (``col_w``-weighted) squared error wins (within 0.2% of a dense
     sweep of signed scales on Gaussian weights).
     """
@@ -326,7 +330,7 @@ def grid_scales(
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, d, best)
 
-    for end, t in ((end, t) for end in (grid[0], grid[-1]) for t in range(-GRID_TRIES, GRID_TRIES + 1)):
+    for end, t in ((end, t) for end in (grid[0], grid[-1]) for t in range(-tries, tries + 1)):
         d = extreme / (end + 2 * t)
         q = round_to_grid(wg / d.unsqueeze(-1), grid)
         consider(d, q)
