@@ -45,10 +45,24 @@ def _tensors(path: Path) -> dict[str, tuple[str, list[int]]]:
     return out
 
 
+def _grid_savings(path: Path, config: dict) -> int:
+    """Bytes the runtime does not read of int8 codes on the IQ4_NL grid (nl4 / nl4x): it repacks
+    them as 4-bit indices, half their stored bytes."""
+    if "quantization_config" not in config:
+        return 0
+    from llmopt.formats.compressed import read_compressed
+    from llmopt.formats.schemes import on_grid
+
+    weights, _ = read_compressed(path)
+    return sum(qw.codes.numel() // 2 for qw in weights.values()
+               if qw.scheme.num_bits == 8 and qw.zero_point is None and on_grid(qw.codes))
+
+
 def bytes_per_token(path: str | Path, context: int, head: str = "auto") -> dict[str, int]:
     """Bytes a decoded token reads: every stored weight once (an untied input embedding only one
     row; a tied one once, as the output head), ``head`` ``bf16`` / ``int8`` the head at 2 / 1
-    byte per weight (+ a float32 scale per row for int8), plus the float32 KV of ``context`` tokens."""
+    byte per weight (+ a float32 scale per row for int8), plus the float32 KV of ``context`` tokens;
+    nl4 / nl4x codes at the half byte the runtime reads."""
     from llmopt.checkpoints.models import resolve_model
 
     path = resolve_model(str(path))
@@ -71,6 +85,7 @@ def bytes_per_token(path: str | Path, context: int, head: str = "auto") -> dict[
         if name.endswith("lm_head.weight"):
             head_numel, head_rows = numel, shape[0]
         weights += nbytes
+    weights -= _grid_savings(path, config)
     if head != "auto" and head_numel:  # the head as the runtime holds it after --lm-head
         weights -= head_numel * 4
         weights += head_numel * 2 if head == "bf16" else head_numel + head_rows * 4
