@@ -42,8 +42,9 @@ LLAMA_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY
                 "IQ4_NL": "LLAMA_FTYPE_MOSTLY_IQ4_NL"}
 Q4_K_M_ANCHOR_BYTES = 105_453_824  # llama.cpp's Q4_K_M file of the demo model (shared/anchors), when llama.cpp is absent
 MODEL = "demo"  # --model (a small model for a smoke run)
-SENSITIVITY_VERSION = 6  # candidate formats int4 g128/g64/g32, int4 / int5 asym g32, nl4 / nl4x g32, int5/int6/int8 g32, int8; int4/nl4/5/6/8 head
-# (v3: a calibrated method's head priced as GPTQ stores it; v4: int5 asym g32)
+SENSITIVITY_VERSION = 7  # candidate formats int4 g128/g64/g32, int4 / int5 asym g32, nl4 / nl4x g32, int5/int6/int8 g32,
+# int6x g16 (Q6_K), int8; int4/int4a/nl4/int5/int5a/int6/int8 head
+# (v3: a calibrated method's head priced as GPTQ stores it; v4: int5 asym g32; v7: int6x, int4a / int5a head)
 
 
 def log(message: str) -> None:

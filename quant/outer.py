@@ -3,7 +3,8 @@
 Formats (``OUTER_CHOICES``): ``int8`` — one scale per row, symmetric (W8A16's rule, the
 runtime's int8 head kernels, GGUF Q8_0 exactly); ``int6`` / ``int5`` / ``int4`` — symmetric
 groups of 32 along the row (int5: GGUF Q5_0 exactly, int4: W4A16 g32 and Q4_0 exactly, int6:
-Q8_0 blocks holding 6-bit codes); ``nl4`` — groups of 32 on llama.cpp's non-uniform IQ4_NL grid
+Q8_0 blocks holding 6-bit codes); ``int5a`` / ``int4a`` — the same groups with a zero point
+(GGUF Q5_1 / Q4_1 exactly: half a bit more than the symmetric form, much less error); ``nl4`` — groups of 32 on llama.cpp's non-uniform IQ4_NL grid
 (int8 codes in a checkpoint, GGUF IQ4_NL exactly: 4.5 bits, far more accurate than int4). Scales are chosen by a per-(row, group) clipping search
 (least squared error, weighted by the per-column input energy when a Hessian diagonal of the
 head's input is given).
@@ -31,7 +32,7 @@ from llmopt.formats.schemes import (
 )
 from llmopt.quant.gptq import gptq_quantize_weight
 
-OUTER_CHOICES = ("float", "int8", "int6", "int5", "nl4", "int4")
+OUTER_CHOICES = ("float", "int8", "int6", "int5a", "int5", "int4a", "nl4", "int4")
 OUTER_GROUP = 32  # the group size of the grouped embedding/head formats
 HEAD_GPTQ_ROWS = 8192  # rows of the head solved at once (two float32 copies of them at a time)
 EMBED = "model.embed_tokens"
@@ -46,6 +47,8 @@ def outer_scheme(kind: str) -> QuantScheme | None:
         return get_scheme("W8A16")
     if kind in ("int6", "int5", "int4"):
         return int_weight_scheme(int(kind[3:]), OUTER_GROUP)
+    if kind in ("int5a", "int4a"):
+        return int_weight_scheme(int(kind[3]), OUTER_GROUP, symmetric=False)
     if kind == "nl4":
         return grid_scheme(IQ4_NL_GRID, OUTER_GROUP)
     raise ValueError(f"unknown embedding/head format {kind!r}: choose one of {', '.join(OUTER_CHOICES)}")
@@ -60,9 +63,13 @@ def quantize_matrix(w: torch.Tensor, scheme: QuantScheme, col_weight: torch.Tens
     for chunk in torch.split(w, 4096):
         scale, zp = search_qparams(chunk.float(), scheme, group, col_weight)
         parts.append(QuantizedWeight.from_weight(chunk.float(), scheme, group, scale, zp))
-    codes = torch.cat([p.codes for p in parts])
-    scale = torch.cat([p.scale for p in parts])
-    return QuantizedWeight(codes, scale, None, scheme, group)
+    return _joined(parts, scheme, group)
+
+
+def _joined(parts: list[QuantizedWeight], scheme: QuantScheme, group: int | None) -> QuantizedWeight:
+    """One QuantizedWeight from row chunks (zero points kept for the asymmetric formats)."""
+    zp = None if parts[0].zero_point is None else torch.cat([p.zero_point for p in parts])
+    return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zp, scheme, group)
 
 
 def gptq_matrix(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor) -> QuantizedWeight:
@@ -72,7 +79,7 @@ def gptq_matrix(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor) -> 
         raise ValueError(f"group size {group} does not divide the {w.shape[1]} columns of the embedding/head")
     parts = [gptq_quantize_weight(chunk.float(), hessian, scheme, group, clip=True)
              for chunk in torch.split(w, HEAD_GPTQ_ROWS)]
-    return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), None, scheme, group)
+    return _joined(parts, scheme, group)
 
 
 def quantize_head(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor | None,

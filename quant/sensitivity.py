@@ -28,6 +28,8 @@ from torch import nn
 from llmopt.formats.schemes import (
     IQ4_NL_GRID,
     IQ4_XS_STEPS,
+    Q6_K_GROUP,
+    Q6_K_STEPS,
     SUPERBLOCK,
     QuantScheme,
     compute_qparams,
@@ -43,15 +45,18 @@ from llmopt.quant.outer import EMBED, HEAD, outer_scheme, quantize_head
 # The GGUF block type each is exported to without rounding again is in ``gguf_bits``; int4a /
 # int5a are asymmetric (a zero point per group: GGUF Q4_1 / Q5_1); nl4 holds IQ4_NL grid codes in
 # int8 (8.5 bits in a checkpoint, 4.5 as GGUF IQ4_NL); nl4x also quantizes its scales per 256
-# features (GGUF IQ4_XS, 4.25 bits; IQ4_NL on rows 256 does not divide).
+# features (GGUF IQ4_XS, 4.25 bits; IQ4_NL on rows 256 does not divide); int6x is int6 in groups of
+# 16 with 8-bit scale multiples per 256 features (GGUF Q6_K, 6.5625 bits; F16 where 256 does not
+# divide the rows, so plans counted in GGUF bits take it only where it applies).
 LINEAR_FORMATS: dict[str, tuple[int, int | None, bool, tuple[int, ...] | None, int | None]] = {
     "int4_g128": (4, 128, True, None, None), "int4_g64": (4, 64, True, None, None), "int4_g32": (4, 32, True, None, None),
     "int4a_g32": (4, 32, False, None, None), "nl4x_g32": (8, 32, True, IQ4_NL_GRID, IQ4_XS_STEPS),
     "nl4_g32": (8, 32, True, IQ4_NL_GRID, None), "int5_g32": (5, 32, True, None, None),
-    "int5a_g32": (5, 32, False, None, None), "int6_g32": (6, 32, True, None, None), "int8_g32": (8, 32, True, None, None),
+    "int5a_g32": (5, 32, False, None, None), "int6_g32": (6, 32, True, None, None),
+    "int6x_g16": (6, 16, True, None, Q6_K_STEPS), "int8_g32": (8, 32, True, None, None),
     "int8": (8, None, True, None, None),
 }
-OUTER_FORMATS = ("int4", "nl4", "int5", "int6", "int8")
+OUTER_FORMATS = ("int4", "nl4", "int4a", "int5", "int5a", "int6", "int8")
 FLOAT = "float"
 SIZES = ("checkpoint", "gguf")  # how bits are counted: codes + 16-bit scales, or the GGUF file's blocks
 GGUF_FLOAT_BITS = 16  # float matrices of a quantized checkpoint are written as F16
@@ -65,7 +70,7 @@ def format_scheme(name: str, in_features: int) -> QuantScheme | None:
         bits, group, symmetric, grid, steps = LINEAR_FORMATS[name]
         if grid is not None:
             return grid_scheme(grid, effective_group_size(in_features, group), steps)
-        return int_weight_scheme(bits, effective_group_size(in_features, group), symmetric)
+        return int_weight_scheme(bits, effective_group_size(in_features, group), symmetric, steps)
     return outer_scheme(name)
 
 
@@ -81,9 +86,13 @@ def format_bits(name: str, in_features: int, float_bits: int) -> float:
 
 def gguf_bits(name: str, in_features: int) -> float:
     """Bits per weight of the format in a ``--type auto`` GGUF file: the block type that carries its
-    codes (IQ4_XS 4.25, Q4_0 / IQ4_NL 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5), F16 when none does or for float."""
+    codes (IQ4_XS 4.25, Q4_0 / IQ4_NL 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q6_K 6.5625, Q8_0 8.5), F16 when none
+    does or for float."""
     scheme = format_scheme(name, in_features)
     group = None if scheme is None else (scheme.group_size or in_features)
+    if scheme is not None and scheme.grid is None and scheme.scale_steps == Q6_K_STEPS:
+        q6_k = scheme.num_bits == 6 and group == Q6_K_GROUP and in_features % SUPERBLOCK == 0
+        return 6.5625 if q6_k else float(GGUF_FLOAT_BITS)
     if scheme is None or group % 32 or in_features % 32:
         return float(GGUF_FLOAT_BITS)
     if scheme.grid == IQ4_NL_GRID:

@@ -77,6 +77,10 @@ def test_format_bits_in_checkpoint_and_gguf():
     assert {f: gguf_bits(f, 512) for f in ("int4_g128", "int4a_g32", "nl4_g32", "nl4x_g32", "int5a_g32", "int6_g32")} == \
         {"int4_g128": 4.5, "int4a_g32": 5.0, "nl4_g32": 4.5, "nl4x_g32": 4.25, "int5a_g32": 6.0, "int6_g32": 8.5}
     assert gguf_bits("nl4x_g32", 576) == 4.5 and gguf_bits("nl4", 576) == 4.5 and gguf_bits("float", 576) == 16.0
+    # int6x: Q6_K (6 bits + an 8-bit scale per 16 + a float16 per 256) where 256 divides the rows, else F16
+    assert format_bits("int6x_g16", 512, 16) == 7.0 and gguf_bits("int6x_g16", 512) == 6.5625
+    assert gguf_bits("int6x_g16", 576) == 16.0
+    assert {f: gguf_bits(f, 576) for f in ("int5a", "int4a", "int5")} == {"int5a": 6.0, "int4a": 5.0, "int5": 5.5}
 
 
 def test_allocation_is_optimal_on_a_small_case():
@@ -275,12 +279,13 @@ def test_bad_auto_options(tmp_path, args, message):
 
 EXPECTED_GGUF = {"int4_g128": "Q4_0", "int4_g64": "Q4_0", "int4_g32": "Q4_0", "int4a_g32": "Q4_1", "int5_g32": "Q5_0",
                  "int5a_g32": "Q5_1", "int6_g32": "Q8_0", "int8_g32": "Q8_0", "int8": "Q8_0", "int5": "Q5_0",
-                 "nl4_g32": "IQ4_NL", "nl4": "IQ4_NL", "nl4x_g32": "IQ4_NL"}  # the tiny rows: 256 does not divide them
+                 "int5a": "Q5_1", "nl4_g32": "IQ4_NL", "nl4": "IQ4_NL",
+                 "nl4x_g32": "IQ4_NL", "int6x_g16": "F16"}  # the tiny rows: 256 does not divide them
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq+gptq"])
 def test_every_format_saved_loaded_run_and_exported(tmp_path, calib_text, method):
-    """A plan using every candidate format (and an int5 or nl4 tied embedding/head): the codes saved
+    """A plan using every candidate format (and an int5, int5a or nl4 tied embedding/head): the codes saved
     are on each format's grid, our loader and the runtime agree, and the GGUF export carries each
     tensor's codes in the block type of its format."""
     from gguf import GGUFReader
@@ -291,7 +296,7 @@ def test_every_format_saved_loaded_run_and_exported(tmp_path, calib_text, method
     src = save_model(model, tmp_path / "src")
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     formats = {n: list(LINEAR_FORMATS)[i % len(LINEAR_FORMATS)] for i, n in enumerate(names)}
-    formats["model.embed_tokens"] = "nl4" if method == "gptq" else "int5"
+    formats["model.embed_tokens"] = {"gptq": "nl4", "rtn": "int5"}.get(method, "int5a")
     shapes = {n: list(model.get_submodule(n).weight.shape) for n in formats}
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"formats": formats, "shapes": shapes, "kinds": {"model.embed_tokens": "tied"}}))

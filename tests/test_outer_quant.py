@@ -53,6 +53,8 @@ CASES = [  # (tied, head, embedding)
     (False, "int4", "int8"),
     (True, "int5", "int5"),
     (False, "int6", "int5"),
+    (True, "int5a", "int5a"),
+    (False, "int4a", "int5a"),
 ]
 
 
@@ -79,6 +81,9 @@ def test_saved_codes_loader_runtime(tmp_path, tied, head, embedding):
         assert outer[name].codes.shape == w.shape
         assert torch.equal(outer[name].codes, expected.codes), name
         assert torch.equal(outer[name].scale, expected.scale), name
+        assert (outer[name].zero_point is None) == kind[-1].isdigit(), name  # int5a / int4a: zero points
+        if expected.zero_point is not None:
+            assert torch.equal(outer[name].zero_point, expected.zero_point), name
         rel = float((outer[name].dequantize() - w.detach()).norm() / w.detach().norm())
         assert 0 < rel < (0.01 if kind == "int8" else 0.12), (name, rel)
         scheme = outer_scheme(kind)

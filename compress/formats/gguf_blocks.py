@@ -183,13 +183,15 @@ def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
 
 
 def stored_codes(data: np.ndarray, qtype: T, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """The integer codes and fp16 scales ``d`` stored in a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL / IQ4_XS tensor's bytes.
+    """The integer codes and fp16 scales ``d`` stored in a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL / IQ4_XS / Q6_K tensor's bytes.
 
     Codes are returned in our signed convention (``u - 8`` for the 4-bit types, ``u - 16`` for
-    the 5-bit ones, the grid value for IQ4_NL), shape ``[rows, cols]``; ``d`` has shape
-    ``[rows, cols/32]`` (float32).
+    the 5-bit ones, ``u - 32`` for Q6_K, the grid value for IQ4_NL), shape ``[rows, cols]``; ``d`` has
+    shape ``[rows, cols/32]`` (``[rows, cols/16]`` for Q6_K; float32).
     """
     blocks = np.ascontiguousarray(data.reshape(-1)).reshape(-1, _type_bytes(qtype))
+    if qtype == T.Q6_K:
+        return _q6_k_codes(blocks, rows)
     d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
     if qtype == T.Q8_0:
         codes = blocks[:, 2:].copy().view(np.int8)
@@ -209,6 +211,19 @@ def stored_codes(data: np.ndarray, qtype: T, rows: int) -> tuple[np.ndarray, np.
         start = 2 if qtype == T.Q4_0 else 4
         codes = _unnibble(blocks[:, start:]).astype(np.int8) - 8
     return codes.reshape(rows, -1), d
+
+
+def _q6_k_codes(blocks: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Codes (``u - 32``) and ``d`` per sub-block of 16 (the super-block's d times its int8
+    scale) of Q6_K blocks (``ql`` 128 bytes, ``qh`` 64, scales 16, ``d`` 2)."""
+    ql = blocks[:, :128].reshape(-1, 2, 64)
+    qh = blocks[:, 128:192].reshape(-1, 2, 32)
+    low = np.stack([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 256)
+    high = np.stack([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], axis=2).reshape(-1, 256)
+    codes = (low | (high << 4)).astype(np.int8) - 32
+    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    return codes.reshape(rows, -1), (d * sc).reshape(rows, -1)
 
 
 def _type_bytes(qtype: T) -> int:
@@ -256,16 +271,29 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     imax = np.abs(scale).argmax(axis=1)
     big = np.take_along_axis(scale, imax[:, None], axis=1)[:, 0]
     d = (big / -128).astype(np.float16).astype(np.float32)
-    sc = _safe_div(scale, d[:, None]).round().clip(-128, 127).astype(np.int8)
-    eff = (d[:, None] * sc.astype(np.float32))[..., None]
+    sc = _safe_div(scale, d[:, None]).round().clip(-128, 127)
+    eff = (d[:, None] * sc)[..., None]
     q = _safe_div(sub, eff).round().clip(-32, 31)
-    u = (q + 32).astype(np.uint8).reshape(-1, 2, 128)  # two halves of 128 weights
+    return encode_q6_k(q.reshape(rows, -1), d.reshape(rows, -1), sc.reshape(rows, -1))
+
+
+def encode_q6_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Q6_K bytes ``[rows, cols/256*210]`` from 6-bit codes ``[rows, cols]`` (in [-32, 31]), super-block
+    scales ``d`` ``[rows, cols/256]`` (float16 values) and sub-block multipliers ``k`` ``[rows, cols/16]``
+    (in [-128, 127]): weight = d * k * code."""
+    rows = codes.shape[0]
+    if codes.min(initial=0) < -32 or codes.max(initial=0) > 31:
+        raise ValueError("a Q6_K code is outside [-32, 31]")
+    if k.min(initial=0) < -128 or k.max(initial=0) > 127:
+        raise ValueError("a Q6_K sub-block scale is outside [-128, 127]")
+    u = (codes.astype(np.int16) + 32).astype(np.uint8).reshape(-1, 2, 128)  # two halves of 128 weights
     low, high = u & 0x0F, u >> 4
     low = low.reshape(-1, 2, 2, 64)
     ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
     high = high.reshape(-1, 2, 4, 32)
     qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(-1, 64)
-    out = np.concatenate([ql, qh, sc.view(np.uint8), _f16_bytes(d)], axis=1)
+    sc = k.astype(np.int8).reshape(-1, 16).view(np.uint8)
+    out = np.concatenate([ql, qh, sc, _f16_bytes(d.reshape(-1))], axis=1)
     return out.reshape(rows, -1)
 
 

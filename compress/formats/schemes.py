@@ -18,7 +18,9 @@ largest magnitude may map onto either end of the (asymmetric) grid. With ``scale
 scales of each super-block of ``SUPERBLOCK`` (256) input features are further restricted to
 integer multiples ``k * d`` of one float16 ``d``, ``-steps/2 <= k < steps/2``: llama.cpp's IQ4_XS
 (6-bit sub-block scales, 4.25 bits per weight) when ``steps`` is 64 (rows whose length 256
-does not divide keep free scales: IQ4_NL).
+does not divide keep free scales: IQ4_NL). Symmetric integer schemes take ``scale_steps`` too:
+6-bit codes in groups of 16 with 8-bit multiples (``Q6_K_STEPS``) are llama.cpp's Q6_K
+(6.5625 bits per weight).
 The algorithms (RTN, GPTQ, AWQ …) only choose scales and codes; how they are laid out on
 disk (compressed-tensors, GGUF) is decided by the savers from what is defined here.
 """
@@ -47,7 +49,7 @@ class QuantScheme:
     symmetric: bool = True
     activations: ActType | None = None  # dynamic per-token activation quantization
     grid: tuple[int, ...] | None = None  # allowed integer codes, ascending (None: every code)
-    scale_steps: int | None = None  # grid schemes: scales are k * d per super-block, |k| < steps / 2
+    scale_steps: int | None = None  # scales are k * d per super-block, -steps/2 <= k < steps/2 (symmetric only)
 
     # Integer codes are signed for both symmetric and asymmetric schemes (asymmetric ones add a
     # signed zero point), matching compressed-tensors.
@@ -109,16 +111,19 @@ def get_scheme(name: str, group_size: int | None = None) -> QuantScheme:
     return scheme
 
 
-def int_weight_scheme(num_bits: int, group_size: int | None, symmetric: bool = True) -> QuantScheme:
+def int_weight_scheme(num_bits: int, group_size: int | None, symmetric: bool = True,
+                      scale_steps: int | None = None) -> QuantScheme:
     """A weight-only integer scheme of any width (2 to 8 bits): the preset of that width when
     there is one (``W4A16``, ``W4A16_ASYM``, ``W8A16``), else ``W<bits>A16`` (as read back from a
-    checkpoint's config)."""
+    checkpoint's config); ``scale_steps``: group scales quantized per super-block (symmetric only)."""
     if not 2 <= num_bits <= 8:
         raise ValueError(f"integer weights take 2 to 8 bits, not {num_bits}")
+    if scale_steps is not None and not symmetric:
+        raise ValueError("super-block scale steps need a symmetric scheme")
     for preset in PRESETS.values():
         if preset.grid is None and (preset.num_bits, preset.weight_type, preset.symmetric, preset.activations) == (num_bits, "int", symmetric, None):
-            return preset.with_group_size(group_size)
-    return QuantScheme(f"W{num_bits}A16", num_bits, group_size=group_size, symmetric=symmetric)
+            return replace(preset.with_group_size(group_size), scale_steps=scale_steps)
+    return QuantScheme(f"W{num_bits}A16", num_bits, group_size=group_size, symmetric=symmetric, scale_steps=scale_steps)
 
 
 # llama.cpp's IQ4_NL values (kvalues_iq4nl): a non-uniform 4-bit grid fitted to bell-shaped weights.
@@ -127,6 +132,8 @@ IQ4_NL_GRID: tuple[int, ...] = PRESETS["IQ4_NL"].grid
 
 SUPERBLOCK = 256  # input features sharing one float16 scale of the group scales (llama.cpp's QK_K)
 IQ4_XS_STEPS = 64  # IQ4_XS: 6-bit signed sub-block scales
+Q6_K_STEPS = 256  # Q6_K: 8-bit signed scales of 16-weight sub-blocks (with 6-bit codes)
+Q6_K_GROUP = 16
 
 
 def on_grid(codes: torch.Tensor, grid: tuple[int, ...] = IQ4_NL_GRID) -> bool:
@@ -192,7 +199,7 @@ def compute_qparams(
         # qmin's magnitude only when the extreme value is negative; dividing by (qmax + 0.5)
         # balances both signs. 8-bit keeps absmax / 127 (W8A16, Q8_0).
         scale = absmax / (scheme.qmax + 0.5) if scheme.num_bits < 8 else absmax / scheme.qmax
-        return scale.clamp(min=1e-12), None
+        return superblock_scales(scale.clamp(min=1e-12), wg.shape[-1], scheme.scale_steps), None
     wmin = (wg.amin(dim=-1) * clip_ratio).clamp(max=0)
     wmax = (wg.amax(dim=-1) * clip_ratio).clamp(min=0)
     scale = ((wmax - wmin) / (scheme.qmax - scheme.qmin)).clamp(min=1e-12)
@@ -265,11 +272,12 @@ def search_qparams(
     col_w = None if weight is None else _grouped(weight.float().expand_as(wf), group_size)
     if scheme.grid is not None:
         return superblock_scales(grid_scales(wg, scheme.grid, 1.0, col_w), wg.shape[-1], scheme.scale_steps), None
+    free = replace(scheme, scale_steps=None)  # super-block scales: searched free, rounded once at the end
     best_err = torch.full(wg.shape[:2], float("inf"))
-    best_scale, best_zp = compute_qparams(wf, scheme, group_size)
+    best_scale, best_zp = compute_qparams(wf, free, group_size)
     for i in range(grid + 1):
         ratio = 1.0 - max_shrink * i / grid
-        scale, zp = compute_qparams(wf, scheme, group_size, clip_ratio=ratio)
+        scale, zp = compute_qparams(wf, free, group_size, clip_ratio=ratio)
         err = (_grouped(fake_quantize(wf, scale, zp, scheme, group_size), group_size) - wg).pow(2)
         if col_w is not None:
             err = err * col_w
@@ -279,7 +287,7 @@ def search_qparams(
         best_scale = torch.where(better, scale, best_scale)
         if zp is not None:
             best_zp = torch.where(better, zp, best_zp)
-    return best_scale, best_zp
+    return superblock_scales(best_scale, wg.shape[-1], scheme.scale_steps), best_zp
 
 
 GRID_TRIES = 8  # scale candidates on each side of those mapping the extreme weight onto an end of the grid

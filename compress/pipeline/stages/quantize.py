@@ -19,6 +19,7 @@ from llmopt.core.errors import LlmoptError
 from llmopt.formats.schemes import QuantScheme
 from llmopt.pipeline.stages.base import device_option, eval_option, option, overwrite_option
 from llmopt.pipeline.stages.evaluate import evaluate_output
+from llmopt.quant.outer import OUTER_CHOICES
 
 NF4 = "NF4"
 AUTO = "AUTO"
@@ -45,11 +46,11 @@ class QuantizeConfig:
     calib_seq_len: int = option(512, "Tokens per calibration window.", min=8)
     seed: int = option(0, "Seed for the calibration sample offsets.")
     ignore: tuple[str, ...] = option((), "Keep matching Linears in float (repeatable; lm_head stays float unless --head says otherwise).", metavar="REGEX")
-    head: str = option("float", "Output head: float, int8 (per row) or int6 / int5 / int4 / nl4 (groups of 32; nl4: "
-                       "llama.cpp's IQ4_NL grid, int8 codes in the checkpoint, GGUF IQ4_NL); a tied head shares the embedding's.",
-                       choices=("float", "int8", "int6", "int5", "nl4", "int4"))
-    embedding: str = option("float", "Token embedding: float, int8 (per row) or int6 / int5 / int4 / nl4 (groups of 32).",
-                            choices=("float", "int8", "int6", "int5", "nl4", "int4"))
+    head: str = option("float", "Output head: float, int8 (per row) or int6 / int5 / int4 / nl4 (groups of 32; int5a / "
+                       "int4a: with zero points; nl4: llama.cpp's IQ4_NL grid, int8 codes in the checkpoint, GGUF IQ4_NL); "
+                       "a tied head shares the embedding's.", choices=OUTER_CHOICES)
+    embedding: str = option("float", "Token embedding: float, int8 (per row) or int6 / int5a / int5 / int4a / int4 / nl4 "
+                            "(groups of 32).", choices=OUTER_CHOICES)
     target_bpw: float | None = option(None, "AUTO: average stored bits per weight (codes and 16-bit scales) to fill.")
     target_kld: float | None = option(None, "AUTO: predicted mean KL divergence to stay under, with the fewest bits "
                                       "(or, with --objective speed, the fastest decode).")
