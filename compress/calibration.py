@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from llmopt.core.lockstep import Lockstep, current_context
+from llmopt.float_reference import FloatReference
 
 RunLayer = Callable[..., None]
 LayerFn = Callable[[int, nn.Module, RunLayer], None]
@@ -86,6 +87,24 @@ class InputStats:
     abs_max: torch.Tensor | None = None  # float32 max |x|
     sq_sum: torch.Tensor | None = None  # float64 Σ x²
     names: list[str] = field(default_factory=list)
+    drift: torch.Tensor | None = None  # float64 Σ (x_float − x̃) x̃ᵀ: the float model's inputs against these (FloatReference)
+    drift_lost: bool = False  # some token had no float input: no drift term
+
+    def add_drift(self, x_float: torch.Tensor | None, x: torch.Tensor) -> None:
+        """Add ``Σ (x_float − x̃) x̃ᵀ`` for one batch (in float32: the difference is small, and
+        a bfloat16 product would bury it in rounding); a missing or misaligned ``x_float``
+        drops the term."""
+        if self.drift_lost:
+            return
+        x = x.reshape(-1, x.shape[-1]).float()
+        if x_float is None or x_float.numel() != x.numel():
+            self.drift, self.drift_lost = None, True
+            return
+        product = ((x_float.reshape(x.shape).float() - x).T @ x).double()
+        if self.drift is None:
+            self.drift = product
+        else:
+            self.drift.add_(product)
 
     def add(
         self, x: torch.Tensor, hessian: bool, channel: bool, matmul_dtype: torch.dtype = torch.float32
@@ -123,6 +142,8 @@ class InputStats:
         s64 = s.double()
         if self.xtx is not None:
             self.xtx = self.xtx / s64.unsqueeze(0) / s64.unsqueeze(1)
+        if self.drift is not None:  # W x = (W s)(x / s): the float inputs are divided by s too
+            self.drift = self.drift / s64.unsqueeze(0) / s64.unsqueeze(1)
         if self.abs_sum is not None:
             self.abs_sum = self.abs_sum / s64
             self.sq_sum = self.sq_sum / s64.pow(2)
@@ -139,7 +160,8 @@ class LinearStats:
     Linear once the execution order is known (from the first batch); use it only when the
     layer outputs of that run are not needed, as with the engine's ``run_layer``.
     ``hessian_dtype``: dtype of the per-batch ``xᵀx`` products (bfloat16 halves their cost on
-    CPU; sums are accumulated in float64 either way).
+    CPU; sums are accumulated in float64 either way). ``reference``: with Hessians, also add
+    ``Σ (x_float − x̃) x̃ᵀ`` against the float model's inputs of each Linear (:meth:`drift`).
     """
 
     def __init__(
@@ -150,8 +172,10 @@ class LinearStats:
         channel: bool = True,
         stop_early: bool = True,
         hessian_dtype: torch.dtype = torch.float32,
+        reference: FloatReference | None = None,
     ) -> None:
         self.modules = dict(modules)
+        self.reference = reference
         self.hessian_dtype = hessian_dtype
         self.hessian_enabled = hessian
         self.channel_enabled = channel
@@ -194,6 +218,8 @@ class LinearStats:
             self._order.append(name)
         if not (last is not None and last[0] is x and last[1] is stats):
             stats.add(x, self.hessian_enabled, self.channel_enabled, self.hessian_dtype)
+            if self.reference is not None and self.hessian_enabled:
+                stats.add_drift(self.reference.input_of(self.modules[name]), x)
         self._last[context] = (x, stats)
         if self.stop_early and self._order_known and name == self._order[-1]:
             self._last[context] = None
@@ -226,6 +252,18 @@ class LinearStats:
         s = self.stats(name)
         s.xtx = None
         return h.mul_(2.0 / s.n_tokens)
+
+    def drift(self, name: str, take: bool = False) -> torch.Tensor | None:
+        """``2/n Σ (x_float − x̃) x̃ᵀ`` (float64, on the scale of :meth:`hessian`), or None without
+        a float input for every token; ``take``: the accumulator itself, dropped from these
+        statistics (its last use), else a copy."""
+        s = self.stats(name)
+        drift = s.drift
+        if take:
+            s.drift = None
+        if drift is None:
+            return None
+        return drift.mul_(2.0 / s.n_tokens) if take else drift * (2.0 / s.n_tokens)
 
     def _xtx(self, name: str) -> torch.Tensor:
         s = self.stats(name)
@@ -493,6 +531,7 @@ def run_sequential(
     lifecycle: LayerLifecycle = IN_MEMORY,
     device: str | torch.device | None = None,
     timings: EngineTimings | None = None,
+    reference: FloatReference | None = None,
 ) -> torch.Tensor | None:
     """Calibrate ``model`` layer by layer; returns the last layer's outputs [n, seq, hidden]
     (before the final norm, on the CPU), or None with ``return_hidden=False``.
@@ -512,7 +551,9 @@ def run_sequential(
     :class:`LinearStats` still accumulates in float32. ``lifecycle`` gets and releases each
     layer (streaming from a checkpoint); ``device`` (cpu / cuda / auto) moves each layer there
     for its calibration and back afterwards, with the activations kept there (sequential
-    onloading). ``timings`` is filled with the seconds spent per phase.
+    onloading). ``timings`` is filled with the seconds spent per phase. ``reference`` runs the
+    float model's hidden states alongside (each layer copied before ``layer_fn``, advanced
+    after it), for statistics hooks to read float inputs from (asymmetric calibration).
     """
     layers = decoder_layers(model)
     target = resolve_device(device)
@@ -531,6 +572,8 @@ def run_sequential(
             memo: dict[int, Any] = {}
             inputs = LayerInputs([h.to(target) for h in inputs.hidden], [_to_device(kw, target, memo) for kw in inputs.kwargs])
         use_autocast = compute_dtype is not None and compute_dtype != model_dtype
+        if reference is not None:
+            reference.start(inputs.hidden)
         timings.capture += time.perf_counter() - t0
 
         def call(layer: nn.Module, h: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor:
@@ -554,6 +597,8 @@ def run_sequential(
                 home = _module_device(layer)
                 if target is not None:
                     layer.to(target)
+                if reference is not None:
+                    reference.open_layer(layer, lambda module, h, b: call(module, h, inputs.kwargs[b]))
                 t1 = time.perf_counter()
                 timings.load += t1 - t_layer
 
@@ -563,16 +608,20 @@ def run_sequential(
                               lockstep: Lockstep | None = None) -> None:
                     nonlocal produced
                     t_run = time.perf_counter()
-                    pairs = list(zip(inputs.hidden, inputs.kwargs))[:batches]
+                    pairs = list(enumerate(zip(inputs.hidden, inputs.kwargs)))[:batches]
 
-                    def one(h: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor | None:
+                    def one(b: int, h: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor | None:
+                        if reference is not None:
+                            reference.enter(b)
                         try:
                             out = call(layer, h, kw)
                         except StopForward:
-                            return None
+                            out = None
+                        if reference is not None:
+                            reference.finish(b)
                         return out if keep_outputs else None  # (not held: memory)
 
-                    calls = [lambda h=h, kw=kw: one(h, kw) for h, kw in pairs]
+                    calls = [lambda b=b, h=h, kw=kw: one(b, h, kw) for b, (h, kw) in pairs]
                     if lockstep is not None:  # the calls enter and leave autocast interleaved: keep it on around them
                         with torch.autocast(run_device.type, dtype=compute_dtype, enabled=use_autocast):
                             outs = lockstep.run(calls)
@@ -590,6 +639,8 @@ def run_sequential(
                 if not produced:
                     for b, (h, kw) in enumerate(zip(inputs.hidden, inputs.kwargs)):
                         inputs.hidden[b] = call(layer, h, kw)
+                if reference is not None:
+                    reference.close_layer()
                 t3 = time.perf_counter()
                 if target is not None:
                     layer.to(home)

@@ -31,6 +31,7 @@ from torch import nn
 
 from llmopt.checkpoints.moe import is_expert, is_router, unfuse_experts
 from llmopt.core.errors import NumericalError
+from llmopt.float_reference import FloatReference
 from llmopt.core.lockstep import Lockstep
 from llmopt.quant.awq import AwqMappingResult, awq_apply_layer, awq_clip_layer
 from llmopt.formats.schemes import (
@@ -42,7 +43,7 @@ from llmopt.formats.schemes import (
     fake_quantize_activations,
     get_scheme,
 )
-from llmopt.quant.gptq import column_loop_threads, gptq_quantize_weight, split_rows
+from llmopt.quant.gptq import column_loop_threads, float_target_weight, gptq_quantize_weight, split_rows
 from llmopt.quant.mappings import layer_mappings
 from llmopt.quant.rtn import rtn_quantize_modules
 from llmopt.quant.smoothquant import SmoothResult, smoothquant_apply_layer
@@ -198,6 +199,7 @@ def quantize_model(
     *,
     clip_search: bool | None = None,
     act_order: bool | None = None,
+    float_targets: bool = False,
     damp: float = 0.01,
     block_size: int = 128,
     awq_grid: int = 20,
@@ -222,7 +224,11 @@ def quantize_model(
     quantized). ``clip_search``: range search per (row, group) — RTN weighs the weight error,
     calibrated methods the output error (default: on for calibrated methods, off for RTN).
     ``act_order``: GPTQ activation ordering with static groups (None: on for GPTQ methods —
-    it cut the demo model's KLD by about 30% at no cost). ``damp``/``block_size``: GPTQ
+    it cut the demo model's KLD by about 30% at no cost). ``float_targets``: GPTQ fits each
+    Linear to the float model's outputs on the float model's inputs (asymmetric calibration,
+    :func:`~llmopt.quant.gptq.float_target_weight`; the float hidden states run alongside) rather
+    than to its own float output on the quantized model's inputs (GPTQ methods only; routed
+    experts keep the plain target). ``damp``/``block_size``: GPTQ
     dampening (fraction of the mean Hessian diagonal) and lazy-update block. ``awq_grid``:
     number of α points in [0, 1]; ``awq_clip``: AWQ's auto-clip (weights clamped to the
     output-optimal range, shrink up to 50%) — off by default, the output-weighted
@@ -249,6 +255,8 @@ def quantize_model(
         scheme = validate_request(scheme, method, group_size, calib_ids is not None, bool(act_order))
     if act_order is None:
         act_order = "gptq" in method
+    if float_targets and "gptq" not in method:
+        raise ValueError(f"float targets are part of GPTQ; method {method} has no GPTQ step: use gptq or awq+gptq")
     if clip_search is None:
         clip_search = method != "rtn"
     ignore = list(ignore)
@@ -278,7 +286,7 @@ def quantize_model(
     else:
         opts = _Options(
             scheme, method, clip_search, act_order, damp, block_size, awq_grid, awq_clip,
-            smooth_alpha, preserve_zeros, schemes,
+            smooth_alpha, preserve_zeros, float_targets, schemes,
         )
         _quantize_calibrated(model, calib_ids, targets, group_sizes, opts, result,
                              dict(batch_size=batch_size, compute_dtype=compute_dtype,
@@ -301,6 +309,7 @@ class _Options:
     awq_clip: bool
     smooth_alpha: float
     preserve_zeros: bool | None
+    float_targets: bool = False
     schemes: dict[str, QuantScheme] = field(default_factory=dict)  # per Linear
 
 
@@ -322,6 +331,7 @@ def _quantize_calibrated(
     hessian_dtype = torch.bfloat16 if bf16 else torch.float32  # (fp16 could overflow)
     one_pass = opts.method == "gptq" and opts.scheme.activations is None
     input_groups: dict[tuple[str, tuple[str, ...]], list[list[str]]] = {}  # per layer structure
+    reference = FloatReference(skip=is_expert) if use_gptq and opts.float_targets else None
 
     def layer_fn(index: int, layer: nn.Module, run_layer: Any) -> None:
         prefix = prefixes[index][1]
@@ -333,10 +343,10 @@ def _quantize_calibrated(
         observed = linear_modules(layer, prefix) if need_channel else mods
         experts = any(is_expert(n) for n in observed)  # routing varies by batch: no early stop
         if one_pass and not experts and _gptq_one_pass(layer, prefix, mods, run_layer, group_sizes, opts, result,
-                                                       hessian_dtype, input_groups):
+                                                       hessian_dtype, input_groups, reference):
             return
-        with LinearStats(observed, hessian=need_hessian, channel=need_channel,
-                         hessian_dtype=hessian_dtype, stop_early=not experts) as stats:
+        with LinearStats(observed, hessian=need_hessian, channel=need_channel, hessian_dtype=hessian_dtype,
+                         stop_early=not experts, reference=reference if use_gptq else None) as stats:
             run_layer()
         starved = _starved_experts(mods, stats) if experts else {}
         calibrated = {n: m for n, m in mods.items() if n not in starved}
@@ -371,15 +381,17 @@ def _quantize_calibrated(
 
     try:
         result.final_hidden = run_sequential(model, calib_ids, layer_fn, description=f"{opts.method} {opts.scheme.name}",
-                                             **engine_options)
+                                             reference=reference, **engine_options)
     finally:
         for h in act_hooks:
             h.remove()
+        if reference is not None:
+            reference.release()
 
 
 def _gptq_one_pass(layer: nn.Module, prefix: str, mods: dict[str, nn.Linear], run_layer: Any,
                    group_sizes: dict[str, int | None], opts: _Options, result: QuantizeResult,
-                   hessian_dtype: torch.dtype, input_groups: dict) -> bool:
+                   hessian_dtype: torch.dtype, input_groups: dict, reference: FloatReference | None = None) -> bool:
     """GPTQ of one decoder layer in a single calibration pass, in true sequential order.
 
     The batches run in lockstep (:mod:`llmopt.core.lockstep`): at the first Linear of each group
@@ -400,7 +412,8 @@ def _gptq_one_pass(layer: nn.Module, prefix: str, mods: dict[str, nn.Linear], ru
     if sorted(n for g in groups for n in g) != sorted(mods):
         return False
     lockstep = Lockstep()
-    with LinearStats(mods, hessian=True, channel=False, hessian_dtype=hessian_dtype, stop_early=False) as stats:
+    with LinearStats(mods, hessian=True, channel=False, hessian_dtype=hessian_dtype, stop_early=False,
+                     reference=reference) as stats:
         stats.declare_groups(groups)
         handles = []
         for group in groups:
@@ -462,7 +475,12 @@ def _gptq_layer(
             mask = w != 0
         uses.remove(sid)
         # a float64 tensor handed over to the solver: on its last use the accumulator itself
-        hessian = [stats.take_hessian(names[0]) if sid not in uses else stats.hessian(names[0])]
+        last = sid not in uses
+        hessian = [stats.take_hessian(names[0]) if last else stats.hessian(names[0])]
+        drift = stats.drift(names[0], take=last)
+        if drift is not None:  # fit the float model's outputs (asymmetric calibration)
+            w, stacked = float_target_weight(w, hessian[0], drift, opts.damp), True
+            del drift
         weight, device = [w], w.device
         del w
         try:

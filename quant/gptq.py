@@ -179,6 +179,22 @@ def permute_symmetric_(h: torch.Tensor, perm: torch.Tensor) -> None:
             j = k
 
 
+def float_target_weight(weight: torch.Tensor, hessian: torch.Tensor, drift: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """Weights whose outputs on the quantized model's inputs best match the float model's outputs
+    (asymmetric calibration, GPTAQ): with ``H = 2/n Σ x̃ x̃ᵀ`` over the quantized model's inputs
+    and ``D = 2/n Σ (x − x̃) x̃ᵀ`` against the float model's inputs ``x`` of the same tokens, the
+    least squares ``min Σ ‖W x − W' x̃‖²`` gives ``W' = W (H + D) H⁻¹ = W + W D H⁻¹`` (``H``
+    damped by ``damp`` × its mean diagonal, as GPTQ does). The error of any ``Q`` against the
+    float outputs is its error against ``W' x̃`` plus a constant, so GPTQ of ``W'`` with ``H``
+    then minimizes the float-target error. ``drift`` is not modified; float32 result.
+    """
+    factor = _inverse_hessian_factor(hessian, damp)  # UᵀU = (H + λI)⁻¹
+    rhs = drift.T @ weight.T.double()  # Dᵀ Wᵀ  [in, out]
+    delta = factor.T @ (factor @ rhs)  # (H + λI)⁻¹ Dᵀ Wᵀ
+    del factor, rhs
+    return (weight.double() + delta.T).float()
+
+
 QPARAM_BLOCK = 1 << 24  # weight entries per qparams call: the range search holds a few float32 copies of it
 
 

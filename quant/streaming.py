@@ -34,7 +34,8 @@ Provenance = Callable[[QuantizeResult, MemoryEstimate], dict]
 
 
 def quantize_estimate(source: Path, method: str, calib_ids: torch.Tensor | None, batch_size: int = 8,
-                      clip_search: bool | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES) -> MemoryEstimate:
+                      clip_search: bool | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                      float_targets: bool = False) -> MemoryEstimate:
     """The memory bound of quantizing ``source`` with ``method`` (see :mod:`~llmopt.checkpoints.estimate`)."""
     from llmopt.checkpoints.lazy import LazyCheckpoint
 
@@ -46,7 +47,7 @@ def quantize_estimate(source: Path, method: str, calib_ids: torch.Tensor | None,
     n, seq = (calib_ids.shape if calib_ids is not None else (0, 0))
     return estimate_memory(read_config(source), size, hessian=hessian, n_samples=int(n), seq_len=int(seq),
                            batch_size=batch_size, output_bytes=total, shard_bytes=shard_bytes, baseline=process_rss(),
-                           one_pass=method == "gptq")
+                           one_pass=method == "gptq", reference="gptq" in method and bool(float_targets))
 
 
 def quantize_streaming(
@@ -82,7 +83,7 @@ def quantize_streaming(
     target = resolve_device(device) or torch.device("cpu")
     ignore = list(ignore)
     estimate = quantize_estimate(Path(source), method, calib_ids, options.get("batch_size", 8),
-                                 options.get("clip_search"), max_shard_bytes)
+                                 options.get("clip_search"), max_shard_bytes, bool(options.get("float_targets")))
     if announce is not None:
         announce(estimate.describe())
     if check_memory:

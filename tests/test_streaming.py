@@ -107,6 +107,13 @@ def test_estimate_grows_with_layer_not_depth():
     shallow = estimate_memory(base, 2, hessian=True, n_samples=16, seq_len=512)
     assert deep.peak == shallow.peak
     assert shallow.hessians > 8 * 14336**2  # the down projection's Hessian alone
+    for one_pass in (False, True):  # float targets: a float layer copy, float hidden states, drift accumulators
+        plain = estimate_memory(base, 2, hessian=True, n_samples=16, seq_len=512, one_pass=one_pass)
+        float_targets = estimate_memory(base, 2, hessian=True, n_samples=16, seq_len=512, one_pass=one_pass, reference=True)
+        assert float_targets.layer > 1.9 * plain.layer - 4 * 14336 * 4096
+        assert float_targets.stored == 2 * plain.stored
+        assert float_targets.hessians - plain.hessians >= 8 * 14336**2
+        assert float_targets.peak > plain.peak
 
 
 @pytest.mark.parametrize("method, sparsity, pattern, profile", [

@@ -15,7 +15,11 @@ The bound is the largest of what the streaming path holds at once in each phase 
   temporaries of the largest Linear and the layer's codes; the stored layer inputs;
 - write: the layer and the output-shard buffer twice (``save_file`` serializes it to bytes);
 - one-pass GPTQ: the layer, every batch's intermediates paused mid-layer, and one group's
-  Hessian and solver working memory (solved while they wait).
+  Hessian and solver working memory (solved while they wait);
+- GPTQ with float targets (``reference``): a float copy of the layer, the float model's hidden
+  states (as many as the stored inputs), each batch's float forward in flight (paused with its
+  batch in one-pass GPTQ), a float64 ``Σ (x − x̃) x̃ᵀ`` accumulator next to each Hessian, and the
+  float-target solve (its inverse factor and right-hand side) before GPTQ.
 
 Plus the process's own baseline (Python, torch, transformers). :func:`check_fits` refuses a job
 whose bound exceeds the free memory, saying what to change.
@@ -92,36 +96,47 @@ def estimate_memory(
     shard_bytes: int = GIB,
     baseline: int = 0,
     one_pass: bool = False,
+    reference: bool = False,
 ) -> MemoryEstimate:
     """The bound for streaming one model of ``config`` (see the module docstring); ``one_pass``:
     GPTQ in one lockstep pass (:func:`llmopt.quant.apply._gptq_one_pass`), which solves each
-    group while every batch waits with its intermediates (at most ``i + 2h`` values a token)."""
+    group while every batch waits with its intermediates (at most ``i + 2h`` values a token);
+    ``reference``: GPTQ with float targets (:class:`llmopt.float_reference.FloatReference`)."""
     s = layer_shapes(config)
     h, i, a, kv = s["hidden"], s["inter"], s["attn"], s["kv"]
     layer_params = h * (a + 2 * kv) + a * h + 3 * h * i + 2 * h
-    layer = layer_params * 4 + max(h * i, h * a) * stored_bytes_per_value  # float32 layer + one stored tensor
+    layer = layer_params * 4 * (2 if reference else 1) + max(h * i, h * a) * stored_bytes_per_value  # float32 layer(s) + one stored tensor
     # (inputs, stacked output rows) per shared input, in the order GPTQ solves them: q/k/v, o, gate/up, down
     linears = [(h, a + 2 * kv), (a, h), (h, 2 * i), (i, h)]
+    accumulators = 2 if reference else 1  # a Hessian (and a drift term) per shared input
     hessians = solver = 0
     if hessian:
-        hessians = 8 * sum(n * n for n, _ in linears) + 4 * max(n for n, _ in linears) ** 2
-        solver = max(8 * sum(n * n for n, _ in linears[k + 1:]) + _gptq_workspace(n, o) for k, (n, o) in enumerate(linears))
+        hessians = 8 * accumulators * sum(n * n for n, _ in linears) + 4 * max(n for n, _ in linears) ** 2
+        solver = max(8 * accumulators * sum(n * n for n, _ in linears[k + 1:]) + _solve_workspace(n, o, reference)
+                     for k, (n, o) in enumerate(linears))
     else:  # RTN: three float32 temporaries of the largest Linear (quantize / pack), the layer's int8 codes
         solver = 3 * 4 * max(h * i, h * a) + layer_params
     tokens = n_samples * seq_len
     batch_tokens = min(batch_size, max(n_samples, 1)) * seq_len
-    stored = 4 * tokens * h
+    stored = 4 * tokens * h * (2 if reference else 1)  # (and the float model's hidden states)
     activations = 2 * stored  # stored inputs + the next layer's outputs being built
-    activations += 4 * batch_tokens * (3 * i + 2 * a + 2 * kv + 2 * h)  # one mini-batch in flight
+    activations += 4 * batch_tokens * (3 * i + 2 * a + 2 * kv + 2 * h) * (2 if reference else 1)  # one mini-batch in flight (and its float forward)
     activations += 4 * min(batch_size, max(n_samples, 1)) * s["heads"] * seq_len * seq_len  # attention scores
     embedding = s["vocab"] * h * (4 + stored_bytes_per_value)
     waiting = 0
     if one_pass and n_samples:
-        waiting = (2 * stored + 4 * tokens * (i + 2 * h)
-                   + max(_gptq_workspace(n, o) for n, o in linears))  # (the accumulator becomes its Hessian)
+        waiting = (2 * stored + 4 * tokens * (i + 2 * h) * (2 if reference else 1)  # (and every float forward paused too)
+                   + max(_solve_workspace(n, o, reference) for n, o in linears))  # (the accumulator becomes its Hessian)
     return MemoryEstimate(layer, hessians, activations if n_samples else 0, embedding if n_samples else 0,
                           2 * (min(shard_bytes, output_bytes) if output_bytes else shard_bytes), baseline,
                           solver, stored, waiting)
+
+
+def _solve_workspace(n: int, rows: int, reference: bool) -> int:
+    """The larger of GPTQ's workspace and, with float targets, the float-target solve's (its
+    Hessian and drift term, a float64 factor and its factorization copy, the right-hand side)."""
+    gptq = _gptq_workspace(n, rows)
+    return max(gptq, 8 * 4 * n * n + 8 * 2 * n * rows) if reference else gptq
 
 
 def _gptq_workspace(n: int, rows: int) -> int:
