@@ -45,6 +45,7 @@ MODEL = "demo"  # --model (a small model for a smoke run)
 SENSITIVITY_VERSION = 7  # candidate formats int4 g128/g64/g32, int4 / int5 asym g32, nl4 / nl4x g32, int5/int6/int8 g32,
 # int6x g16 (Q6_K), int8; int4/int4a/nl4/int5/int5a/int6/int8 head
 # (v3: a calibrated method's head priced as GPTQ stores it; v4: int5 asym g32; v7: int6x, int4a / int5a head)
+ENGINE_VERSION = 2  # calibration engine: v2 float32 Hessian products, bfloat16 forwards only where native
 
 
 def log(message: str) -> None:
@@ -285,6 +286,8 @@ def main() -> None:
         rows.append((name, plan_variant(sens, name, m, args.calib_samples, target_bpw=budget, size="gguf")))
         if lc and i == 0:
             rows.append((f"llama.cpp runs {name}", {"llama_on": name}))
+    if "F32" in files:  # llama.cpp's own arithmetic against ours, on the float model itself
+        rows.append(("llama.cpp F32", {"llama": "F32"}))
     llama_rows = {t: (f"llama.cpp {t}", {"llama": t}) for t in args.llama_types if t != "Q4_K_M" and t in files}
     if "Q4_0" in llama_rows:
         rows.append(llama_rows.pop("Q4_0"))
@@ -294,9 +297,10 @@ def main() -> None:
     rows.append((f"IQ4_NL {m}, nl4 embedding/head", {"options": {"scheme": "IQ4_NL", "method": m, "head": "nl4", "embedding": "nl4"}}))
     rows.append(("W8A16 rtn, int8 embedding/head", {"options": {"scheme": "W8A16", "method": "rtn", "head": "int8", "embedding": "int8"}}))
     name = "auto rtn at Q4_K_M file size"
-    if m != "rtn" and (not args.only or name in args.only):  # the same budget applied by RTN: the method's share of the gap
-        sens_rtn, _ = sensitivity(source, args.sens_samples, args.sens_seq_len, head_gptq=False)
-        rows.append((name, plan_variant(sens_rtn, name, "rtn", 0, target_bpw=q4km_bpw, size="gguf")))
+    if m != "rtn":  # the same budget applied by RTN: the method's share of the gap (its own sensitivities, when reached)
+        rows.append((name, {"plan": lambda name=name: plan_variant(
+            sensitivity(source, args.sens_samples, args.sens_seq_len, head_gptq=False)[0], name, "rtn", 0,
+            target_bpw=q4km_bpw, size="gguf")}))
     for budget in args.budgets[2:]:
         name = f"auto {m} {budget} bpw"
         rows.append((name, plan_variant(sens, name, m, args.calib_samples, target_bpw=budget)))
@@ -309,17 +313,19 @@ def main() -> None:
     if args.only:
         rows = [(n, s) for n, s in rows if n in args.only]
 
-    settings = {"method": m, "windows": args.windows, "calib_samples": args.calib_samples, "sensitivity": SENSITIVITY_VERSION}
+    settings = {"method": m, "windows": args.windows, "calib_samples": args.calib_samples, "sensitivity": SENSITIVITY_VERSION,
+                "engine": ENGINE_VERSION}
     results: dict = {}
     previous = RESULTS / "mixed_precision.json"
     if previous.exists():
         old = json.loads(previous.read_text())
         if old.get("settings") == settings:
             results.update(old.get("results", {}))
+    kept = len(results)
     skipped: list[str] = []
     meta = {"started": started, "sens_seconds": sens_seconds, "n_weights": n_weights, "q4km_bytes": q4km_bytes,
             "q4km_target_gguf_bpw": round(q4km_bpw, 4), "gguf_overhead_bytes": overhead, "llama_cpp": lc,
-            "settings": settings, "sens": {"samples": args.sens_samples, "seq_len": args.sens_seq_len}}
+            "settings": settings, "sens": {"samples": args.sens_samples, "seq_len": args.sens_seq_len}, "rows_kept": kept}
     for name, spec in rows:
         if name in results:
             continue
@@ -327,12 +333,14 @@ def main() -> None:
             skipped.append(name)
             continue
         start, before = time.perf_counter(), load()
+        if "plan" in spec:
+            spec = spec["plan"]()
         if "infeasible" in spec:
             results[name] = {"kind": "infeasible", "note": spec["infeasible"]}
             continue
         if "llama" in spec:
             row = measure_llama(files[spec["llama"]], args.windows)
-            row["kind"] = "llama.cpp"
+            row["kind"] = "llama.cpp float" if spec["llama"] == "F32" else "llama.cpp"  # (the float one is not plotted)
         elif "llama_on" in spec:
             target = results.get(spec["llama_on"])
             if target is None:
@@ -384,12 +392,17 @@ def _cell(row: dict, dataset: str, key: str, fmt: str) -> str:
 
 
 def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> None:
+    from llmopt.core.hardware import cpu_has_bf16
+    from llmopt.runtime.format_speed import cpu_model
+
     anchors = json.loads(ANCHORS.read_text()) if ANCHORS.exists() else {}
     n_weights = meta["n_weights"]
+    forwards = "bfloat16" if cpu_has_bf16() else "float32"  # what quantize's compute_dtype="auto" picks here
     payload = {
         "what": "auto mixed-precision plans vs uniform schemes and llama.cpp's own files on the demo model "
                 "(SmolLM2-135M-Instruct, float = bundled Q4_1 dequantized), one run, same windows",
-        "machine": platform.platform(), "cpus": os.cpu_count(), **meta, "seq_len": SEQ_LEN,
+        "machine": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count(), "calibration_forwards": forwards,
+        **meta, "seq_len": SEQ_LEN,
         "skipped_by_deadline": skipped,
         "llama_cpp_reference": anchors.get("accuracy", {}).get("by_type", {}),
         "results": results,
@@ -401,12 +414,17 @@ def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> No
         "# Mixed precision (auto plans) on the demo model, next to llama.cpp's own files",
         "",
         f"One run of `bench/mixed_precision.py` (started {meta['started']['utc']} UTC, load average {meta['started']['load']}"
-        + (f"; finished {meta['finished']['utc']} UTC, load {meta['finished']['load']}" if "finished" in meta else "; unfinished") + "). "
+        + (f"; finished {meta['finished']['utc']} UTC, load {meta['finished']['load']}" if "finished" in meta else "; unfinished")
+        + (f"; {meta['rows_kept']} rows kept from earlier runs with the same settings, each with its own load column"
+           if meta.get("rows_kept") else "") + "). "
         f"Accuracy on the first {s['windows']} windows of {SEQ_LEN} tokens of WikiText-2 and of the held-out Gutenberg text "
         "(never used for calibration), against the float demo model (transformers, float32); llama.cpp's files are run "
         "by llama.cpp on the same windows against the same float distributions.",
+        f"CPU: {cpu_model()}, {os.cpu_count()} cores; calibration forwards in {forwards} (bfloat16 only where the CPU "
+        "computes it natively), Hessian products in float32. "
         f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of 512) unless named rtn; "
-        f"sensitivity pass {meta['sens']['samples']} windows of {meta['sens']['seq_len']} tokens ({meta['sens_seconds']:.0f} s). "
+        f"sensitivity pass {meta['sens']['samples']} windows of {meta['sens']['seq_len']} tokens ({meta['sens_seconds']:.0f} s when "
+        "it was measured and cached). "
         "bpw = checkpoint bits (codes + 16-bit scales) over all weights; GGUF bpw = the `--type auto` GGUF file (or llama.cpp's "
         f"file) in bits over the {n_weights:,} weights. The Q4_K_M-size plans count GGUF block bits (`--size-of gguf`) with "
         f"a budget of {meta['q4km_target_gguf_bpw']} bits per weight: the {meta['q4km_bytes']:,}-byte Q4_K_M file less "

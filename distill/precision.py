@@ -2,26 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from llmopt.core.errors import LlmoptError
+from llmopt.core.hardware import cpu_has_bf16
 
 CHOICES = ("auto", "bf16", "fp16", "no")
-
-
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """Whether the CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX); float32 otherwise."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    flags = set(line.split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
 
 
 def resolve_precision(requested: str, cpu: bool) -> str:

@@ -58,10 +58,12 @@ def test_calls_that_take_different_paths_are_refused() -> None:
         lockstep.run(calls)
 
 
-def _true_sequential_gptq(model, ids, scheme_name: str, group_size: int) -> dict[str, torch.Tensor]:
+def _true_sequential_gptq(model, ids, scheme_name: str, group_size: int,
+                          compute_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Reference: for each group of Linears sharing an input, in execution order, a full pass
-    over the calibration batches observes it (the groups before it already quantized) and
-    GPTQ quantizes it; the engine then re-runs the quantized layer."""
+    over the calibration batches observes it (the groups before it already quantized; float32
+    ``xᵀx`` products, whatever the forwards' dtype) and GPTQ quantizes it; the engine then
+    re-runs the quantized layer."""
     scheme = get_scheme(scheme_name)
     codes: dict[str, torch.Tensor] = {}
 
@@ -78,18 +80,20 @@ def _true_sequential_gptq(model, ids, scheme_name: str, group_size: int) -> dict
                 mods[name].weight.data.copy_(part.dequantize(torch.float32))
                 codes[name] = part.codes
 
-    run_sequential(model, ids, layer_fn, batch_size=2, compute_dtype=None, show_progress=False)
+    run_sequential(model, ids, layer_fn, batch_size=2, compute_dtype=compute_dtype, show_progress=False)
     return codes
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_one_pass_gptq_equals_true_sequential_reference(family: str) -> None:
+@pytest.mark.parametrize("family,compute_dtype", [("llama", None), ("qwen3", None), ("llama", torch.bfloat16)])
+def test_one_pass_gptq_equals_true_sequential_reference(family: str, compute_dtype: torch.dtype | None) -> None:
+    """Also under bfloat16 forwards: the Hessians still take float32 products of the inputs
+    (bfloat16 products lose the small directions of ill-conditioned Hessians)."""
     base = tiny_model(2, family)
     ids = calib_ids(6, 16)  # three batches of two
     model = copy.deepcopy(base)
-    result = quantize_model(model, "W4A16", "gptq", 16, ids, batch_size=2, compute_dtype=None, show_progress=False)
+    result = quantize_model(model, "W4A16", "gptq", 16, ids, batch_size=2, compute_dtype=compute_dtype, show_progress=False)
     reference_model = copy.deepcopy(base)
-    reference = _true_sequential_gptq(reference_model, ids, "W4A16", 16)
+    reference = _true_sequential_gptq(reference_model, ids, "W4A16", 16, compute_dtype)
     assert len(result.weights) == len(reference) == 14
     for name, codes in reference.items():
         assert torch.equal(result.weights[name].codes, codes), name
@@ -113,3 +117,23 @@ def test_a_failure_leaves_no_thread_state_behind() -> None:
     del caught
     gc.collect()
     assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_calibration_forwards_use_bfloat16_only_where_native(monkeypatch, native: bool) -> None:
+    """``compute_dtype="auto"``: bfloat16 autocast where the CPU computes it natively (AVX512-BF16,
+    AMX), else the model's dtype (emulated bfloat16 matmuls are slower than float32); a streamed
+    skeleton (meta parameters) is calibrated on the CPU, so it follows the CPU."""
+    from accelerate import init_empty_weights
+    from llmopt.quant.apply import auto_compute_dtype
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr("llmopt.core.hardware.cpu_has_bf16", lambda: native)
+    want = torch.bfloat16 if native else None
+    model = tiny_model(1, "llama")
+    assert auto_compute_dtype(model, None) is want
+    assert auto_compute_dtype(model, "cpu") is want
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(model.config)
+    assert next(skeleton.parameters()).device.type == "meta"
+    assert auto_compute_dtype(skeleton, None) is want
