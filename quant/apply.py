@@ -202,6 +202,7 @@ def quantize_model(
     clip_search: bool | None = None,
     act_order: bool | None = None,
     float_targets: bool = False,
+    scale_refit: bool = True,
     damp: float = 0.01,
     block_size: int = 128,
     awq_grid: int = 20,
@@ -230,7 +231,9 @@ def quantize_model(
     Linear to the float model's outputs on the float model's inputs (asymmetric calibration,
     :func:`~llmopt.quant.gptq.float_target_weight`; the float hidden states run alongside) rather
     than to its own float output on the quantized model's inputs (GPTQ methods only; routed
-    experts keep the plain target). ``damp``/``block_size``: GPTQ
+    experts keep the plain target). ``scale_refit``: GPTQ re-solves each row's group scales by
+    least squares for its chosen codes, quantizes once more on them and keeps each row's best
+    (:mod:`~llmopt.quant.scale_refit`). ``damp``/``block_size``: GPTQ
     dampening (fraction of the mean Hessian diagonal) and lazy-update block. ``awq_grid``:
     number of α points in [0, 1]; ``awq_clip``: AWQ's auto-clip (weights clamped to the
     output-optimal range, shrink up to 50%) — off by default, the output-weighted
@@ -292,7 +295,7 @@ def quantize_model(
     else:
         opts = _Options(
             scheme, method, clip_search, act_order, damp, block_size, awq_grid, awq_clip,
-            smooth_alpha, preserve_zeros, float_targets, schemes,
+            smooth_alpha, preserve_zeros, float_targets, schemes, scale_refit,
         )
         _quantize_calibrated(model, calib_ids, targets, group_sizes, opts, result,
                              dict(batch_size=batch_size, compute_dtype=compute_dtype,
@@ -326,6 +329,7 @@ class _Options:
     preserve_zeros: bool | None
     float_targets: bool = False
     schemes: dict[str, QuantScheme] = field(default_factory=dict)  # per Linear
+    scale_refit: bool = True
 
 
 def _quantize_calibrated(
@@ -503,6 +507,7 @@ def _gptq_layer(
                 qw = gptq_quantize_weight(
                     weight.pop(), hessian.pop(), scheme, gs, block_size=opts.block_size, damp=opts.damp,
                     act_order=opts.act_order, clip=opts.clip_search, mask=mask, hessian_owned=True, weight_owned=stacked,
+                    refit=opts.scale_refit,
                 )
         except NumericalError as exc:
             raise exc.at(f"GPTQ on {', '.join(names)}") from exc

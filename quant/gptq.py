@@ -21,6 +21,7 @@ from llmopt.formats.schemes import (
     round_to_grid,
     search_qparams,
 )
+from llmopt.quant.scale_refit import better_rows, refit_scales
 
 
 SMALL_STEP = 1 << 21  # elements a step touches below which its ops are latency-bound: one thread
@@ -233,6 +234,8 @@ def gptq_quantize_weight(
     mask: torch.Tensor | None = None,
     hessian_owned: bool = False,
     weight_owned: bool = False,
+    qparams: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    refit: bool = False,
 ) -> QuantizedWeight:
     """GPTQ-quantize ``weight`` ``[out, in]`` given the input Hessian ``2/n Σ x xᵀ`` ``[in, in]``.
 
@@ -247,7 +250,17 @@ def gptq_quantize_weight(
     in place, and its Cholesky factor; see :func:`_inverse_hessian_factor`) and two float32
     ``[out, in]`` working copies of the weights (qparams are float32 computations either way).
     The Hessian is inverted in float64, the column loop runs in float32; deterministic.
+    ``qparams``: static ``(scale, zero_point)`` to use instead of computing them. ``refit``:
+    after the column loop, re-solve the group scales by least squares for the chosen codes, run
+    GPTQ again with those scales and re-solve once more, keeping each row's best
+    (:mod:`llmopt.quant.scale_refit`; one more float32 copy of the Hessian and of the weights).
     """
+    if refit:
+        return _gptq_refit(weight, hessian, scheme, group_size, block_size=block_size, damp=damp,
+                           act_order=act_order, static_groups=static_groups, clip=clip, mask=mask,
+                           hessian_owned=hessian_owned, weight_owned=weight_owned)
+    if qparams is not None:
+        static_groups = True
     if static_groups is None:
         static_groups = act_order
     if act_order and not static_groups:
@@ -279,6 +292,8 @@ def gptq_quantize_weight(
     if dynamic:
         scale = torch.zeros(out_f, n_groups, device=w.device)
         zp = None if scheme.symmetric or scheme.is_float else torch.zeros(out_f, n_groups, dtype=torch.int32, device=w.device)
+    elif qparams is not None:
+        scale, zp = qparams[0].float().clone(), None if qparams[1] is None else qparams[1].clone()
     else:
         scale, zp = _qparams(w, scheme, group_size, clip, diag)
 
@@ -339,6 +354,23 @@ def gptq_quantize_weight(
         codes = codes[:, torch.argsort(perm)]
     codes = codes.to(torch.float8_e4m3fn) if scheme.is_float else codes.to(torch.int8)
     return QuantizedWeight(codes.contiguous().to(device), scale.float(), zp, scheme, group_size)
+
+
+def _gptq_refit(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, group_size: int | None,
+                hessian_owned: bool, weight_owned: bool, **options) -> QuantizedWeight:
+    """GPTQ, least-squares scales, GPTQ again on those scales, least-squares scales again: each
+    row's best of the two refitted results (see :func:`gptq_quantize_weight`)."""
+    w_ref = weight.detach().to(torch.float32, copy=True)
+    h_ref = hessian.detach().to(torch.float32, copy=True)
+    dead = h_ref.diagonal() == 0
+    w_ref[:, dead] = 0.0
+    first = gptq_quantize_weight(weight, hessian, scheme, group_size, hessian_owned=hessian_owned,
+                                 weight_owned=weight_owned, **options)
+    del weight, hessian
+    first = refit_scales(w_ref, first, h_ref)
+    second = gptq_quantize_weight(w_ref, h_ref, scheme, group_size, qparams=(first.scale, first.zero_point), **options)
+    second = refit_scales(w_ref, second, h_ref)
+    return better_rows(w_ref, h_ref, first, second)
 
 
 def _quantize_row(

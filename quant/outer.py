@@ -72,20 +72,22 @@ def _joined(parts: list[QuantizedWeight], scheme: QuantScheme, group: int | None
     return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zp, scheme, group)
 
 
-def gptq_matrix(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor) -> QuantizedWeight:
-    """GPTQ of a head ``[vocab, hidden]`` against its input Hessian ``2/n Σ x xᵀ``, in row chunks."""
+def gptq_matrix(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor, refit: bool = True) -> QuantizedWeight:
+    """GPTQ of a head ``[vocab, hidden]`` against its input Hessian ``2/n Σ x xᵀ``, in row chunks
+    (``refit``: least-squares group scales, as :func:`~llmopt.quant.gptq.gptq_quantize_weight`)."""
     group = scheme.group_size
     if group is not None and w.shape[1] % group:
         raise ValueError(f"group size {group} does not divide the {w.shape[1]} columns of the embedding/head")
-    parts = [gptq_quantize_weight(chunk.float(), hessian, scheme, group, clip=True)
+    parts = [gptq_quantize_weight(chunk.float(), hessian, scheme, group, clip=True, refit=refit)
              for chunk in torch.split(w, HEAD_GPTQ_ROWS)]
     return _joined(parts, scheme, group)
 
 
 def quantize_head(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor | None,
-                  col_weight: torch.Tensor | None = None) -> QuantizedWeight:
-    """The head's codes: GPTQ when its input Hessian is known, else RTN with the clipping search."""
-    return gptq_matrix(w, scheme, hessian) if hessian is not None else quantize_matrix(w, scheme, col_weight)
+                  col_weight: torch.Tensor | None = None, refit: bool = True) -> QuantizedWeight:
+    """The head's codes: GPTQ when its input Hessian is known (``refit``: least-squares scales),
+    else RTN with the clipping search."""
+    return gptq_matrix(w, scheme, hessian, refit) if hessian is not None else quantize_matrix(w, scheme, col_weight)
 
 
 FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
@@ -125,7 +127,8 @@ class OuterResult:
 
 
 def quantize_outer(tensors: dict[str, torch.Tensor], tied: bool, head: str = "float", embedding: str = "float",
-                   head_hessian_diag: torch.Tensor | None = None, head_hessian: torch.Tensor | None = None) -> OuterResult:
+                   head_hessian_diag: torch.Tensor | None = None, head_hessian: torch.Tensor | None = None,
+                   refit: bool = True) -> OuterResult:
     """Quantize ``model.embed_tokens.weight`` / ``lm_head.weight`` of ``tensors`` (a tied model has
     only the former) as asked; the head by GPTQ when ``head_hessian`` (of its inputs) is given.
     Keys of ``tensors`` not returned in ``weights``/``floats`` stay as they are."""
@@ -137,7 +140,7 @@ def quantize_outer(tensors: dict[str, torch.Tensor], tied: bool, head: str = "fl
         raise ValueError("the checkpoint has no lm_head.weight and its embeddings are not tied")
     if tied and head_s == embed_s:
         if head_s is not None:
-            result.weights[EMBED] = quantize_head(embed_w, head_s, head_hessian, head_hessian_diag)
+            result.weights[EMBED] = quantize_head(embed_w, head_s, head_hessian, head_hessian_diag, refit)
         return result
     if tied:
         result.untie = True
@@ -147,5 +150,5 @@ def quantize_outer(tensors: dict[str, torch.Tensor], tied: bool, head: str = "fl
     if embed_s is not None:
         result.weights[EMBED] = quantize_matrix(embed_w, embed_s)
     if head_s is not None:
-        result.weights[HEAD] = quantize_head(head_w, head_s, head_hessian, head_hessian_diag)
+        result.weights[HEAD] = quantize_head(head_w, head_s, head_hessian, head_hessian_diag, refit)
     return result

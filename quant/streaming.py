@@ -121,7 +121,8 @@ def quantize_streaming(
                     result.final_hidden = None
                     result.notices.append("the output head was quantized by GPTQ on its calibration inputs" if hessian is not None
                                           else "no final norm found: the output head was quantized without calibration (RTN)")
-                done = quantize_outer(outer, stream.tied_head(), head, embedding, head_hessian=hessian)
+                done = quantize_outer(outer, stream.tied_head(), head, embedding, head_hessian=hessian,
+                                      refit=options.get("scale_refit", True))
                 for name in done.weights:
                     outer.pop(f"{name}.weight", None)
                 outer.update(done.floats)

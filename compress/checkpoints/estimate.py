@@ -143,11 +143,14 @@ def _gptq_workspace(n: int, rows: int) -> int:
     """GPTQ's peak for one stacked weight ``[rows, n]`` beyond the layer: the largest of factoring
     (Hessian + Cholesky factor in float64, the transposed weights), the qparams search (Hessian,
     two float32 weight copies, the search's temporaries over blocks of 2²⁴ weights) and the
-    column loop (float32 factor; weights, codes and mask transposed)."""
+    column loop (float32 factor; weights, codes and mask transposed), plus the scale refit's float32
+    copies of the Hessian and weights kept across its two passes and its normal equations
+    (:mod:`llmopt.quant.scale_refit`, 2²² float64 entries)."""
     w = 4 * n * rows
     search = 4 * 6 * min(n * rows, 1 << 24)
     factor = 12 * n * n if n >= IN_PLACE_FACTOR_MIN else 16 * n * n  # Hessian + factor (+ its float32 copy)
-    return max(factor + w, 8 * n * n + 2 * w + search, 4 * n * n + 3 * w)
+    refit = 4 * n * n + w + 8 * (1 << 22)
+    return refit + max(factor + w, 8 * n * n + 2 * w + search, 4 * n * n + 3 * w)
 
 
 def available_bytes(device: str = "cpu") -> int:
