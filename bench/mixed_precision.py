@@ -45,7 +45,7 @@ MODEL = "demo"  # --model (a small model for a smoke run)
 SENSITIVITY_VERSION = 7  # candidate formats int4 g128/g64/g32, int4 / int5 asym g32, nl4 / nl4x g32, int5/int6/int8 g32,
 # int6x g16 (Q6_K), int8; int4/int4a/nl4/int5/int5a/int6/int8 head
 # (v3: a calibrated method's head priced as GPTQ stores it; v4: int5 asym g32; v7: int6x, int4a / int5a head)
-ENGINE_VERSION = 2  # calibration engine: v2 float32 Hessian products, bfloat16 forwards only where native
+ENGINE_VERSION = 3  # calibration engine: v2 float32 Hessian products, bfloat16 forwards only where native; v3 GPTQ scale refit
 
 
 def log(message: str) -> None:
@@ -103,6 +103,10 @@ def _same_quantization(out: Path, options: dict) -> bool:
     record = json.loads((out / "llmopt.json").read_text())
     samples = (record.get("calibration") or {}).get("samples")
     if record.get("method") != options.get("method", "rtn") or samples != options.get("calib_samples"):
+        return False
+    made = record.get("options") or {}  # GPTQ's settings (a checkpoint from before the scale refit has none)
+    if "gptq" in options.get("method", "rtn") and (made.get("scale_refit") is not True
+                                                  or made.get("damp") != options.get("damp", 0.01)):
         return False
     if "plan" in options:
         return (record.get("plan") or {}).get("formats") == json.loads(Path(options["plan"]).read_text())["formats"]
@@ -211,7 +215,7 @@ def gguf_overhead(path: Path) -> int:
     return path.stat().st_size - sum(int(t.n_bytes) for t in reader.tensors)
 
 
-def plan_variant(sens, name: str, method: str, calib_samples: int, **budget) -> dict:
+def plan_variant(sens, name: str, method: str, calib_samples: int, damp: float = 0.01, **budget) -> dict:
     from llmopt.quant.allocate import allocate, plan_table, totals
 
     try:
@@ -226,6 +230,8 @@ def plan_variant(sens, name: str, method: str, calib_samples: int, **budget) -> 
     options = {"scheme": "AUTO", "plan": str(path), "method": method}
     if method != "rtn":
         options["calib_samples"] = calib_samples
+    if "gptq" in method:
+        options["damp"] = damp
     counts: dict[str, int] = {}
     for t in sens.tensors:
         f = plan.formats[t.name]
@@ -241,6 +247,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq+gptq"])
     parser.add_argument("--calib-samples", type=int, default=128)
+    parser.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening")
     parser.add_argument("--budgets", type=float, nargs="*", default=[4.85, 4.5, 5.5, 4.0])
     parser.add_argument("--llama-types", nargs="*", default=["Q4_K_M", "Q4_0", "Q6_K", "IQ4_NL"])
     parser.add_argument("--sens-samples", type=int, default=4)
@@ -275,15 +282,15 @@ def main() -> None:
     if "Q4_K_M" in files:
         rows.append(("llama.cpp Q4_K_M", {"llama": "Q4_K_M"}))
     size_row = f"auto {m} at Q4_K_M file size"
-    rows.append((size_row, plan_variant(sens, size_row, m, args.calib_samples, target_bpw=q4km_bpw, size="gguf")))
+    rows.append((size_row, plan_variant(sens, size_row, m, args.calib_samples, args.damp, target_bpw=q4km_bpw, size="gguf")))
     if lc:
         rows.append((f"llama.cpp runs {size_row}", {"llama_on": size_row}))
     for budget in args.budgets[:2]:
         name = f"auto {m} {budget} bpw"
-        rows.append((name, plan_variant(sens, name, m, args.calib_samples, target_bpw=budget)))
+        rows.append((name, plan_variant(sens, name, m, args.calib_samples, args.damp, target_bpw=budget)))
     for i, budget in enumerate(args.budgets[:2]):  # the same budgets counted in the GGUF file's block bits (nl4: IQ4_NL)
         name = f"auto {m} {budget} GGUF bpw"
-        rows.append((name, plan_variant(sens, name, m, args.calib_samples, target_bpw=budget, size="gguf")))
+        rows.append((name, plan_variant(sens, name, m, args.calib_samples, args.damp, target_bpw=budget, size="gguf")))
         if lc and i == 0:
             rows.append((f"llama.cpp runs {name}", {"llama_on": name}))
     if "F32" in files:  # llama.cpp's own arithmetic against ours, on the float model itself
@@ -303,17 +310,19 @@ def main() -> None:
             target_bpw=q4km_bpw, size="gguf")}))
     for budget in args.budgets[2:]:
         name = f"auto {m} {budget} bpw"
-        rows.append((name, plan_variant(sens, name, m, args.calib_samples, target_bpw=budget)))
+        rows.append((name, plan_variant(sens, name, m, args.calib_samples, args.damp, target_bpw=budget)))
     rows.append((f"W4A16 g64 {m}, int4 embedding/head", {"options": {"scheme": "W4A16", "group_size": 64, "method": m,
                                                                      "head": "int4", "embedding": "int4"}}))
     for _, spec in rows:
         opts = spec.get("options")  # uniform rows: the same calibration as the plans
         if opts and opts.get("method", "rtn") != "rtn" and "calib_samples" not in opts:
             opts["calib_samples"] = args.calib_samples
+        if opts and "gptq" in opts.get("method", "rtn"):
+            opts["damp"] = args.damp
     if args.only:
         rows = [(n, s) for n, s in rows if n in args.only]
 
-    settings = {"method": m, "windows": args.windows, "calib_samples": args.calib_samples, "sensitivity": SENSITIVITY_VERSION,
+    settings = {"method": m, "windows": args.windows, "calib_samples": args.calib_samples, "damp": args.damp, "sensitivity": SENSITIVITY_VERSION,
                 "engine": ENGINE_VERSION}
     results: dict = {}
     previous = RESULTS / "mixed_precision.json"
@@ -421,15 +430,16 @@ def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> No
         "(never used for calibration), against the float demo model (transformers, float32); llama.cpp's files are run "
         "by llama.cpp on the same windows against the same float distributions.",
         f"CPU: {cpu_model()}, {os.cpu_count()} cores; calibration forwards in {forwards} (bfloat16 only where the CPU "
-        "computes it natively), Hessian products in float32. "
-        f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of 512) unless named rtn; "
+        "computes it natively), Hessian products in float32; GPTQ with its scale refit (least-squares group scales for "
+        "the chosen codes, a second pass on them, each row's best: `llmopt.quant.scale_refit`). "
+        f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of 512, GPTQ dampening {s.get('damp', 0.01)}) unless named rtn; "
         f"sensitivity pass {meta['sens']['samples']} windows of {meta['sens']['seq_len']} tokens ({meta['sens_seconds']:.0f} s when "
         "it was measured and cached). "
         "bpw = checkpoint bits (codes + 16-bit scales) over all weights; GGUF bpw = the `--type auto` GGUF file (or llama.cpp's "
         f"file) in bits over the {n_weights:,} weights. The Q4_K_M-size plans count GGUF block bits (`--size-of gguf`) with "
         f"a budget of {meta['q4km_target_gguf_bpw']} bits per weight: the {meta['q4km_bytes']:,}-byte Q4_K_M file less "
         f"{meta['gguf_overhead_bytes']:,} bytes of metadata; the `GGUF bpw` plans count the same block bits against their "
-        "budget (tensor data only, as a format's nominal bits per weight; nl4 at 4.5 as IQ4_NL, norms at F32). Predicted KLD: the plan's summed per-tensor costs (RTN errors for the Linears; for a calibrated method the head's exact KLD as GPTQ quantizes it, the way it is stored).",
+        "budget (tensor data only, as a format's nominal bits per weight; nl4 at 4.5 as IQ4_NL, norms at F32). Predicted KLD: the plan's summed per-tensor costs (RTN errors for the Linears; for a calibrated method the head's exact KLD as GPTQ quantizes it, the way it is stored, from the cached sensitivity pass).",
         "",
         "| variant | bpw | GGUF MiB | GGUF bpw | predicted KLD | wiki KLD mean | wiki KLD p99 | wiki top-1 | wiki ppl | held-out KLD mean | held-out top-1 | held-out ppl | seconds | load before → after |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",

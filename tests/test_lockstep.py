@@ -75,7 +75,7 @@ def _true_sequential_gptq(model, ids, scheme_name: str, group_size: int,
             with LinearStats({n: mods[n] for n in group}, channel=False) as stats:
                 run_layer()
             weight = torch.cat([mods[n].weight.detach() for n in group])
-            qw = gptq_quantize_weight(weight, stats.hessian(group[0]), scheme, group_size, act_order=True, clip=True)
+            qw = gptq_quantize_weight(weight, stats.hessian(group[0]), scheme, group_size, act_order=True, clip=True, refit=True)
             for name, part in zip(group, split_rows(qw, [mods[n].weight.shape[0] for n in group])):
                 mods[name].weight.data.copy_(part.dequantize(torch.float32))
                 codes[name] = part.codes
