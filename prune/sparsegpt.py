@@ -12,7 +12,8 @@ group of M columns for N:M, each time from the error-updated weights.
 from __future__ import annotations
 
 import torch
-from llmopt.quant.gptq import _inverse_hessian_factor, column_loop_threads
+from llmopt.quant.columns import column_loop_threads
+from llmopt.quant.gptq import _inverse_hessian_factor
 
 from llmopt.prune.masks import Pattern, pruned_per_row
 

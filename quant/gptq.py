@@ -5,49 +5,15 @@ sparsity-mask preservation."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import numpy as np
 import torch
 
 from llmopt.checkpoints.estimate import IN_PLACE_FACTOR_MIN
 from llmopt.core.errors import NumericalError
-from llmopt.formats.schemes import (
-    FP8_MAX,
-    QuantizedWeight,
-    QuantScheme,
-    compute_qparams,
-    round_to_grid,
-    search_qparams,
-)
+from llmopt.formats.schemes import QuantizedWeight, QuantScheme, compute_qparams, search_qparams
+from llmopt.quant.code_descent import descend_codes
+from llmopt.quant.columns import column_loop_threads, quantize_column
 from llmopt.quant.scale_refit import better_rows, refit_scales
-
-
-SMALL_STEP = 1 << 21  # elements a step touches below which its ops are latency-bound: one thread
-
-
-@contextmanager
-def column_loop_threads(t: torch.Tensor | torch.device, work: int = 0) -> Iterator[None]:
-    """One CPU thread for the small steps of GPTQ / SparseGPT (on CPU tensors, or given their
-    device: a tensor passed here stays referenced until the block ends), when each step touches
-    fewer than ``SMALL_STEP`` elements (``work``; 0: always).
-
-    Each column step is a few small vector ops; with several threads every op waits for all of
-    them, which on a loaded machine costs milliseconds per op (two of the demo model's GPTQ
-    solves: 48.7 s with 2 threads, 1.8 s with 1, on a shared 2-core machine). Large models'
-    steps (a 7B's [128, 28672] row updates) and the factorizations and block updates outside
-    these blocks keep every thread.
-    """
-    if (t if isinstance(t, torch.device) else t.device).type != "cpu" or work >= SMALL_STEP:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _inverse_hessian_factor(h: torch.Tensor, damp: float, *, consume: bool = False,
@@ -196,6 +162,7 @@ def float_target_weight(weight: torch.Tensor, hessian: torch.Tensor, drift: torc
     return (weight.double() + delta.T).float()
 
 
+DESCENT_ROUNDS = 4  # rounds of code descent + least-squares scales after the refit (each: ~GPTQ's work)
 QPARAM_BLOCK = 1 << 24  # weight entries per qparams call: the range search holds a few float32 copies of it
 
 
@@ -253,7 +220,9 @@ def gptq_quantize_weight(
     ``qparams``: static ``(scale, zero_point)`` to use instead of computing them. ``refit``:
     after the column loop, re-solve the group scales by least squares for the chosen codes, run
     GPTQ again with those scales and re-solve once more, keeping each row's best
-    (:mod:`llmopt.quant.scale_refit`; one more float32 copy of the Hessian and of the weights).
+    (:mod:`llmopt.quant.scale_refit`; one more float32 copy of the Hessian and of the weights),
+    then alternate exact coordinate descent on the codes (:mod:`llmopt.quant.code_descent`) with
+    least-squares scales; no row's error rises at any step.
     """
     if refit:
         return _gptq_refit(weight, hessian, scheme, group_size, block_size=block_size, damp=damp,
@@ -337,7 +306,7 @@ def gptq_quantize_weight(
                     if zp is not None:
                         zp[:, g] = z_g[:, 0]
                         zp_t[g] = z_g[:, 0].float()
-                code, deq = _quantize_row(w1[i], scale_t[g], None if zp_t is None else zp_t[g], scheme)
+                code, deq = quantize_column(w1[i], scale_t[g], None if zp_t is None else zp_t[g], scheme)
                 if keep_t is not None:
                     k = keep_t[col]
                     deq.mul_(k)
@@ -358,8 +327,9 @@ def gptq_quantize_weight(
 
 def _gptq_refit(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, group_size: int | None,
                 hessian_owned: bool, weight_owned: bool, **options) -> QuantizedWeight:
-    """GPTQ, least-squares scales, GPTQ again on those scales, least-squares scales again: each
-    row's best of the two refitted results (see :func:`gptq_quantize_weight`)."""
+    """GPTQ, least-squares scales, GPTQ again on those scales, least-squares scales again; each
+    row's best of the two, then ``DESCENT_ROUNDS`` rounds of coordinate descent on the codes, each
+    followed by least-squares scales (see :func:`gptq_quantize_weight`)."""
     w_ref = weight.detach().to(torch.float32, copy=True)
     h_ref = hessian.detach().to(torch.float32, copy=True)
     dead = h_ref.diagonal() == 0
@@ -370,26 +340,11 @@ def _gptq_refit(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme
     first = refit_scales(w_ref, first, h_ref)
     second = gptq_quantize_weight(w_ref, h_ref, scheme, group_size, qparams=(first.scale, first.zero_point), **options)
     second = refit_scales(w_ref, second, h_ref)
-    return better_rows(w_ref, h_ref, first, second)
-
-
-def _quantize_row(
-    w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, scheme: QuantScheme
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and dequantized values (both float32) of one weight column, exactly as
-    :func:`~.formats.quantize` / :func:`~.formats.dequantize` compute them."""
-    if scheme.is_float:
-        code = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-        return code, code * scale
-    if scheme.grid is not None:
-        code = round_to_grid(w / scale, scheme.grid)
-        return code, code * scale
-    code = torch.round(w / scale)
-    if zp is None:
-        code.clamp_(scheme.qmin, scheme.qmax)
-        return code, code * scale
-    code.add_(zp).clamp_(scheme.qmin, scheme.qmax)
-    return code, (code - zp) * scale
+    best = better_rows(w_ref, h_ref, first, second)
+    del first, second
+    for _ in range(DESCENT_ROUNDS):
+        best = refit_scales(w_ref, descend_codes(w_ref, best, h_ref, mask=options.get("mask")), h_ref)
+    return best
 
 
 def split_rows(qw: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:

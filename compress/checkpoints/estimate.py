@@ -145,11 +145,12 @@ def _gptq_workspace(n: int, rows: int) -> int:
     two float32 weight copies, the search's temporaries over blocks of 2²⁴ weights) and the
     column loop (float32 factor; weights, codes and mask transposed), plus the scale refit's float32
     copies of the Hessian and weights kept across its two passes and its normal equations
-    (:mod:`llmopt.quant.scale_refit`, 2²² float64 entries)."""
+    (:mod:`llmopt.quant.scale_refit`, 2²² float64 entries) or the code descent's four float32
+    working matrices over a block of rows (:mod:`llmopt.quant.code_descent`, 2²³ entries each)."""
     w = 4 * n * rows
     search = 4 * 6 * min(n * rows, 1 << 24)
     factor = 12 * n * n if n >= IN_PLACE_FACTOR_MIN else 16 * n * n  # Hessian + factor (+ its float32 copy)
-    refit = 4 * n * n + w + 8 * (1 << 22)
+    refit = 4 * n * n + w + max(8 * (1 << 22), 4 * 4 * min(n * rows, 1 << 23))
     return refit + max(factor + w, 8 * n * n + 2 * w + search, 4 * n * n + 3 * w)
 
 
