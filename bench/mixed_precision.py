@@ -45,8 +45,8 @@ MODEL = "demo"  # --model (a small model for a smoke run)
 SENSITIVITY_VERSION = 7  # candidate formats int4 g128/g64/g32, int4 / int5 asym g32, nl4 / nl4x g32, int5/int6/int8 g32,
 # int6x g16 (Q6_K), int8; int4/int4a/nl4/int5/int5a/int6/int8 head
 # (v3: a calibrated method's head priced as GPTQ stores it; v4: int5 asym g32; v7: int6x, int4a / int5a head)
-ENGINE_VERSION = 4  # calibration engine: v2 float32 Hessian products, bfloat16 forwards only where native; v3 GPTQ scale refit;
-# v4 code descent after the refit
+ENGINE_VERSION = 3  # calibration engine: v2 float32 Hessian products, bfloat16 forwards only where native; v3 GPTQ scale refit
+# (engine 4, 4 rounds of code descent after the refit: bench/results/mixed_precision_descent; off by default now)
 
 
 def log(message: str) -> None:
@@ -109,7 +109,7 @@ def _same_quantization(out: Path, options: dict) -> bool:
         return False
     made = record.get("options") or {}  # GPTQ's settings (a checkpoint from before the scale refit has none)
     if "gptq" in options.get("method", "rtn") and (made.get("scale_refit") is not True
-                                                  or made.get("descent_rounds") != DESCENT_ROUNDS
+                                                  or made.get("descent_rounds", 0) != DESCENT_ROUNDS
                                                   or made.get("damp") != options.get("damp", 0.01)):
         return False
     if "plan" in options:
@@ -406,6 +406,7 @@ def _cell(row: dict, dataset: str, key: str, fmt: str) -> str:
 
 def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> None:
     from llmopt.core.hardware import cpu_has_bf16
+    from llmopt.quant.gptq import DESCENT_ROUNDS
     from llmopt.runtime.format_speed import cpu_model
 
     anchors = json.loads(ANCHORS.read_text()) if ANCHORS.exists() else {}
@@ -435,8 +436,8 @@ def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> No
         "by llama.cpp on the same windows against the same float distributions.",
         f"CPU: {cpu_model()}, {os.cpu_count()} cores; calibration forwards in {forwards} (bfloat16 only where the CPU "
         "computes it natively), Hessian products in float32; GPTQ with its scale refit (least-squares group scales for "
-        "the chosen codes, a second pass on them, each row's best: `llmopt.quant.scale_refit`; then rounds of "
-        "coordinate descent on the codes alternating with least-squares scales: `llmopt.quant.code_descent`). "
+        "the chosen codes, a second pass on them, each row's best: `llmopt.quant.scale_refit`"
+        f"{f'; then {DESCENT_ROUNDS} rounds of coordinate descent on the codes alternating with least-squares scales: `llmopt.quant.code_descent`' if DESCENT_ROUNDS else ''}). "
         f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of 512, GPTQ dampening {s.get('damp', 0.01)}) unless named rtn; "
         f"sensitivity pass {meta['sens']['samples']} windows of {meta['sens']['seq_len']} tokens ({meta['sens_seconds']:.0f} s when "
         "it was measured and cached). "

@@ -233,9 +233,8 @@ def quantize_model(
     :func:`~llmopt.quant.gptq.float_target_weight`; the float hidden states run alongside) rather
     than to its own float output on the quantized model's inputs (GPTQ methods only; routed
     experts keep the plain target). ``scale_refit``: GPTQ re-solves each row's group scales by
-    least squares for its chosen codes, quantizes once more on them, keeps each row's best, then
-    alternates coordinate descent on the codes with least-squares scales
-    (:mod:`~llmopt.quant.scale_refit`, :mod:`~llmopt.quant.code_descent`). ``damp``/``block_size``: GPTQ
+    least squares for its chosen codes, quantizes once more on them and keeps each row's best
+    (:mod:`~llmopt.quant.scale_refit`). ``damp``/``block_size``: GPTQ
     dampening (fraction of the mean Hessian diagonal) and lazy-update block. ``awq_grid``:
     number of α points in [0, 1]; ``awq_clip``: AWQ's auto-clip (weights clamped to the
     output-optimal range, shrink up to 50%) — off by default, the output-weighted

@@ -69,10 +69,9 @@ class QuantizeConfig:
                                  "states run alongside (asymmetric calibration, as GPTAQ), rather than to its own "
                                  "output on the quantized model's inputs (about 3x the calibration time).")
     scale_refit: bool | None = option(None, "GPTQ: once a Linear's codes are chosen, re-solve its group scales by least "
-                                      "squares against its input Hessian, quantize once more on them, keep each row's "
-                                      "better result, then alternate coordinate descent on the codes with least-squares "
-                                      "scales (4 rounds; about 6x GPTQ's solve time, the calibration forwards are "
-                                      "unchanged) [default: on for GPTQ methods].")
+                                      "squares against its input Hessian, quantize once more on them and keep each row's "
+                                      "better result (2-3x GPTQ's solve time; the calibration forwards are unchanged) "
+                                      "[default: on for GPTQ methods].")
     damp: float = option(0.01, "GPTQ: dampening, fraction of the mean Hessian diagonal.")
     alpha: float = option(0.5, "SmoothQuant migration strength.", aliases=("smooth_alpha",))
     clip_search: bool | None = option(None, "Search each group's clipping range (default: on for calibrated methods).")
