@@ -104,8 +104,10 @@ def _same_quantization(out: Path, options: dict) -> bool:
     from llmopt.quant.gptq import DESCENT_ROUNDS
 
     record = json.loads((out / "llmopt.json").read_text())
-    samples = (record.get("calibration") or {}).get("samples")
-    if record.get("method") != options.get("method", "rtn") or samples != options.get("calib_samples"):
+    calibration = record.get("calibration") or {}
+    if record.get("method") != options.get("method", "rtn") or calibration.get("samples") != options.get("calib_samples"):
+        return False
+    if calibration and calibration.get("name") != options.get("calib", "austen"):
         return False
     made = record.get("options") or {}  # GPTQ's settings (a checkpoint from before the scale refit has none)
     if "gptq" in options.get("method", "rtn") and (made.get("scale_refit") is not True
@@ -251,6 +253,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq+gptq"])
     parser.add_argument("--calib-samples", type=int, default=128)
+    parser.add_argument("--calib", default="austen", help="calibration text of the calibrated rows (the plan's sensitivities stay on austen)")
     parser.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening")
     parser.add_argument("--budgets", type=float, nargs="*", default=[4.85, 4.5, 5.5, 4.0])
     parser.add_argument("--llama-types", nargs="*", default=["Q4_K_M", "Q4_0", "Q6_K", "IQ4_NL"])
@@ -321,13 +324,15 @@ def main() -> None:
         opts = spec.get("options")  # uniform rows: the same calibration as the plans
         if opts and opts.get("method", "rtn") != "rtn" and "calib_samples" not in opts:
             opts["calib_samples"] = args.calib_samples
+        if opts and opts.get("method", "rtn") != "rtn" and args.calib != "austen":
+            opts["calib"] = args.calib
         if opts and "gptq" in opts.get("method", "rtn"):
             opts["damp"] = args.damp
     if args.only:
         rows = [(n, s) for n, s in rows if n in args.only]
 
     settings = {"method": m, "windows": args.windows, "calib_samples": args.calib_samples, "damp": args.damp, "sensitivity": SENSITIVITY_VERSION,
-                "engine": ENGINE_VERSION}
+                "engine": ENGINE_VERSION, **({"calib": args.calib} if args.calib != "austen" else {})}
     results: dict = {}
     previous = RESULTS / "mixed_precision.json"
     if previous.exists():
@@ -438,7 +443,7 @@ def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> No
         "computes it natively), Hessian products in float32; GPTQ with its scale refit (least-squares group scales for "
         "the chosen codes, a second pass on them, each row's best: `llmopt.quant.scale_refit`"
         f"{f'; then {DESCENT_ROUNDS} rounds of coordinate descent on the codes alternating with least-squares scales: `llmopt.quant.code_descent`' if DESCENT_ROUNDS else ''}). "
-        f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of 512, GPTQ dampening {s.get('damp', 0.01)}) unless named rtn; "
+        f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of 512 from {s.get('calib', 'austen')}, GPTQ dampening {s.get('damp', 0.01)}) unless named rtn; "
         f"sensitivity pass {meta['sens']['samples']} windows of {meta['sens']['seq_len']} tokens ({meta['sens_seconds']:.0f} s when "
         "it was measured and cached). "
         "bpw = checkpoint bits (codes + 16-bit scales) over all weights; GGUF bpw = the `--type auto` GGUF file (or llama.cpp's "

@@ -11,12 +11,14 @@ holding the same relative paths overrides them, file by file:
 | heldout     | gutenberg/war-of-the-worlds.txt         | validation while training        |
 
 Anything else is a text file, a folder of ``.txt`` files, or ``hf:NAME[:CONFIG[:SPLIT]]`` for
-the ``datasets`` library (column ``text``).
+the ``datasets`` library (column ``text``). Calibration also takes ``self`` (text the model
+samples itself) and mixes joined by ``+`` (``austen+self``: an equal share of windows from each).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +33,9 @@ NAMED: dict[str, list[str]] = {
     "gutenberg": [f"gutenberg/{name}.txt" for name in AUSTEN + ["great-expectations", "twenty-thousand-leagues"]],
     "heldout": [f"gutenberg/{HELDOUT}.txt"],
 }
+SELF = "self"  # calibration windows sampled by the model itself
+CALIB_HELP = ("Calibration text: corpus name, file, folder, hf:NAME, 'self' (sampled by the model itself), "
+              "or a mix with equal shares such as austen+self.")
 DEFAULT_EVAL = "wikitext2"
 DEFAULT_CALIB = "austen"
 
@@ -173,11 +178,52 @@ def _save_tokens(key: str, ids) -> None:
         pass
 
 
-def calibration_ids(tokenizer, spec: str = DEFAULT_CALIB, samples: int = 128, seq_len: int = 512, seed: int = 0):
+def calibration_ids(tokenizer, spec: str = DEFAULT_CALIB, samples: int = 128, seq_len: int = 512, seed: int = 0,
+                    sample_self: Callable | None = None):
     """``samples`` windows of ``seq_len`` tokens at seeded random offsets across the documents.
 
-    Returns ``(ids [samples, seq_len], record)``; the record says what was used.
+    ``spec`` names one text, ``self`` (windows the model being compressed samples itself, from
+    ``sample_self(tokenizer, samples, seq_len, seed)``: :mod:`llmopt.self_calibration`), or a mix joined by ``+`` (``austen+self``) that takes an equal
+    share of the windows from each part, in order. Returns ``(ids [samples, seq_len], record)``;
+    the record says what was used.
     """
+    import torch
+
+    parts = calibration_parts(spec)
+    shares = [samples // len(parts) + (i < samples % len(parts)) for i in range(len(parts))]
+    chunks, records = [], []
+    for part, share in zip(parts, shares):
+        if share:
+            ids, record = _part_windows(tokenizer, part, share, seq_len, seed, sample_self)
+            chunks.append(ids)
+            records.append({**record, "samples": share})
+    if len(parts) == 1:
+        record = {k: v for k, v in records[0].items() if k != "samples"}
+    else:
+        record = {"name": spec, "parts": records}
+    return torch.cat(chunks), {**record, "samples": samples, "seq_len": seq_len, "seed": seed}
+
+
+def calibration_parts(spec: str) -> list[str]:
+    """The texts of a calibration spec: ``a+b`` is a mix unless a file or folder has that name."""
+    if "+" not in spec or Path(spec).expanduser().exists():
+        return [spec]
+    parts = spec.split("+")
+    if any(not part.strip() for part in parts):
+        raise LlmoptError(f"calibration mix '{spec}' has an empty part", "join texts with single +, e.g. austen+self")
+    return [part.strip() for part in parts]
+
+
+def _part_windows(tokenizer, spec: str, samples: int, seq_len: int, seed: int, sample_self: Callable | None):
+    if spec == SELF:
+        if sample_self is None:
+            raise LlmoptError("calibration text 'self' is sampled from the model being compressed, and this step has none",
+                              "calibrate this step on a corpus (e.g. austen)")
+        return sample_self(tokenizer, samples, seq_len, seed)
+    return _corpus_windows(tokenizer, spec, samples, seq_len, seed)
+
+
+def _corpus_windows(tokenizer, spec: str, samples: int, seq_len: int, seed: int):
     import torch
 
     source = load_text(spec)
@@ -195,5 +241,4 @@ def calibration_ids(tokenizer, spec: str = DEFAULT_CALIB, samples: int = 128, se
         doc = docs[int(torch.multinomial(weights, 1, generator=generator))]
         start = int(torch.randint(0, len(doc) - seq_len + 1, (1,), generator=generator))
         rows.append(doc[start : start + seq_len])
-    record = {**source.record(), "samples": samples, "seq_len": seq_len, "seed": seed}
-    return torch.stack(rows), record
+    return torch.stack(rows), source.record()

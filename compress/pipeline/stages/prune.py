@@ -17,6 +17,7 @@ from pathlib import Path
 from llmopt.checkpoints.models import float_source, load_model
 from llmopt.checkpoints.provenance import finish_record, versions, write_provenance
 from llmopt.core.atomic import atomic_dir, check_output
+from llmopt.core.data import CALIB_HELP
 from llmopt.pipeline.stages.base import device_option, eval_option, option, overwrite_option
 from llmopt.pipeline.stages.evaluate import evaluate_output
 
@@ -42,7 +43,7 @@ class PruneConfig:
     ffn_ratio: float | None = option(None, "width: fraction of MLP intermediate channels removed, e.g. 0.25.")
     heads_ratio: float | None = option(None, "width: fraction of attention heads removed (whole KV groups, or the same number of query heads per group).")
     heads_mode: str = option("auto", "width: auto, kv-groups or query-heads.", metavar="MODE")
-    calib: str = option("austen", "Calibration text: corpus name, file, folder or hf:NAME.")
+    calib: str = option("austen", CALIB_HELP)
     calib_samples: int | None = option(None, "Calibration windows (default 128; 16 for drop-layers).", min=1)
     calib_seq_len: int = option(512, "Tokens per calibration window.", min=8)
     seed: int = option(0, "Seed for the calibration sample offsets.")
@@ -98,6 +99,7 @@ class PruneConfig:
 def run_prune(config: PruneConfig, progress=None) -> dict:
     """Prune ``config.model`` and save the result; returns the provenance record written to ``llmopt.json``."""
     from llmopt.core.data import calibration_ids
+    from llmopt.self_calibration import sampler
     from llmopt.prune.apply import prune_model
 
     config.check()
@@ -117,7 +119,8 @@ def run_prune(config: PruneConfig, progress=None) -> dict:
                     "settings": _settings_record(config), "versions": versions()}
     calib, ranking = None, None
     if settings.needs_calibration:
-        calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.samples, config.calib_seq_len, config.seed)
+        calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.samples, config.calib_seq_len, config.seed,
+            sample_self=sampler(source))
     if config.method == "drop-layers":
         ranking, record["ranking_seconds"], record["ranking_cached"] = _cached_ranking(source, record["calibration"], settings, model, calib)
     if streamed:

@@ -15,6 +15,7 @@ from pathlib import Path
 from llmopt.checkpoints.models import float_source, load_model
 from llmopt.checkpoints.provenance import finish_record, versions
 from llmopt.core.atomic import check_output
+from llmopt.core.data import CALIB_HELP
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.schemes import QuantScheme
 from llmopt.pipeline.stages.base import device_option, eval_option, option, overwrite_option
@@ -42,7 +43,7 @@ class QuantizeConfig:
     method: str = option("rtn", "rtn, gptq, awq, awq+gptq, smoothquant, smoothquant+gptq.", metavar="METHOD")
     group_size: int | None = option(None, "int4 / IQ4_NL group size (32/64/128; 0: per-channel). Default 128 (IQ4_NL: 32).", min=0)
     strict_groups: bool = option(False, "Refuse layers the group size does not divide instead of using the largest divisor.")
-    calib: str = option("austen", "Calibration text: corpus name, file, folder or hf:NAME.")
+    calib: str = option("austen", CALIB_HELP)
     calib_samples: int = option(128, "Calibration windows.", min=1)
     calib_seq_len: int = option(512, "Tokens per calibration window.", min=8)
     seed: int = option(0, "Seed for the calibration sample offsets.")
@@ -178,6 +179,7 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     """Quantize ``config.model`` and save it; returns the provenance record written to ``llmopt.json``."""
     from llmopt.core.console import notice
     from llmopt.core.data import calibration_ids
+    from llmopt.self_calibration import sampler
     from llmopt.formats.compressed import save_nf4
     from llmopt.quant.streaming import quantize_streaming
 
@@ -202,7 +204,8 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
         return _evaluated(config, record)
     calib = None
     if config.needs_calibration:
-        calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.seed)
+        calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.seed,
+            sample_self=sampler(source))
     options: dict = {"head": config.head, "embedding": config.embedding}
     if config.is_auto:
         from llmopt.pipeline.stages.auto_plan import plan_for
