@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -65,18 +66,21 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def sensitivity(source: Path, samples: int, seq_len: int, head_gptq: bool):
-    """Per-tensor costs (cached); ``head_gptq``: the head priced as a calibrated method stores it."""
+def sensitivity(source: Path, samples: int, seq_len: int, head_gptq: bool, calib: str = "austen"):
+    """Per-tensor costs (cached) on the first ``samples`` windows of ``calib``, as ``--scheme auto``
+    measures them; ``head_gptq``: the head priced as a calibrated method stores it."""
     from llmopt.checkpoints.models import load_model
     from llmopt.core.data import calibration_ids
     from llmopt.quant.sensitivity import Sensitivity, measure_sensitivity
+    from llmopt.self_calibration import sampler
 
-    cache = OUT / f"sensitivity-v{SENSITIVITY_VERSION}-{samples}x{seq_len}{'-gptq-head' if head_gptq else ''}.json"
+    slug = "" if calib == "austen" else "-" + re.sub(r"[^A-Za-z0-9]+", "_", calib).strip("_")
+    cache = OUT / f"sensitivity-v{SENSITIVITY_VERSION}-{samples}x{seq_len}{'-gptq-head' if head_gptq else ''}{slug}.json"
     if cache.exists():
         data = json.loads(cache.read_text())
         return Sensitivity.from_dict(data), data.get("seconds")
     model, tokenizer = load_model(source)
-    ids, _ = calibration_ids(tokenizer, "austen", samples, seq_len, 0)
+    ids, _ = calibration_ids(tokenizer, calib, samples, seq_len, 0, sample_self=sampler(source))
     start = time.perf_counter()
     sens = measure_sensitivity(model, ids, head_gptq=head_gptq)
     seconds = time.perf_counter() - start
@@ -253,7 +257,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq+gptq"])
     parser.add_argument("--calib-samples", type=int, default=128)
-    parser.add_argument("--calib", default="austen", help="calibration text of the calibrated rows (the plan's sensitivities stay on austen)")
+    parser.add_argument("--calib", default="austen", help="calibration text of the calibrated rows and of their plans' sensitivity pass")
     parser.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening")
     parser.add_argument("--budgets", type=float, nargs="*", default=[4.85, 4.5, 5.5, 4.0])
     parser.add_argument("--llama-types", nargs="*", default=["Q4_K_M", "Q4_0", "Q6_K", "IQ4_NL"])
@@ -270,7 +274,8 @@ def main() -> None:
 
     started = {"utc": datetime.now(timezone.utc).strftime("%H:%M:%S"), "load": load()}
     source = resolve_model(MODEL)
-    sens, sens_seconds = sensitivity(source, args.sens_samples, args.sens_seq_len, head_gptq=args.method != "rtn")
+    sens, sens_seconds = sensitivity(source, args.sens_samples, args.sens_seq_len, head_gptq=args.method != "rtn",
+                                     calib=args.calib if args.method != "rtn" else "austen")
     n_weights = sum(t.numel for t in sens.tensors) + sens.other_params
     log(f"sensitivity: {len(sens.tensors)} tensors, {sens.tokens} tokens, {sens_seconds:.0f} s")
     lc = llama_cpp_available()
@@ -444,7 +449,7 @@ def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> No
         "the chosen codes, a second pass on them, each row's best: `llmopt.quant.scale_refit`"
         f"{f'; then {DESCENT_ROUNDS} rounds of coordinate descent on the codes alternating with least-squares scales: `llmopt.quant.code_descent`' if DESCENT_ROUNDS else ''}). "
         f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of 512 from {s.get('calib', 'austen')}, GPTQ dampening {s.get('damp', 0.01)}) unless named rtn; "
-        f"sensitivity pass {meta['sens']['samples']} windows of {meta['sens']['seq_len']} tokens ({meta['sens_seconds']:.0f} s when "
+        f"sensitivity pass the first {meta['sens']['samples']} windows of {meta['sens']['seq_len']} tokens of that calibration ({meta['sens_seconds']:.0f} s when "
         "it was measured and cached). "
         "bpw = checkpoint bits (codes + 16-bit scales) over all weights; GGUF bpw = the `--type auto` GGUF file (or llama.cpp's "
         f"file) in bits over the {n_weights:,} weights. The Q4_K_M-size plans count GGUF block bits (`--size-of gguf`) with "

@@ -62,14 +62,14 @@ def test_self_windows_follow_the_models_distribution(peaked_model):
     assert uniform_nll > uniform_entropy + 1.0
 
 
-def test_mix_takes_equal_shares_in_order(peaked_model):
+def test_mix_interleaves_equal_shares(peaked_model):
     _, path = peaked_model
     tok = byte_tokenizer()
     ids, record = calibration_ids(tok, f"{CORPUS}+self", 5, 24, 0, sample_self=sampler(path, show_progress=False))
     corpus_ids, corpus_record = calibration_ids(tok, CORPUS, 3, 24, 0)
     self_ids, _ = _self(path, samples=2)
     assert ids.shape == (5, 24)
-    assert torch.equal(ids[:3], corpus_ids) and torch.equal(ids[3:], self_ids)
+    assert torch.equal(ids[0::2], corpus_ids) and torch.equal(ids[1::2], self_ids)  # c0 s0 c1 s1 c2
     assert record["name"] == f"{CORPUS}+self" and record["samples"] == 5
     assert [p["name"] for p in record["parts"]] == [CORPUS, "self"] and [p["samples"] for p in record["parts"]] == [3, 2]
     assert record["parts"][0]["sha256"] == corpus_record["sha256"]

@@ -12,7 +12,7 @@ holding the same relative paths overrides them, file by file:
 
 Anything else is a text file, a folder of ``.txt`` files, or ``hf:NAME[:CONFIG[:SPLIT]]`` for
 the ``datasets`` library (column ``text``). Calibration also takes ``self`` (text the model
-samples itself) and mixes joined by ``+`` (``austen+self``: an equal share of windows from each).
+samples itself) and mixes joined by ``+`` (``austen+self``: an equal share of windows from each, interleaved).
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def calibration_ids(tokenizer, spec: str = DEFAULT_CALIB, samples: int = 128, se
 
     ``spec`` names one text, ``self`` (windows the model being compressed samples itself, from
     ``sample_self(tokenizer, samples, seq_len, seed)``: :mod:`llmopt.self_calibration`), or a mix joined by ``+`` (``austen+self``) that takes an equal
-    share of the windows from each part, in order. Returns ``(ids [samples, seq_len], record)``;
+    share of the windows from each part, interleaved. Returns ``(ids [samples, seq_len], record)``;
     the record says what was used.
     """
     import torch
@@ -201,7 +201,16 @@ def calibration_ids(tokenizer, spec: str = DEFAULT_CALIB, samples: int = 128, se
         record = {k: v for k, v in records[0].items() if k != "samples"}
     else:
         record = {"name": spec, "parts": records}
-    return torch.cat(chunks), {**record, "samples": samples, "seq_len": seq_len, "seed": seed}
+    return _interleave(chunks), {**record, "samples": samples, "seq_len": seq_len, "seed": seed}
+
+
+def _interleave(chunks: list):
+    """The rows of each part in turn (a0 b0 a1 b1 …), so that any prefix of a mix (the sensitivity
+    pass takes the first few windows) holds every part."""
+    import torch
+
+    order = sorted(((row, part) for part, chunk in enumerate(chunks) for row in range(len(chunk))))
+    return torch.stack([chunks[part][row] for row, part in order])
 
 
 def calibration_parts(spec: str) -> list[str]:
