@@ -116,7 +116,8 @@ def _same_quantization(out: Path, options: dict) -> bool:
     made = record.get("options") or {}  # GPTQ's settings (a checkpoint from before the scale refit has none)
     if "gptq" in options.get("method", "rtn") and (made.get("scale_refit") is not True
                                                   or made.get("descent_rounds", 0) != DESCENT_ROUNDS
-                                                  or made.get("damp") != options.get("damp", 0.01)):
+                                                  or made.get("damp") != options.get("damp", 0.01)
+                                                  or made.get("float_targets", False) != options.get("float_targets", False)):
         return False
     if "plan" in options:
         return (record.get("plan") or {}).get("formats") == json.loads(Path(options["plan"]).read_text())["formats"]
@@ -258,6 +259,7 @@ def main() -> None:
     parser.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq+gptq"])
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib", default="austen", help="calibration text of the calibrated rows and of their plans' sensitivity pass")
+    parser.add_argument("--float-targets", action="store_true", help="GPTQ rows fit the float model's outputs (GPTAQ)")
     parser.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening")
     parser.add_argument("--budgets", type=float, nargs="*", default=[4.85, 4.5, 5.5, 4.0])
     parser.add_argument("--llama-types", nargs="*", default=["Q4_K_M", "Q4_0", "Q6_K", "IQ4_NL"])
@@ -333,11 +335,14 @@ def main() -> None:
             opts["calib"] = args.calib
         if opts and "gptq" in opts.get("method", "rtn"):
             opts["damp"] = args.damp
+            if args.float_targets:
+                opts["float_targets"] = True
     if args.only:
         rows = [(n, s) for n, s in rows if n in args.only]
 
     settings = {"method": m, "windows": args.windows, "calib_samples": args.calib_samples, "damp": args.damp, "sensitivity": SENSITIVITY_VERSION,
-                "engine": ENGINE_VERSION, **({"calib": args.calib} if args.calib != "austen" else {})}
+                "engine": ENGINE_VERSION, **({"calib": args.calib} if args.calib != "austen" else {}),
+                **({"float_targets": True} if args.float_targets else {})}
     results: dict = {}
     previous = RESULTS / "mixed_precision.json"
     if previous.exists():
@@ -410,6 +415,9 @@ def _quantized_bits(path: Path) -> float:
     return total
 
 
+FLOAT_TARGETS_NOTE = ", fitted to the float model's outputs (`--float-targets`)"
+
+
 def _cell(row: dict, dataset: str, key: str, fmt: str) -> str:
     return format(row[dataset][key], fmt) if dataset in row else "—"
 
@@ -448,7 +456,7 @@ def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> No
         "computes it natively), Hessian products in float32; GPTQ with its scale refit (least-squares group scales for "
         "the chosen codes, a second pass on them, each row's best: `llmopt.quant.scale_refit`"
         f"{f'; then {DESCENT_ROUNDS} rounds of coordinate descent on the codes alternating with least-squares scales: `llmopt.quant.code_descent`' if DESCENT_ROUNDS else ''}). "
-        f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of 512 from {s.get('calib', 'austen')}, GPTQ dampening {s.get('damp', 0.01)}) unless named rtn; "
+        f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of 512 from {s.get('calib', 'austen')}, GPTQ dampening {s.get('damp', 0.01)}{FLOAT_TARGETS_NOTE if s.get('float_targets') else ''}) unless named rtn; "
         f"sensitivity pass the first {meta['sens']['samples']} windows of {meta['sens']['seq_len']} tokens of that calibration ({meta['sens_seconds']:.0f} s when "
         "it was measured and cached). "
         "bpw = checkpoint bits (codes + 16-bit scales) over all weights; GGUF bpw = the `--type auto` GGUF file (or llama.cpp's "

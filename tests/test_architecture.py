@@ -20,7 +20,7 @@ LAYERS = [
     ["llmopt.core", "llmopt.corpora"],
     ["llmopt.formats", "llmopt.checkpoints", "llmopt.calibration", "llmopt.float_reference", "llmopt.accuracy"],
     ["llmopt.runtime"],
-    ["llmopt.quant", "llmopt.prune", "llmopt.distill", "llmopt.tasks"],
+    ["llmopt.quant", "llmopt.prune", "llmopt.distill", "llmopt.tasks", "llmopt.self_calibration"],
     ["llmopt.pipeline"],
     ["llmopt.evaluation"],
     ["llmopt.serve"],
