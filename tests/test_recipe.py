@@ -63,7 +63,7 @@ def test_awq_after_quantization_is_named(tmp_path):
 def test_bundled_recipes_all_validate():
     names = set(bundled_recipes())
     assert {"realtime-chat", "throughput", "edge", "w4a16-gptq", "w4a16-awq", "w8a8-smoothquant", "fp8-dynamic",
-            "sparse-2of4"} <= names
+            "sparse-2of4", "gguf-mixed"} <= names
     for name in names:
         recipe = load_recipe(name)
         assert recipe.stages and recipe.model == "demo"
