@@ -28,11 +28,12 @@ BATCH = 32  # sequences sampled side by side
 VERSION = 1
 
 
-def sampler(model: Path, show_progress: bool = True):
-    """``sample_self`` for :func:`llmopt.core.data.calibration_ids`: windows sampled by ``model``."""
+def sampler(model: Path, device: str | None = None, show_progress: bool = True):
+    """``sample_self`` for :func:`llmopt.core.data.calibration_ids`: windows sampled by ``model``
+    on ``device`` (``cpu`` / ``cuda`` / ``auto``; default the CPU)."""
 
     def sample(tokenizer, samples: int, seq_len: int, seed: int) -> tuple[torch.Tensor, dict]:
-        return self_windows(model, tokenizer, samples, seq_len, seed, show_progress)
+        return self_windows(model, tokenizer, samples, seq_len, seed, device, show_progress)
 
     return sample
 
@@ -46,7 +47,7 @@ def start_token(tokenizer) -> int:
                       "calibrate on a corpus instead of 'self'")
 
 
-def self_windows(model: Path, tokenizer, samples: int, seq_len: int, seed: int = 0,
+def self_windows(model: Path, tokenizer, samples: int, seq_len: int, seed: int = 0, device: str | None = None,
                  show_progress: bool = True) -> tuple[torch.Tensor, dict]:
     """``samples`` windows of ``seq_len`` tokens sampled by the float checkpoint at ``model``:
     ``(ids [samples, seq_len], record)``; the start token itself is not part of a window."""
@@ -56,7 +57,7 @@ def self_windows(model: Path, tokenizer, samples: int, seq_len: int, seed: int =
     record = {"name": SELF, "model": fingerprint[:16], "temperature": TEMPERATURE}
     ids = _cached(path, samples, seq_len)
     if ids is None:
-        ids = _sample(model, start_token(tokenizer), samples, seq_len, seed, show_progress)
+        ids = _sample(model, start_token(tokenizer), samples, seq_len, seed, device, show_progress)
         try:
             with atomic_file(path) as tmp:
                 torch.save(ids, tmp)
@@ -73,10 +74,16 @@ def _cached(path: Path, samples: int, seq_len: int) -> torch.Tensor | None:
     return ids if ids is not None and tuple(ids.shape) == (samples, seq_len) else None
 
 
-def _sample(model: Path, start: int, samples: int, seq_len: int, seed: int, show_progress: bool) -> torch.Tensor:
+def _sample(model: Path, start: int, samples: int, seq_len: int, seed: int, device: str | None,
+            show_progress: bool) -> torch.Tensor:
+    """Sampled in bfloat16 where the device computes it natively (a large model fits), else float32."""
+    from llmopt.calibration import resolve_device
+    from llmopt.core.hardware import native_bf16
     from llmopt.runtime import LLM, SamplingParams
 
-    llm = LLM(model, max_num_seqs=min(samples, BATCH), max_model_len=seq_len + 1, seed=seed)
+    where = resolve_device(device) or torch.device("cpu")
+    dtype = "bfloat16" if native_bf16(where) else "float32"
+    llm = LLM(model, max_num_seqs=min(samples, BATCH), max_model_len=seq_len + 1, seed=seed, device=str(where), dtype=dtype)
     params = [SamplingParams(max_tokens=seq_len, temperature=TEMPERATURE, ignore_eos=True, skip_special_tokens=False,
                              seed=seed * 1_000_003 + i) for i in range(samples)]
     outputs = llm.generate([[start]] * samples, params, progress=show_progress)

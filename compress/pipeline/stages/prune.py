@@ -120,7 +120,7 @@ def run_prune(config: PruneConfig, progress=None) -> dict:
     calib, ranking = None, None
     if settings.needs_calibration:
         calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.samples, config.calib_seq_len, config.seed,
-            sample_self=sampler(source))
+            sample_self=sampler(source, config.device))
     if config.method == "drop-layers":
         ranking, record["ranking_seconds"], record["ranking_cached"] = _cached_ranking(source, record["calibration"], settings, model, calib)
     if streamed:

@@ -205,7 +205,7 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     calib = None
     if config.needs_calibration:
         calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.seed,
-            sample_self=sampler(source))
+            sample_self=sampler(source, config.device))
     options: dict = {"head": config.head, "embedding": config.embedding}
     if config.is_auto:
         from llmopt.pipeline.stages.auto_plan import plan_for
