@@ -53,6 +53,9 @@ from llmopt.quant.smoothquant import SmoothResult, smoothquant_apply_layer
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq")
 DEFAULT_IGNORE = ("lm_head",)
+# Float targets after AWQ's folded scales wreck the demo model (W4A16 g32 awq+gptq: KLD above 5 with
+# them, where gptq alone gives 0.17) though a tiny model passes: refused until it is understood.
+FLOAT_TARGETS_AWQ = "float targets do not work after AWQ's scales yet (they wreck real models): use them with method gptq"
 SPARSE_ZERO_FRACTION = 0.1  # preserve_zeros=None: keep zeros of layers at least this sparse
 # An expert whose Linears saw fewer calibration tokens than this (routing sent it few or none)
 # is quantized from its weights alone (RTN, MSE range search) instead of by the calibrated
@@ -264,7 +267,9 @@ def quantize_model(
     if act_order is None:
         act_order = "gptq" in method
     if float_targets and "gptq" not in method:
-        raise ValueError(f"float targets are part of GPTQ; method {method} has no GPTQ step: use gptq or awq+gptq")
+        raise ValueError(f"float targets are part of GPTQ; method {method} has no GPTQ step: use gptq")
+    if float_targets and method.startswith("awq"):
+        raise ValueError(FLOAT_TARGETS_AWQ)
     if clip_search is None:
         clip_search = method != "rtn"
     if compute_dtype == "auto":

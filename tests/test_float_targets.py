@@ -133,8 +133,8 @@ def test_drift_term_lost_when_tokens_do_not_pair() -> None:
     assert s.drift is None
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
-def test_float_targets_reduce_the_error_against_the_float_model(method: str) -> None:
+def test_float_targets_reduce_the_error_against_the_float_model() -> None:
+    method = "gptq"
     torch.manual_seed(3)
     base = tiny_model(4)
     ids, test_ids = calib_ids(64, 32), calib_ids(16, 32)
@@ -148,9 +148,11 @@ def test_float_targets_reduce_the_error_against_the_float_model(method: str) -> 
         kld[on] = float((ref.exp() * (ref - out)).sum(-1).mean())
         codes[on] = torch.cat([q.codes.flatten() for q in res.weights.values()])
     assert not torch.equal(codes[False], codes[True])
-    assert kld[True] < (0.8 if method == "gptq" else 1.0) * kld[False]
+    assert kld[True] < 0.8 * kld[False]
 
 
 def test_float_targets_only_with_gptq() -> None:
     with pytest.raises(ValueError, match="float targets are part of GPTQ"):
         quantize_model(tiny_model(1), "W4A16", "awq", 32, calib_ids(), float_targets=True, show_progress=False)
+    with pytest.raises(ValueError, match="do not work after AWQ's scales"):
+        quantize_model(tiny_model(1), "W4A16", "awq+gptq", 32, calib_ids(), float_targets=True, show_progress=False)

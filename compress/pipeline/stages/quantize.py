@@ -140,6 +140,9 @@ class QuantizeConfig:
             if given and "gptq" not in self.method:
                 raise LlmoptError(f"{flag} is a GPTQ option; method {self.method} does not use GPTQ",
                                   "drop it, or use --method gptq / awq+gptq")
+        if self.float_targets and self.method.startswith("awq"):
+            raise LlmoptError("--float-targets does not work after AWQ's scales yet (it wrecks real models)",
+                              "use it with --method gptq, or drop it")
         if not self.needs_calibration and not self.is_auto:
             changed = [f"--{k.replace('_', '-')}" for k, v in CALIBRATION_DEFAULTS.items() if getattr(self, k) != v]
             if changed:
