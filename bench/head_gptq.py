@@ -1,7 +1,8 @@
 """The demo model's tied embedding / output head quantized alone (everything else float): RTN with
-the clipping search (uncalibrated) against GPTQ on the Hessian of the head's inputs (calibrated,
-what ``quantize`` does when it has calibration data), at int5 and int4 (groups of 32). KLD against
-the float model on held-out text, written to bench/results/head_gptq.{json,md}.
+the clipping search (uncalibrated) against GPTQ on the Hessian of the head's inputs, and GPTQ with
+the most probable rows solved again on their own KL-weighted Hessians (``llmopt.quant.head_fisher``;
+what ``quantize`` does when it has calibration data), at int5, nl4 and int4 (groups of 32). KLD
+against the float model on WikiText-2 and on held-out text, written to bench/results/head_gptq.{json,md}.
 
     python bench/head_gptq.py [--windows 2] [--calib-samples 16]
 """
@@ -21,8 +22,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def main() -> None:
     from llmopt.checkpoints.models import load_model, resolve_model
-    from llmopt.core.data import calibration_ids, load_text
-    from llmopt.quant.outer import gptq_matrix, outer_scheme, quantize_matrix
+    from llmopt.accuracy import eval_data
+    from llmopt.core.data import calibration_ids
+    from llmopt.quant.head_fisher import HeadFisher
+    from llmopt.quant.outer import gptq_matrix, input_hessian, outer_scheme, quantize_matrix
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--windows", type=int, default=2)
@@ -38,47 +41,53 @@ def main() -> None:
     assert model.get_output_embeddings().weight is embed.weight, "the demo model's head is tied"
     calib, calib_record = calibration_ids(tok, "austen", args.calib_samples, 512, 0)
     hidden = embed.weight.shape[1]
-    hessian = torch.zeros(hidden, hidden, dtype=torch.float64)
-    tokens = 0
-    with torch.no_grad():
-        for batch in torch.split(calib, 4):
-            x = model.model(batch).last_hidden_state.reshape(-1, hidden).double()  # after the final norm
-            hessian += x.T @ x
-            tokens += x.shape[0]
-    hessian *= 2.0 / tokens
-    text = "\n\n".join(load_text("heldout").documents)
-    ids = tok(text, return_tensors="pt").input_ids[0, : args.windows * args.seq_len].reshape(args.windows, args.seq_len)
-    with torch.no_grad():
-        ref = torch.log_softmax(model(ids).logits.float(), -1)
+    with torch.no_grad():  # the head's inputs: after the final norm
+        inputs = torch.cat([model.model(batch).last_hidden_state.reshape(-1, hidden).float() for batch in torch.split(calib, 4)])
+    tokens = inputs.shape[0]
+    hessian = input_hessian(inputs)
     weight = embed.weight.data.clone()
+    start = time.perf_counter()
+    fisher = HeadFisher.measure(inputs, weight)
+    fisher_seconds = time.perf_counter() - start
+    texts = {"wiki": "wikitext2", "heldout": "heldout"}
+    ids = {name: eval_data(tok, text, args.seq_len, args.windows).windows for name, text in texts.items()}
+    with torch.no_grad():
+        ref = {name: torch.log_softmax(model(x).logits.float(), -1) for name, x in ids.items()}
 
-    def kld(w: torch.Tensor) -> float:
+    def kld(w: torch.Tensor, name: str) -> float:
         embed.weight.data = w
         with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits.float(), -1)
+            logp = torch.log_softmax(model(ids[name]).logits.float(), -1)
         embed.weight.data = weight
-        return float((ref.exp() * (ref - logp)).sum(-1).mean())
+        return float((ref[name].exp() * (ref[name] - logp)).sum(-1).mean())
 
     rows = []
-    for fmt in ("int5", "int4"):
+    for fmt in ("int5", "nl4", "int4"):
         scheme = outer_scheme(fmt)
-        for method, quantize in (("rtn + clipping search", lambda: quantize_matrix(weight, scheme)),
-                                 ("gptq on the head's inputs", lambda: gptq_matrix(weight, scheme, hessian))):
+        for method, quantize, extra in (
+                ("rtn + clipping search", lambda: quantize_matrix(weight, scheme), 0.0),
+                ("gptq on the head's inputs", lambda: gptq_matrix(weight, scheme, hessian), 0.0),
+                ("gptq, likely rows on their own Hessians", lambda: gptq_matrix(weight, scheme, hessian, fisher=fisher),
+                 fisher_seconds)):
             start = time.perf_counter()
             qw = quantize()
-            rows.append({"format": fmt, "method": method, "seconds": round(time.perf_counter() - start, 1),
-                         "kld_mean": kld(qw.dequantize())})
+            seconds = time.perf_counter() - start + extra
+            rows.append({"format": fmt, "method": method, "seconds": round(seconds, 1),
+                         **{f"kld_{name}": kld(qw.dequantize(), name) for name in texts}})
             print(rows[-1], flush=True)
-    result = {"model": "demo", "windows": args.windows, "seq_len": args.seq_len, "eval_text": "heldout",
+    result = {"model": "demo", "windows": args.windows, "seq_len": args.seq_len, "eval_texts": list(texts.values()),
+              "fisher_rows": int(fisher.rows.numel()),
               "calibration": calib_record, "calibration_tokens": tokens, "threads": args.threads,
               "load_average_before": load, "load_average_after": [round(x, 2) for x in os.getloadavg()], "rows": rows}
     (RESULTS / "head_gptq.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = ["# The tied embedding / head quantized alone: uncalibrated RTN against GPTQ", "",
+    lines = ["# The tied embedding / head quantized alone: uncalibrated RTN, GPTQ, GPTQ with per-row Hessians", "",
              f"Demo model, everything but the tied embedding/head in float; mean KLD against the float model on "
-             f"{args.windows} windows of {args.seq_len} tokens of the held-out Gutenberg text; GPTQ's Hessian from "
-             f"{tokens} calibration tokens (austen). Load average {load} → {result['load_average_after']}. "
-             "Written by `bench/head_gptq.py`.", "", "| format | method | KLD mean | seconds |", "|---|---|---|---|"]
-    lines += [f"| {r['format']} | {r['method']} | {r['kld_mean']:.4f} | {r['seconds']} |" for r in rows]
+             f"{args.windows} windows of {args.seq_len} tokens of WikiText-2 and of the held-out Gutenberg text; "
+             f"GPTQ's Hessian from {tokens} calibration tokens (austen); the {result['fisher_rows']} most probable rows "
+             "solved again on their own Hessians `E[p(1-p) h hᵀ]` in the last method (its seconds include measuring "
+             f"them). Load average {load} → {result['load_average_after']}. Written by `bench/head_gptq.py`.", "",
+             "| format | method | KLD WikiText-2 | KLD held-out | seconds |", "|---|---|---|---|---|"]
+    lines += [f"| {r['format']} | {r['method']} | {r['kld_wiki']:.4f} | {r['kld_heldout']:.4f} | {r['seconds']} |" for r in rows]
     (RESULTS / "head_gptq.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -43,11 +43,13 @@ LLAMA_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY
                 "IQ4_NL": "LLAMA_FTYPE_MOSTLY_IQ4_NL"}
 Q4_K_M_ANCHOR_BYTES = 105_453_824  # llama.cpp's Q4_K_M file of the demo model (shared/anchors), when llama.cpp is absent
 MODEL = "demo"  # --model (a small model for a smoke run)
-SENSITIVITY_VERSION = 7  # candidate formats int4 g128/g64/g32, int4 / int5 asym g32, nl4 / nl4x g32, int5/int6/int8 g32,
+SENSITIVITY_VERSION = 8  # candidate formats int4 g128/g64/g32, int4 / int5 asym g32, nl4 / nl4x g32, int5/int6/int8 g32,
 # int6x g16 (Q6_K), int8; int4/int4a/nl4/int5/int5a/int6/int8 head
-# (v3: a calibrated method's head priced as GPTQ stores it; v4: int5 asym g32; v7: int6x, int4a / int5a head)
-ENGINE_VERSION = 3  # calibration engine: v2 float32 Hessian products, bfloat16 forwards only where native; v3 GPTQ scale refit
-# (engine 4, 4 rounds of code descent after the refit: bench/results/mixed_precision_descent; off by default now)
+# (v3: a calibrated method's head priced as GPTQ stores it; v4: int5 asym g32; v7: int6x, int4a / int5a head;
+# v8: the head's most probable rows on their own KL-weighted Hessians)
+ENGINE_VERSION = 5  # calibration engine: v2 float32 Hessian products, bfloat16 forwards only where native; v3 GPTQ scale
+# refit; v5 the head's most probable rows on their own Hessians (llmopt.quant.head_fisher)
+# (engine "4" there, 4 rounds of code descent after the refit: bench/results/mixed_precision_descent; off by default now)
 
 
 def log(message: str) -> None:
@@ -106,6 +108,7 @@ def _same_quantization(out: Path, options: dict) -> bool:
     """Whether a checkpoint left by an earlier run was made with ``options``: the same method,
     calibration windows and (for a plan) formats; otherwise it is quantized again."""
     from llmopt.quant.gptq import DESCENT_ROUNDS
+    from llmopt.quant.head_fisher import FISHER_ROWS
 
     record = json.loads((out / "llmopt.json").read_text())
     calibration = record.get("calibration") or {}
@@ -117,7 +120,8 @@ def _same_quantization(out: Path, options: dict) -> bool:
     if "gptq" in options.get("method", "rtn") and (made.get("scale_refit") is not True
                                                   or made.get("descent_rounds", 0) != DESCENT_ROUNDS
                                                   or made.get("damp") != options.get("damp", 0.01)
-                                                  or made.get("float_targets", False) != options.get("float_targets", False)):
+                                                  or made.get("float_targets", False) != options.get("float_targets", False)
+                                                  or made.get("head_fisher_rows", 0) != FISHER_ROWS):
         return False
     if "plan" in options:
         return (record.get("plan") or {}).get("formats") == json.loads(Path(options["plan"]).read_text())["formats"]
@@ -425,6 +429,7 @@ def _cell(row: dict, dataset: str, key: str, fmt: str) -> str:
 def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> None:
     from llmopt.core.hardware import cpu_has_bf16
     from llmopt.quant.gptq import DESCENT_ROUNDS
+    from llmopt.quant.head_fisher import FISHER_ROWS
     from llmopt.runtime.format_speed import cpu_model
 
     anchors = json.loads(ANCHORS.read_text()) if ANCHORS.exists() else {}

@@ -31,10 +31,13 @@ from llmopt.formats.schemes import (
     search_qparams,
 )
 from llmopt.quant.gptq import gptq_quantize_weight
+from llmopt.quant.head_fisher import HeadFisher
 
 OUTER_CHOICES = ("float", "int8", "int6", "int5a", "int5", "int4a", "nl4", "int4")
 OUTER_GROUP = 32  # the group size of the grouped embedding/head formats
 HEAD_GPTQ_ROWS = 8192  # rows of the head solved at once (two float32 copies of them at a time)
+HEAD_GPTQ_NOTICE = ("the output head was quantized by GPTQ on its calibration inputs, its most probable rows "
+                    "on their own KL-weighted Hessians")
 EMBED = "model.embed_tokens"
 HEAD = "lm_head"
 
@@ -72,31 +75,52 @@ def _joined(parts: list[QuantizedWeight], scheme: QuantScheme, group: int | None
     return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zp, scheme, group)
 
 
-def gptq_matrix(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor, refit: bool = True) -> QuantizedWeight:
+def gptq_matrix(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor, refit: bool = True,
+                fisher: HeadFisher | None = None) -> QuantizedWeight:
     """GPTQ of a head ``[vocab, hidden]`` against its input Hessian ``2/n Σ x xᵀ``, in row chunks
-    (``refit``: least-squares group scales, as :func:`~llmopt.quant.gptq.gptq_quantize_weight`)."""
+    (``refit``: least-squares group scales, as :func:`~llmopt.quant.gptq.gptq_quantize_weight`);
+    with ``fisher`` its most probable rows are solved again on their own KL-weighted Hessians."""
     group = scheme.group_size
     if group is not None and w.shape[1] % group:
         raise ValueError(f"group size {group} does not divide the {w.shape[1]} columns of the embedding/head")
     parts = [gptq_quantize_weight(chunk.float(), hessian, scheme, group, clip=True, refit=refit)
              for chunk in torch.split(w, HEAD_GPTQ_ROWS)]
-    return _joined(parts, scheme, group)
+    joined = _joined(parts, scheme, group)
+    return joined if fisher is None else fisher.requantize(w, joined)
 
 
 def quantize_head(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor | None,
-                  col_weight: torch.Tensor | None = None, refit: bool = True) -> QuantizedWeight:
-    """The head's codes: GPTQ when its input Hessian is known (``refit``: least-squares scales),
-    else RTN with the clipping search."""
-    return gptq_matrix(w, scheme, hessian, refit) if hessian is not None else quantize_matrix(w, scheme, col_weight)
+                  col_weight: torch.Tensor | None = None, refit: bool = True,
+                  fisher: HeadFisher | None = None) -> QuantizedWeight:
+    """The head's codes: GPTQ when its input Hessian is known (``refit``: least-squares scales;
+    ``fisher``: the most probable rows on their own Hessians), else RTN with the clipping search."""
+    if hessian is None:
+        return quantize_matrix(w, scheme, col_weight)
+    return gptq_matrix(w, scheme, hessian, refit, fisher)
 
 
 FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
 
 
 def head_input_hessian(model: nn.Module, state: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor | None:
-    """``2/n Σ x xᵀ`` (float64) of the head's inputs: the final norm applied, with its tensors from
-    ``state``, to the last decoder layer's outputs ``hidden``; None when the model has no final norm
-    we know (the head is then quantized without calibration)."""
+    """``2/n Σ x xᵀ`` (float64) of the head's inputs (:func:`head_inputs`); None when the model has
+    no final norm we know (the head is then quantized without calibration)."""
+    inputs = head_inputs(model, state, hidden)
+    return None if inputs is None else input_hessian(inputs)
+
+
+def input_hessian(x: torch.Tensor) -> torch.Tensor:
+    """``2/n Σ x xᵀ`` (float64) of inputs ``x`` ``[n, hidden]``, in chunks."""
+    h = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+    for chunk in torch.split(x, 4096):
+        h += chunk.T.double() @ chunk.double()
+    return h * (2.0 / max(x.shape[0], 1))
+
+
+def head_inputs(model: nn.Module, state: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor | None:
+    """The head's inputs (float32 ``[positions, hidden]``): the final norm applied, with its
+    tensors from ``state``, to the last decoder layer's outputs ``hidden``; None when the model has
+    no final norm we know."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     norm = next((m for n in FINAL_NORMS if isinstance(m := getattr(decoder, n, None), nn.Module)), None)
     if norm is None:
@@ -107,12 +131,8 @@ def head_input_hessian(model: nn.Module, state: dict[str, torch.Tensor], hidden:
     except KeyError:
         return None
     x = hidden.reshape(-1, hidden.shape[-1]).float()
-    h = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
     with torch.no_grad():
-        for chunk in torch.split(x, 4096):
-            y = torch.func.functional_call(norm, params, (chunk,)).double()
-            h += y.T @ y
-    return h * (2.0 / max(x.shape[0], 1))
+        return torch.cat([torch.func.functional_call(norm, params, (chunk,)).float() for chunk in torch.split(x, 4096)])
 
 
 @dataclass
@@ -127,10 +147,11 @@ class OuterResult:
 
 
 def quantize_outer(tensors: dict[str, torch.Tensor], tied: bool, head: str = "float", embedding: str = "float",
-                   head_hessian_diag: torch.Tensor | None = None, head_hessian: torch.Tensor | None = None,
+                   head_hessian_diag: torch.Tensor | None = None, head_inputs: torch.Tensor | None = None,
                    refit: bool = True) -> OuterResult:
     """Quantize ``model.embed_tokens.weight`` / ``lm_head.weight`` of ``tensors`` (a tied model has
-    only the former) as asked; the head by GPTQ when ``head_hessian`` (of its inputs) is given.
+    only the former) as asked; the head by GPTQ when its calibration ``head_inputs`` are given
+    (its most probable rows on their own KL-weighted Hessians, :mod:`.head_fisher`).
     Keys of ``tensors`` not returned in ``weights``/``floats`` stay as they are."""
     result = OuterResult()
     head_s, embed_s = outer_scheme(head), outer_scheme(embedding)
@@ -138,9 +159,13 @@ def quantize_outer(tensors: dict[str, torch.Tensor], tied: bool, head: str = "fl
     head_w = embed_w if tied else tensors.get(f"{HEAD}.weight")
     if head_w is None:
         raise ValueError("the checkpoint has no lm_head.weight and its embeddings are not tied")
+    head_hessian = fisher = None
+    if head_inputs is not None and head_s is not None:
+        head_hessian = input_hessian(head_inputs)
+        fisher = HeadFisher.measure(head_inputs, head_w)
     if tied and head_s == embed_s:
         if head_s is not None:
-            result.weights[EMBED] = quantize_head(embed_w, head_s, head_hessian, head_hessian_diag, refit)
+            result.weights[EMBED] = quantize_head(embed_w, head_s, head_hessian, head_hessian_diag, refit, fisher)
         return result
     if tied:
         result.untie = True
@@ -150,5 +175,5 @@ def quantize_outer(tensors: dict[str, torch.Tensor], tied: bool, head: str = "fl
     if embed_s is not None:
         result.weights[EMBED] = quantize_matrix(embed_w, embed_s)
     if head_s is not None:
-        result.weights[HEAD] = quantize_head(head_w, head_s, head_hessian, head_hessian_diag, refit)
+        result.weights[HEAD] = quantize_head(head_w, head_s, head_hessian, head_hessian_diag, refit, fisher)
     return result

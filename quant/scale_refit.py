@@ -7,6 +7,7 @@ output row: with ``x_a`` the codes of group ``a`` (zero point removed) and ``Ŵ_
 
     G s = b,   G[a, b] = x_aᵀ H_ab x_b,   b[a] = x_aᵀ (H w)_a.
 
+``hessian`` may also hold one Hessian per row (``[rows, in, in]``, :mod:`.row_gptq`).
 Scales tied to a super-block (``k · d``, IQ4_XS / Q6_K) keep their integers ``k`` and re-solve
 ``d`` (a float16 value), so the stored layout and the GGUF blocks stay exact. A row keeps its old
 scales unless the new ones lower its error, so a refit never makes a row worse.
@@ -21,6 +22,14 @@ from llmopt.formats.schemes import SUPERBLOCK, QuantizedWeight
 BLOCK_ELEMENTS = 1 << 22  # float64 entries of one block's normal matrices (rows × groups²)
 
 
+def _times_h(x: torch.Tensor, h: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows ``r0:r1`` of a matrix, ``x`` ``[r1 - r0, n]``, each times the Hessian: the shared
+    ``h`` ``[n, n]`` or row r's own ``h[r]`` (``[rows, n, n]``)."""
+    if h.dim() == 2:
+        return x @ h
+    return torch.bmm(x.unsqueeze(1), h[r0:r1]).squeeze(1)
+
+
 def row_errors(weight: torch.Tensor, qw: QuantizedWeight, hessian: torch.Tensor) -> torch.Tensor:
     """Each row's output error ``e H eᵀ`` (float64 ``[rows]``), ``e`` = weight − dequantized row."""
     out = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
@@ -28,7 +37,7 @@ def row_errors(weight: torch.Tensor, qw: QuantizedWeight, hessian: torch.Tensor)
     h = hessian.float()
     for r in range(0, weight.shape[0], step):
         e = weight[r : r + step].float() - _rows(qw, r, r + step)
-        out[r : r + step] = ((e @ h) * e).sum(-1, dtype=torch.float64)
+        out[r : r + step] = (_times_h(e, h, r, r + e.shape[0]) * e).sum(-1, dtype=torch.float64)
     return out
 
 
@@ -47,13 +56,15 @@ def _centred_codes(qw: QuantizedWeight, r0: int, r1: int, gs: int) -> torch.Tens
 
 
 def _normal_equations(x: torch.Tensor, wh: torch.Tensor, h: torch.Tensor, gs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``G [rows, groups, groups]`` and ``b [rows, groups]`` (float64) for codes ``x`` and ``W H`` rows."""
+    """``G [rows, groups, groups]`` and ``b [rows, groups]`` (float64) for codes ``x`` and ``W H``
+    rows; ``h`` is shared ``[n, n]`` or these rows' own ``[rows, n, n]``."""
     rows, n = x.shape
     ng = n // gs
     g = torch.empty(rows, ng, ng, dtype=torch.float64, device=x.device)
     for a in range(ng):
         cols = slice(a * gs, (a + 1) * gs)
-        pa = x[:, cols] @ h[cols, :]  # x_aᵀ H_a·, for every group b at once
+        # x_aᵀ H_a·, for every group b at once
+        pa = x[:, cols] @ h[cols, :] if h.dim() == 2 else torch.bmm(x[:, None, cols], h[:, cols, :]).squeeze(1)
         g[:, a, :] = (pa * x).reshape(rows, ng, gs).sum(-1, dtype=torch.float64)
     b = (x * wh).reshape(rows, ng, gs).sum(-1, dtype=torch.float64)
     return g, b
@@ -80,7 +91,8 @@ def refit_scales(weight: torch.Tensor, qw: QuantizedWeight, hessian: torch.Tenso
     for r0 in range(0, weight.shape[0], step):
         r1 = min(r0 + step, weight.shape[0])
         x = _centred_codes(qw, r0, r1, gs)
-        g, b = _normal_equations(x, weight[r0:r1].float() @ h, h, gs)
+        h_rows = h if h.dim() == 2 else h[r0:r1]
+        g, b = _normal_equations(x, _times_h(weight[r0:r1].float(), h, r0, r1), h_rows, gs)
         if per:  # s = k · d: solve for d per super-block, k fixed
             old = scale[r0:r1].double().reshape(r1 - r0, -1, per)
             d_old = _superblock_d(old, qw.scheme.scale_steps)

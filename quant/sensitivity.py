@@ -14,7 +14,8 @@ A tied embedding/head is one matrix: its cost is the sum of both roles. Costs ar
 add across tensors (validated against end-to-end KLD in ``bench/mixed_precision.py``).
 ``ΔW`` is the round-to-nearest error (min-max ranges for Linears, the clipping search of
 :func:`~llmopt.quant.outer.quantize_matrix` for the embedding/head, as each is applied by RTN;
-with ``head_gptq`` the head's error is that of GPTQ on its inputs, as a calibrated run stores it);
+with ``head_gptq`` the head's error is that of GPTQ on its inputs, its most probable rows on their
+own KL-weighted Hessians, as a calibrated run stores it);
 GPTQ lowers every Linear's error, so costs predict an upper bound for GPTQ plans.
 """
 
@@ -38,7 +39,8 @@ from llmopt.formats.schemes import (
     grid_scheme,
     int_weight_scheme,
 )
-from llmopt.quant.outer import EMBED, HEAD, outer_scheme, quantize_head
+from llmopt.quant.head_fisher import HeadFisher
+from llmopt.quant.outer import EMBED, HEAD, input_hessian, outer_scheme, quantize_head
 
 # candidate formats of a decoder Linear: name → (bits, group size (None: one scale per row),
 # symmetric, grid of allowed codes (None: all), super-block scale steps (None: free scales)).
@@ -256,8 +258,10 @@ def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0
             w = (embed if role in ("tied", "embedding") else head).weight.float()
             # the outer matrices are quantized as quantize_outer does it: the head by GPTQ when
             # calibrated, otherwise (and an untied embedding always) RTN with the clipping search
-            hessian = final.T.double() @ final.double() * (2.0 / final.shape[0]) if head_gptq and role != "embedding" else None
-            errors = {fmt: quantize_head(w, outer_scheme(fmt), hessian).dequantize() - w for fmt in OUTER_FORMATS}
+            calibrated = head_gptq and role != "embedding"
+            hessian = input_hessian(final) if calibrated else None
+            fisher = HeadFisher.measure(final, w) if calibrated else None
+            errors = {fmt: quantize_head(w, outer_scheme(fmt), hessian, fisher=fisher).dequantize() - w for fmt in OUTER_FORMATS}
             costs = {fmt: 0.0 for fmt in OUTER_FORMATS}
             if role in ("tied", "embedding"):
                 for fmt, dw in errors.items():

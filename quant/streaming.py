@@ -28,7 +28,7 @@ from llmopt.core.atomic import atomic_dir
 from llmopt.formats.compressed import final_quantization_config, quantized_tensors, write_side_files
 from llmopt.formats.schemes import QuantizedWeight
 from llmopt.quant.apply import DEFAULT_IGNORE, QuantizeResult, quantize_model
-from llmopt.quant.outer import head_input_hessian, quantize_outer
+from llmopt.quant.outer import HEAD_GPTQ_NOTICE, head_inputs, quantize_outer
 
 Provenance = Callable[[QuantizeResult, MemoryEstimate], dict]
 
@@ -115,13 +115,13 @@ def quantize_streaming(
                                     keep_final_hidden=calibrated_head, **options)
             outer = stream.outer_tensors()
             if head != "float" or embedding != "float":
-                hessian = None
+                inputs = None
                 if result.final_hidden is not None:
-                    hessian = head_input_hessian(stream.model, outer, result.final_hidden)
+                    inputs = head_inputs(stream.model, outer, result.final_hidden)
                     result.final_hidden = None
-                    result.notices.append("the output head was quantized by GPTQ on its calibration inputs" if hessian is not None
+                    result.notices.append(HEAD_GPTQ_NOTICE if inputs is not None
                                           else "no final norm found: the output head was quantized without calibration (RTN)")
-                done = quantize_outer(outer, stream.tied_head(), head, embedding, head_hessian=hessian,
+                done = quantize_outer(outer, stream.tied_head(), head, embedding, head_inputs=inputs,
                                       refit=options.get("scale_refit", True))
                 for name in done.weights:
                     outer.pop(f"{name}.weight", None)

@@ -178,7 +178,8 @@ def test_calibrated_head_is_gptq_on_its_input_hessian(tmp_path, tied):
     saved codes equal that computation done in memory, and its output error on those inputs is
     below the uncalibrated (RTN + clipping search) head's."""
     from llmopt.quant.apply import quantize_model
-    from llmopt.quant.outer import gptq_matrix, head_input_hessian
+    from llmopt.quant.head_fisher import HeadFisher
+    from llmopt.quant.outer import HEAD_GPTQ_NOTICE, gptq_matrix, head_input_hessian, head_inputs
     from llmopt.quant.streaming import quantize_streaming
     from conftest import byte_tokenizer
 
@@ -188,7 +189,7 @@ def test_calibrated_head_is_gptq_on_its_input_hessian(tmp_path, tied):
     options = dict(calib_ids=calib, compute_dtype=None, batch_size=2, show_progress=False)
     result = quantize_streaming(src, tmp_path / "q", "W4A16", "gptq", 32, ignore=(), tokenizer=byte_tokenizer(), check_memory=False,
                                 head="int4", embedding="int4" if tied else "float", **options)
-    assert "the output head was quantized by GPTQ on its calibration inputs" in result.notices
+    assert HEAD_GPTQ_NOTICE in result.notices
     weights, _ = read_compressed(tmp_path / "q")
     name = EMBED if tied else HEAD
     saved = weights[name]
@@ -198,7 +199,9 @@ def test_calibrated_head_is_gptq_on_its_input_hessian(tmp_path, tied):
     hessian = head_input_hessian(in_memory, in_memory.state_dict(), done.final_hidden)
     assert hessian.shape == (64, 64) and hessian.dtype == torch.float64
     w = model.lm_head.weight.detach()
-    want = gptq_matrix(w, outer_scheme("int4"), hessian)
+    inputs = head_inputs(in_memory, in_memory.state_dict(), done.final_hidden)
+    assert inputs.shape == (4 * 48, 64)
+    want = gptq_matrix(w, outer_scheme("int4"), hessian, fisher=HeadFisher.measure(inputs, w))
     assert saved.codes.shape == w.shape
     assert torch.equal(saved.codes, want.codes) and torch.equal(saved.scale, want.scale)
     rtn = quantize_matrix(w, outer_scheme("int4"))

@@ -21,6 +21,7 @@ from llmopt.formats.schemes import QuantScheme
 from llmopt.pipeline.stages.base import device_option, eval_option, option, overwrite_option
 from llmopt.pipeline.stages.evaluate import evaluate_output
 from llmopt.quant.gptq import DESCENT_ROUNDS
+from llmopt.quant.head_fisher import FISHER_ROWS
 from llmopt.quant.outer import OUTER_CHOICES
 
 NF4 = "NF4"
@@ -233,7 +234,7 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
             "notices": result.notices,
             "options": {"act_order": config.act_order, "float_targets": config.float_targets,
                         "scale_refit": refit, "descent_rounds": DESCENT_ROUNDS if refit else 0, "damp": config.damp, "smooth_alpha": config.alpha,
-                        "clip_search": config.clip_search},
+                        "clip_search": config.clip_search, "head_fisher_rows": FISHER_ROWS},
             "quantize_seconds": round(result.seconds, 2),
             "engine_seconds": result.timings.to_dict(), "memory_estimate": estimate.to_dict(),
         })
