@@ -1,21 +1,20 @@
 """Per-row Hessians of the output head, weighted by how likely each row's token is.
 
 With logits ``z = W h`` and ``p = softmax(z)``, an error ``ΔW`` costs to second order
-``½ E_t[Δz_tᵀ (diag p_t − p_t p_tᵀ) Δz_t]`` nats of KL divergence. Dropping the small rank-one
-term, row (token) ``v`` costs ``½ Δw_vᵀ H_v Δw_v`` with its own Hessian
+``½ E_t[Δz_tᵀ (diag p_t − p_t p_tᵀ) Δz_t]`` nats of KL divergence. Keeping the diagonal of that
+Fisher, row (token) ``v`` costs ``½ Δw_vᵀ H_v Δw_v`` with its own Hessian
 
-    H_v = E_t[p_tv h_t h_tᵀ],
+    H_v = E_t[p_tv (1 − p_tv) h_t h_tᵀ],
 
-the head inputs of the contexts in which ``v`` is likely. Plain GPTQ uses ``E[h hᵀ]`` for every
-row; a few hundred frequent tokens carry most of the head's KL divergence (on the demo model
-the 256 most probable rows hold half of it), and those rows gain most from their own Hessian
-(:func:`~llmopt.quant.row_gptq.gptq_rows`).
+the head inputs of the contexts in which ``v`` is likely (and not certain). Plain GPTQ uses
+``E[h hᵀ]`` for every row; a few hundred frequent tokens carry much of the head's KL divergence,
+and those rows gain most from their own Hessian (:func:`~llmopt.quant.row_gptq.gptq_rows`).
 
-Only the ``FISHER_ROWS`` most probable rows get their own Hessian (on the demo model 256 rows
-give 90% of the gain of 1024), and the positions summed are capped so that the work stays
-within ``FISHER_FLOPS`` (a uniform subsample of the calibration positions). ``SHARED_WEIGHT`` ×
-the row's mean probability of the shared shape ``E[h hᵀ]`` is added as a prior: it keeps ``H_v``
-full rank and guards against calibration text unlike the text the model will see.
+Only the ``FISHER_ROWS`` rows of largest mean ``p (1 − p)`` get their own Hessian, and the
+positions summed are capped so that the work stays within ``FISHER_FLOPS`` (a uniform subsample
+of the calibration positions). ``SHARED_WEIGHT`` × the row's mean ``p (1 − p)`` times the shared
+shape ``E[h hᵀ]`` is added as a prior: it keeps ``H_v`` full rank and guards against calibration
+text unlike the text the model will see.
 """
 
 from __future__ import annotations
@@ -29,9 +28,9 @@ from llmopt.formats.schemes import QuantizedWeight
 from llmopt.quant.row_gptq import gptq_rows
 from llmopt.quant.scale_refit import better_rows
 
-FISHER_ROWS = 256  # rows (tokens of largest mean probability) that get their own Hessian
+FISHER_ROWS = 256  # rows (tokens of largest mean p(1-p)) that get their own Hessian
 FISHER_FLOPS = 4e12  # work of the per-row Hessians (rows × positions × hidden²): caps the positions
-SHARED_WEIGHT = 0.1  # prior: this many times the row's mean probability of E[h hᵀ]
+SHARED_WEIGHT = 0.1  # prior: this many times the row's mean p(1-p) of E[h hᵀ]
 ROW_CHUNK = 128  # rows whose Hessians are held at once
 TOKEN_CHUNK = 1024  # positions whose logits are held at once
 
@@ -42,14 +41,14 @@ class HeadFisher:
 
     inputs: torch.Tensor  # [positions, hidden] float32: the head's inputs (final norm applied)
     log_norm: torch.Tensor  # [positions] log Σ_v exp(z_tv) of the float head
-    rows: torch.Tensor  # [k] row indices, by decreasing mean probability
-    mean_prob: torch.Tensor  # [k] float64 mean probability of each of those rows
+    rows: torch.Tensor  # [k] row indices, by decreasing mean p(1-p)
+    mean_fisher: torch.Tensor  # [k] float64 mean p(1-p) of each of those rows (the Fisher diagonal)
     shared: torch.Tensor  # [hidden, hidden] float64 E[h hᵀ]
 
     @classmethod
     def measure(cls, inputs: torch.Tensor, weight: torch.Tensor, max_rows: int | None = None) -> "HeadFisher":
-        """The log-normalizers and mean probabilities of the head ``weight`` ``[vocab, hidden]``
-        on ``inputs`` ``[positions, hidden]``; the ``max_rows`` (``FISHER_ROWS``) most probable rows are kept."""
+        """The log-normalizers and mean p(1-p) of the rows of the head ``weight`` ``[vocab, hidden]``
+        on ``inputs`` ``[positions, hidden]``; the ``max_rows`` (``FISHER_ROWS``) rows of largest mean are kept."""
         x = inputs.reshape(-1, inputs.shape[-1]).float()
         w = weight.float()
         log_norm = torch.empty(x.shape[0])
@@ -81,7 +80,7 @@ class HeadFisher:
             out = torch.empty(rows.numel(), hidden, hidden)
             for i in range(rows.numel()):
                 own = (x * probs[:, i : i + 1]).T @ x / x.shape[0]
-                out[i] = own + float(self.mean_prob[r0 + i]) * prior
+                out[i] = own + float(self.mean_fisher[r0 + i]) * prior
             yield rows, out
 
     def requantize(self, weight: torch.Tensor, quantized: QuantizedWeight) -> QuantizedWeight:

@@ -345,6 +345,7 @@ def test_head_costs_with_gptq_are_exact_and_lower():
     """``head_gptq``: the head's cost of each format is the exact KLD of the head GPTQ-quantized on
     the Hessian of its inputs, and below the RTN head's cost; the Linears' costs do not change."""
     from llmopt.quant.outer import gptq_matrix, outer_scheme
+    from llmopt.quant.head_fisher import HeadFisher
 
     model = tiny_llama(seed=7, tie_word_embeddings=False)
     ids = torch.randint(3, 259, (8, 64), generator=torch.Generator().manual_seed(1))
@@ -361,7 +362,8 @@ def test_head_costs_with_gptq_are_exact_and_lower():
     hook.remove()
     x = torch.cat(finals).double()
     w = model.lm_head.weight.data.clone()
-    model.lm_head.weight.data = gptq_matrix(w, outer_scheme("int4"), x.T @ x * (2.0 / x.shape[0])).dequantize()
+    fisher = HeadFisher.measure(x.float(), w)  # the likely rows on their own Hessians, as a calibrated run stores them
+    model.lm_head.weight.data = gptq_matrix(w, outer_scheme("int4"), x.T @ x * (2.0 / x.shape[0]), fisher=fisher).dequantize()
     true = _kld(model, ids, ref_logp)
     model.lm_head.weight.data = w
     assert gptq["lm_head"].costs["int4"] == pytest.approx(true, rel=1e-3)

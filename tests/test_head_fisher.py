@@ -70,7 +70,7 @@ def test_row_hessians_are_fisher_weighted_input_moments(monkeypatch):
     mean = p.mean(0)
     assert fisher.rows.shape == (6,)
     assert torch.equal(fisher.rows, torch.argsort(mean, descending=True)[:6])
-    assert torch.allclose(fisher.mean_prob, mean[fisher.rows])
+    assert torch.allclose(fisher.mean_fisher, mean[fisher.rows])
     got = dict()
     for rows, hess in fisher.hessians(w):
         assert hess.shape == (rows.numel(), n, n)
