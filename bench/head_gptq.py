@@ -4,7 +4,9 @@ the most probable rows solved again on their own KL-weighted Hessians (``llmopt.
 what ``quantize`` does when it has calibration data), at int5, nl4 and int4 (groups of 32). KLD
 against the float model on WikiText-2 and on held-out text, written to bench/results/head_gptq.{json,md}.
 
-    python bench/head_gptq.py [--windows 2] [--calib-samples 16]
+    python bench/head_gptq.py [--windows 2] [--calib-samples 128] [--results DIR]
+
+(bench/results/head_gptq_calib16: the same with 16 calibration windows.)
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--calib-samples", type=int, default=16)
+    parser.add_argument("--calib-samples", type=int, default=128, help="calibration windows of 512 tokens (quantize's default)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of head_gptq.{json,md}")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -79,7 +82,8 @@ def main() -> None:
               "fisher_rows": int(fisher.rows.numel()),
               "calibration": calib_record, "calibration_tokens": tokens, "threads": args.threads,
               "load_average_before": load, "load_average_after": [round(x, 2) for x in os.getloadavg()], "rows": rows}
-    (RESULTS / "head_gptq.json").write_text(json.dumps(result, indent=2) + "\n")
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "head_gptq.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["# The tied embedding / head quantized alone: uncalibrated RTN, GPTQ, GPTQ with per-row Hessians", "",
              f"Demo model, everything but the tied embedding/head in float; mean KLD against the float model on "
              f"{args.windows} windows of {args.seq_len} tokens of WikiText-2 and of the held-out Gutenberg text; "
@@ -88,7 +92,7 @@ def main() -> None:
              f"them). Load average {load} → {result['load_average_after']}. Written by `bench/head_gptq.py`.", "",
              "| format | method | KLD WikiText-2 | KLD held-out | seconds |", "|---|---|---|---|---|"]
     lines += [f"| {r['format']} | {r['method']} | {r['kld_wiki']:.4f} | {r['kld_heldout']:.4f} | {r['seconds']} |" for r in rows]
-    (RESULTS / "head_gptq.md").write_text("\n".join(lines) + "\n")
+    (args.results / "head_gptq.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
