@@ -341,6 +341,7 @@ def main() -> None:
             opts["damp"] = args.damp
             if args.float_targets:
                 opts["float_targets"] = True
+    order = [n for n, _ in rows]  # the tables list every kept row in this order, not only the rows run now
     if args.only:
         rows = [(n, s) for n, s in rows if n in args.only]
 
@@ -395,9 +396,9 @@ def main() -> None:
         row["load"] = {"before": before, "after": load()}
         results[name] = row
         log(f"{name}: {json.dumps({d: row[d] for d in DATASETS if d in row})} gguf {row['gguf_bytes']:,} B ({row['seconds']:.0f} s)")
-        write(results, meta, skipped, [n for n, _ in rows])
+        write(results, meta, skipped, order + [n for n in results if n not in order])
     meta["finished"] = {"utc": datetime.now(timezone.utc).strftime("%H:%M:%S"), "load": load()}
-    write(results, meta, skipped, [n for n, _ in rows])
+    write(results, meta, skipped, order + [n for n in results if n not in order])
 
 
 def _quantized_bits(path: Path) -> float:
