@@ -123,6 +123,9 @@ def _same_quantization(out: Path, options: dict) -> bool:
                                                   or made.get("float_targets", False) != options.get("float_targets", False)
                                                   or made.get("head_fisher_rows", 0) != FISHER_ROWS):
         return False
+    tuned = record.get("scale_tuning") or {}
+    if tuned.get("steps", 0) != options.get("tune_steps", 0) or (tuned and tuned["settings"]["lr"] != options.get("tune_lr")):
+        return False
     if "plan" in options:
         return (record.get("plan") or {}).get("formats") == json.loads(Path(options["plan"]).read_text())["formats"]
     return True
@@ -265,6 +268,8 @@ def main() -> None:
     parser.add_argument("--calib", default="austen", help="calibration text of the calibrated rows and of their plans' sensitivity pass")
     parser.add_argument("--float-targets", action="store_true", help="GPTQ rows fit the float model's outputs (GPTAQ)")
     parser.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening")
+    parser.add_argument("--tune-steps", type=int, default=0, help="calibrated rows: end-to-end scale and norm tuning steps (0: off)")
+    parser.add_argument("--tune-lr", type=float, default=1e-3, help="scale tuning's peak Adam step")
     parser.add_argument("--budgets", type=float, nargs="*", default=[4.85, 4.5, 5.5, 4.0])
     parser.add_argument("--llama-types", nargs="*", default=["Q4_K_M", "Q4_0", "Q6_K", "IQ4_NL"])
     parser.add_argument("--sens-samples", type=int, default=4)
@@ -341,13 +346,16 @@ def main() -> None:
             opts["damp"] = args.damp
             if args.float_targets:
                 opts["float_targets"] = True
+        if opts and opts.get("method", "rtn") != "rtn" and args.tune_steps:
+            opts.update(tune_steps=args.tune_steps, tune_lr=args.tune_lr)
     order = [n for n, _ in rows]  # the tables list every kept row in this order, not only the rows run now
     if args.only:
         rows = [(n, s) for n, s in rows if n in args.only]
 
     settings = {"method": m, "windows": args.windows, "calib_samples": args.calib_samples, "damp": args.damp, "sensitivity": SENSITIVITY_VERSION,
                 "engine": ENGINE_VERSION, **({"calib": args.calib} if args.calib != "austen" else {}),
-                **({"float_targets": True} if args.float_targets else {})}
+                **({"float_targets": True} if args.float_targets else {}),
+                **({"tune_steps": args.tune_steps, "tune_lr": args.tune_lr} if args.tune_steps else {})}
     results: dict = {}
     previous = RESULTS / "mixed_precision.json"
     if previous.exists():
@@ -421,6 +429,8 @@ def _quantized_bits(path: Path) -> float:
 
 
 FLOAT_TARGETS_NOTE = ", fitted to the float model's outputs (`--float-targets`)"
+TUNING_NOTE = (", then {tune_steps} steps of end-to-end tuning of the group scales (codes fixed) and norm weights against "
+               "the float model's KLD on the same windows, peak learning rate {tune_lr} (`--tune-steps`, `llmopt.quant.scale_tuning`)")
 
 
 def _cell(row: dict, dataset: str, key: str, fmt: str) -> str:
@@ -462,7 +472,7 @@ def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> No
         "computes it natively), Hessian products in float32; GPTQ with its scale refit (least-squares group scales for "
         "the chosen codes, a second pass on them, each row's best: `llmopt.quant.scale_refit`"
         f"{f'; then {DESCENT_ROUNDS} rounds of coordinate descent on the codes alternating with least-squares scales: `llmopt.quant.code_descent`' if DESCENT_ROUNDS else ''}). "
-        f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of 512 from {s.get('calib', 'austen')}, GPTQ dampening {s.get('damp', 0.01)}{FLOAT_TARGETS_NOTE if s.get('float_targets') else ''}) unless named rtn; "
+        f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of 512 from {s.get('calib', 'austen')}, GPTQ dampening {s.get('damp', 0.01)}{FLOAT_TARGETS_NOTE if s.get('float_targets') else ''}{TUNING_NOTE.format(**s) if s.get('tune_steps') else ''}) unless named rtn; "
         f"sensitivity pass the first {meta['sens']['samples']} windows of {meta['sens']['seq_len']} tokens of that calibration ({meta['sens_seconds']:.0f} s when "
         "it was measured and cached). "
         "bpw = checkpoint bits (codes + 16-bit scales) over all weights; GGUF bpw = the `--type auto` GGUF file (or llama.cpp's "

@@ -7,7 +7,9 @@ writer that turns it into the saved ``quantization_config``.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +77,10 @@ class QuantizeConfig:
                                       "better result (2-3x GPTQ's solve time; the calibration forwards are unchanged) "
                                       "[default: on for GPTQ methods].")
     damp: float = option(0.01, "GPTQ: dampening, fraction of the mean Hessian diagonal.")
+    tune_steps: int = option(0, "After quantizing, tune one multiplier per output row of every quantized weight's scales "
+                             "(codes fixed) end to end against the float model's next-token distributions on the "
+                             "calibration windows, one window per step (0: off; e.g. 128; about 3 forward passes per step).", min=0)
+    tune_lr: float = option(1e-3, "Scale tuning: Adam's peak step on the log-multipliers (needs --tune-steps).")
     alpha: float = option(0.5, "SmoothQuant migration strength.", aliases=("smooth_alpha",))
     clip_search: bool | None = option(None, "Search each group's clipping range (default: on for calibrated methods).")
     device: str = device_option()
@@ -87,7 +93,7 @@ class QuantizeConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method != "rtn" or (self.scheme == AUTO and self.plan is None)
+        return self.method != "rtn" or (self.scheme == AUTO and self.plan is None) or self.tune_steps > 0
 
     @property
     def is_auto(self) -> bool:
@@ -141,6 +147,7 @@ class QuantizeConfig:
             if given and "gptq" not in self.method:
                 raise LlmoptError(f"{flag} is a GPTQ option; method {self.method} does not use GPTQ",
                                   "drop it, or use --method gptq / awq+gptq")
+        self._check_tuning()
         if self.float_targets and self.method.startswith("awq"):
             raise LlmoptError("--float-targets does not work after AWQ's scales yet (it wrecks real models)",
                               "use it with --method gptq, or drop it")
@@ -150,6 +157,18 @@ class QuantizeConfig:
                 raise LlmoptError(f"{', '.join(changed)} only apply to calibrated methods, not {self.method}",
                                   "drop them, or pick --method gptq / awq / smoothquant")
 
+
+    def _check_tuning(self) -> None:
+        if self.tune_lr != 1e-3 and self.tune_steps == 0:
+            raise LlmoptError("--tune-lr applies only with --tune-steps", "add --tune-steps N, or drop --tune-lr")
+        if self.tune_steps == 0:
+            return
+        if not self.tune_lr > 0:
+            raise LlmoptError("--tune-lr must be positive", "e.g. --tune-lr 1e-3")
+        scheme = self.parse_scheme()
+        if scheme is None or scheme.activations is not None:
+            raise LlmoptError(f"--tune-steps tunes the scales of weight-only schemes, not {self.scheme}",
+                              "use it with W4A16, W4A16_ASYM, W8A16, IQ4_NL or AUTO, or drop it")
 
     def _check_auto(self) -> None:
         given = [f"--{k.replace('_', '-')}" for k in ("target_bpw", "target_kld", "plan") if getattr(self, k) is not None]
@@ -219,9 +238,10 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
         if options["head"] != "float":
             ignore = [p for p in ignore if p != "lm_head"]
             record["ignore"] = ignore
-        if config.method == "rtn":
-            calib = None  # measured with it; RTN itself takes none
 
+    tune_ids = calib
+    if config.method == "rtn":
+        calib = None  # the plan's sensitivities and the scale tuning use them; RTN itself takes none
     refit = "gptq" in config.method and config.scale_refit is not False
 
     def provenance(result, estimate) -> dict:
@@ -240,17 +260,33 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
         })
         return finish_record(record, start)
 
+    quantized = output if not config.tune_steps else output.parent / f".{output.name}.untuned-{os.getpid()}"
     try:
         quantize_streaming(
-            source, output, scheme, config.method, config.group_size, calib, ignore, config.strict_groups,
+            source, quantized, scheme, config.method, config.group_size, calib, ignore, config.strict_groups,
             tokenizer=tokenizer, provenance=provenance, overwrite=config.overwrite, announce=_announcer(source),
             clip_search=config.clip_search, act_order=config.act_order, float_targets=config.float_targets, damp=config.damp,
             scale_refit=config.scale_refit is not False, smooth_alpha=config.alpha, progress=progress, show_progress=progress is None, device=config.device,
             **options,
         )
+        if config.tune_steps:
+            record["scale_tuning"] = _tune(config, source, quantized, tune_ids)
     except ValueError as exc:
         raise LlmoptError(str(exc)) from exc
+    finally:
+        if quantized != output:
+            shutil.rmtree(quantized, ignore_errors=True)
     return _evaluated(config, record)
+
+
+def _tune(config: QuantizeConfig, source: Path, quantized: Path, ids) -> dict:
+    """Tune the just-written checkpoint's scales and norms into ``config.output``."""
+    from llmopt.quant.scale_tuning import TuneSettings
+    from llmopt.quant.tune_checkpoint import tune_checkpoint
+
+    report = tune_checkpoint(quantized, source, Path(config.output), ids, TuneSettings(config.tune_steps, config.tune_lr, seed=config.seed),
+                             config.device, overwrite=config.overwrite)
+    return report.to_dict()
 
 
 LONG_JOB_BYTES = 2**30  # print memory and time estimates for checkpoints of at least 1 GiB of weights

@@ -1,0 +1,145 @@
+"""End-to-end scale tuning: codes kept, scales and norms moved to lower the KLD to the float model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from llmopt.core.errors import LlmoptError
+from llmopt.formats.compressed import load_dequantized, read_compressed
+from llmopt.formats.gguf_export import export_gguf
+from llmopt.formats.schemes import IQ4_NL_GRID, QuantizedWeight, QuantScheme, superblock_factors, superblock_scales
+from llmopt.pipeline.stages.quantize import QuantizeConfig, run_quantize
+from llmopt.quant.scale_tuning import TunableScales, TuneSettings, kl_divergence, tune_scales
+from tests.conftest import randomize, save_model, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CALIB = dict(calib_samples=12, calib_seq_len=48)
+
+
+def _quantize(src, out, **options) -> dict:
+    settings = dict(model=str(src), output=str(out), scheme="W4A16", group_size=32, head="int4", embedding="int4", **CALIB)
+    settings.update(options)
+    return run_quantize(QuantizeConfig(**settings))
+
+
+def _calibration_kld(float_model, path, ids) -> float:
+    model = load_dequantized(path, torch.float32)
+    with torch.no_grad():
+        return float(sum(kl_divergence(float_model(x[None]).logits, model(x[None]).logits) for x in ids) / len(ids))
+
+
+@pytest.fixture(scope="module")
+def tuned_pair(tmp_path_factory):
+    """A tiny model (tied head, norms off 1) quantized to int4 g32 by RTN, without and with tuning."""
+    root = tmp_path_factory.mktemp("tuning")
+    model = randomize(tiny_llama(seed=3))
+    src = save_model(model, root / "float")
+    plain = root / "plain"
+    run_quantize(QuantizeConfig(model=str(src), output=str(plain), scheme="W4A16", group_size=32, head="int4", embedding="int4"))
+    tuned = root / "tuned"
+    record = _quantize(src, tuned, method="rtn", tune_steps=24, tune_lr=5e-3)
+    return model, src, plain, tuned, record
+
+
+def test_codes_kept_scales_moved_and_float16(tuned_pair):
+    _, _, plain, tuned, _ = tuned_pair
+    before, _ = read_compressed(plain)
+    after, _ = read_compressed(tuned)
+    assert sorted(before) == sorted(after) and len(after) == 15  # 14 Linears and the tied embedding
+    moved = 0
+    for name, qw in after.items():
+        assert qw.codes.shape == before[name].codes.shape and torch.equal(qw.codes, before[name].codes)
+        assert qw.scale.shape == before[name].scale.shape
+        assert torch.equal(qw.scale.to(torch.float16).float(), qw.scale)  # as the GGUF blocks store them
+        ratio = qw.scale / before[name].scale
+        assert (ratio > 0).all()  # a multiplier never flips a scale's sign
+        moved += int((ratio - 1).abs().gt(1e-3).sum())
+    assert moved > 0.5 * sum(qw.scale.numel() for qw in after.values())
+
+
+def test_tuning_lowers_the_kld_on_the_calibration_windows(tuned_pair):
+    from llmopt.core.data import calibration_ids
+    from transformers import AutoTokenizer
+
+    model, src, plain, tuned, record = tuned_pair
+    report = record["scale_tuning"]
+    assert report["steps"] == 24 and report["kld_after"] < 0.9 * report["kld_before"]
+    ids, _ = calibration_ids(AutoTokenizer.from_pretrained(src), "austen", 12, 48, 0)
+    plain_kld, tuned_kld = _calibration_kld(model, plain, ids), _calibration_kld(model, tuned, ids)
+    assert tuned_kld < 0.9 * plain_kld
+    assert json.loads((tuned / "llmopt.json").read_text())["scale_tuning"]["steps"] == 24
+    norms_before = load_dequantized(plain).model.norm.weight
+    norms_after = load_dequantized(tuned).model.norm.weight
+    assert torch.equal(norms_after, norms_before)  # quantize tunes the scales alone
+    assert not list(tuned.parent.glob(".tuned*"))  # the untuned intermediate is gone
+
+
+def test_tuned_checkpoint_exports_exact_gguf(tuned_pair, tmp_path):
+    _, _, _, tuned, _ = tuned_pair
+    report = export_gguf(tuned, tmp_path / "tuned.gguf", "auto")
+    quantized = [t for t in report.tensors if t.how == "carried codes"]
+    assert len(quantized) == 15 and all(t.codes_identical for t in quantized)
+
+
+def test_superblock_scales_keep_their_integer_multiples():
+    scheme = QuantScheme("nl4x", 8, group_size=32, grid=IQ4_NL_GRID, scale_steps=64)
+    free = torch.rand(6, 512 // 32) * 0.02 + 0.01
+    scale = superblock_scales(free, 32, 64)
+    codes = torch.tensor(IQ4_NL_GRID, dtype=torch.int8)[torch.randint(0, 16, (6, 512))]
+    qw = QuantizedWeight(codes, scale, None, scheme, 32)
+    d, k = superblock_factors(scale, 32, 64)
+    t = TunableScales(qw)
+    assert t.log_multiplier.shape == (6, 2)  # one per super-block of 256
+    with torch.no_grad():
+        t.log_multiplier.normal_(0, 0.05)
+    out = t.tuned()
+    d_new, k_new = superblock_factors(out.scale, 32, 64)
+    assert torch.equal(k_new, k) and not torch.equal(d_new, d)
+    assert torch.allclose(d_new, d * t.log_multiplier.detach().exp(), rtol=1e-3)
+    assert torch.allclose(out.dequantize(), t.weight().detach(), rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(scheme="W8A8", group_size=None, head="float", embedding="float", tune_steps=4), "weight-only"),
+    (dict(tune_lr=1e-2), "--tune-lr applies only with --tune-steps"),
+    (dict(tune_steps=4, tune_lr=0.0), "must be positive"),
+])
+def test_bad_tuning_options_are_refused(tiny_model_dir, tmp_path, options, message):
+    with pytest.raises(LlmoptError, match=message):
+        _quantize(tiny_model_dir, tmp_path / "out", method="rtn", **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_row_multipliers_scale_every_group_of_a_row_alike():
+    scheme = QuantScheme("int4", 4, group_size=32)
+    w = torch.randn(5, 128)
+    scale = w.reshape(5, 4, 32).abs().amax(-1) / 7
+    qw = QuantizedWeight.from_weight(w, scheme, 32, scale, None)
+    t = TunableScales(qw, per="row")
+    assert t.log_multiplier.shape == (5, 1)
+    with torch.no_grad():
+        t.log_multiplier.copy_(torch.linspace(-0.05, 0.05, 5)[:, None])
+    out = t.tuned()
+    assert out.scale.shape == (5, 4) and torch.equal(out.codes, qw.codes)
+    ratio = out.scale / qw.scale
+    assert torch.allclose(ratio, torch.linspace(-0.05, 0.05, 5).exp()[:, None].expand(5, 4), rtol=2e-3)
+    assert torch.allclose(out.dequantize(), t.weight().detach(), rtol=2e-3, atol=1e-6)
+
+
+def test_norms_tune_with_the_scales_when_asked(tuned_pair):
+    from llmopt.core.data import calibration_ids
+    from transformers import AutoTokenizer
+
+    model, src, plain, _, _ = tuned_pair
+    weights, _ = read_compressed(plain)
+    student = load_dequantized(plain, torch.float32)
+    ids, _ = calibration_ids(AutoTokenizer.from_pretrained(src), "austen", 12, 48, 0)
+    tuned, norms, report = tune_scales(student, model, weights, ids, TuneSettings(24, 5e-3, norms=True, per="group"))
+    assert sorted(tuned) == sorted(weights) and len(norms) == 5  # 2 per layer and the final norm
+    moved = [k for k, v in norms.items() if not torch.equal(v, model.get_parameter(k))]
+    assert len(moved) == 5 and report.norm_weights_tuned == 5 * 64
+    assert report.kld_after < 0.9 * report.kld_before
