@@ -70,10 +70,29 @@ def evaluate(path: Path, windows: int) -> dict:
     return row
 
 
+def llama_check(path: Path, windows: int) -> dict | None:
+    """The tuned checkpoint's ``--type auto`` GGUF run by llama.cpp on WikiText-2 (None without llama-cpp-python)."""
+    import importlib.util
+
+    from llmopt.formats.compressed import read_compressed
+    from llmopt.formats.gguf_export import export_gguf
+
+    gguf = path.parent / f"{path.name}.gguf"
+    export = export_gguf(path, gguf, "auto", overwrite=True)
+    carried = sum(t.how == "carried codes" and bool(t.codes_identical) for t in export.tensors)
+    row = {"gguf_bytes": gguf.stat().st_size, "tensors_carried_exactly": carried,
+           "tensors_quantized": len(read_compressed(path)[0])}
+    if importlib.util.find_spec("llama_cpp") is None:
+        return row
+    from mixed_precision import measure_llama  # bench/mixed_precision.py
+
+    return {**row, **measure_llama(gguf, windows, ("wikitext2",))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", type=Path, default=ROOT / "out" / "mixed" / "auto_awq+gptq_4.85_GGUF_bpw")
-    parser.add_argument("--settings", nargs="+", default=["row,1e-3,norms", "row,1e-3,scales", "group,5e-4,norms"])
+    parser.add_argument("--settings", nargs="+", default=["row,1e-3,scales"])
     parser.add_argument("--steps", type=int, default=128, help="one window per step (124 windows are not held out)")
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--work", type=Path, default=ROOT / "out" / "scale_tuning")
@@ -89,7 +108,7 @@ def main() -> None:
         start = time.perf_counter()
         path, report = tuned(args.checkpoint, args.work, setting, args.steps, calib, samples)
         rows[slug(setting, args.steps)] = {"setting": setting, "report": report, "seconds": round(time.perf_counter() - start, 1),
-                                          **evaluate(path, args.windows)}
+                                          **evaluate(path, args.windows), "llama_cpp": llama_check(path, args.windows)}
         print(slug(setting, args.steps), json.dumps({d: rows[slug(setting, args.steps)][d]["kld_mean"] for d in DATASETS}), flush=True)
     meta = {"checkpoint": str(args.checkpoint.relative_to(ROOT)) if args.checkpoint.is_relative_to(ROOT) else str(args.checkpoint),
             "plan": (record.get("plan") or {}).get("target"), "calibration": {"name": calib, "samples": samples},
@@ -121,6 +140,14 @@ def markdown(meta: dict, rows: dict) -> str:
                      if s else f"| {name} | | | | | ")
         lines[-1] += (f"{w['kld_mean']:.4f} | {w['top1']:.3f} | {w['ppl']:.2f} | {h['kld_mean']:.4f} | {h['top1']:.3f} | "
                       f"{h['ppl']:.2f} | {r['seconds'] if r else ''} |")
+    for name, row in rows.items():
+        lc = row.get("llama_cpp")
+        if lc and "wikitext2" in lc:
+            ours = row["wikitext2"]["ppl"]
+            lines.append(f"\n`{name}` exported with `--type auto` ({lc['gguf_bytes']:,} bytes, codes of "
+                         f"{lc['tensors_carried_exactly']} of its {lc['tensors_quantized']} quantized tensors carried unchanged) and run by llama.cpp: WikiText-2 perplexity "
+                         f"{lc['wikitext2']['ppl']:.3f} against {ours:.3f} in our evaluation "
+                         f"({100 * (lc['wikitext2']['ppl'] / ours - 1):+.2f}%), KLD {lc['wikitext2']['kld_mean']:.4f}.")
     return "\n".join(lines) + "\n"
 
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from llmopt.formats.schemes import SUPERBLOCK, QuantizedWeight, superblock_factors
+from llmopt.formats.schemes import IQ4_XS_STEPS, Q6_K_STEPS, SUPERBLOCK, QuantizedWeight, superblock_factors
 
 CHECK_WINDOWS = 4  # calibration windows held out of the tuning, on which the KLD is reported before and after
 
@@ -63,6 +63,17 @@ class TuneReport:
         return asdict(self)
 
 
+def _superblock_structure(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(d, k)`` when ``qw``'s scales are ``k · d`` per super-block (IQ4_XS / Q6_K). A checkpoint
+    read back does not name it (compressed-tensors has no such scales), so the values are tested,
+    as the GGUF exporter does."""
+    for steps in ([qw.scheme.scale_steps] if qw.scheme.scale_steps else [IQ4_XS_STEPS, Q6_K_STEPS]):
+        factors = superblock_factors(qw.scale.float(), qw.group_size or qw.codes.shape[1], steps)
+        if factors is not None:
+            return factors
+    return None
+
+
 class TunableScales:
     """One quantized weight with trainable log-multipliers on its scales."""
 
@@ -75,9 +86,7 @@ class TunableScales:
             codes = codes - qw.zero_point.float().repeat_interleave(self.group, dim=1)
         self.codes = codes.to(device)
         self.scale = qw.scale.float().to(device)
-        self.factors = None
-        if qw.scheme.scale_steps and cols % SUPERBLOCK == 0:
-            self.factors = superblock_factors(qw.scale.float(), self.group, qw.scheme.scale_steps)
+        self.factors = _superblock_structure(qw) if cols % SUPERBLOCK == 0 else None
         self.per_unit = SUPERBLOCK // self.group if self.factors is not None else 1
         units = 1 if per == "row" else self.scale.shape[1] // self.per_unit
         self.log_multiplier = torch.zeros(rows, units, device=device, requires_grad=True)

@@ -86,13 +86,12 @@ def test_tuned_checkpoint_exports_exact_gguf(tuned_pair, tmp_path):
 
 
 def test_superblock_scales_keep_their_integer_multiples():
-    scheme = QuantScheme("nl4x", 8, group_size=32, grid=IQ4_NL_GRID, scale_steps=64)
     free = torch.rand(6, 512 // 32) * 0.02 + 0.01
     scale = superblock_scales(free, 32, 64)
     codes = torch.tensor(IQ4_NL_GRID, dtype=torch.int8)[torch.randint(0, 16, (6, 512))]
-    qw = QuantizedWeight(codes, scale, None, scheme, 32)
     d, k = superblock_factors(scale, 32, 64)
-    t = TunableScales(qw)
+    read_back = QuantScheme("W8A16", 8, group_size=32)  # a checkpoint read back names no super-blocks
+    t = TunableScales(QuantizedWeight(codes, scale, None, read_back, 32))
     assert t.log_multiplier.shape == (6, 2)  # one per super-block of 256
     with torch.no_grad():
         t.log_multiplier.normal_(0, 0.05)
