@@ -1,11 +1,14 @@
 """End-to-end scale tuning (``llmopt.quant.scale_tuning``, ``quantize --tune-steps``) measured on a
 quantized checkpoint left by bench/mixed_precision.py (default: the demo's 4.85 GGUF-bpw AUTO
 awq+gptq plan). Each setting tunes a copy of that checkpoint on its calibration windows
-(austen+self, 128 x 512, as it was quantized), then every variant and the untuned checkpoint are
-evaluated against the float demo model on WikiText-2 and on the held-out Gutenberg text (never
-used for calibration or tuning). Written to bench/results/scale_tuning.{json,md}.
+(austen+self, 128 x 512, as it was quantized; ``--tune-samples`` draws more windows of the same
+text), then every variant and the untuned checkpoint are evaluated against the float demo model on
+WikiText-2 and on the held-out Gutenberg text (never used for calibration or tuning). Written to
+bench/results/scale_tuning.{json,md}; rows of earlier runs on the same checkpoint and calibration
+are kept there, each with the start time of its run and the untuned KLD that run measured.
 
     python bench/scale_tuning.py [--checkpoint DIR] [--settings row,1e-3,norms row,1e-3,scales ...]
+                                 [--steps 128] [--tune-samples 256]
 
 A tuned checkpoint left in --work by an earlier run with the same settings and source is reused.
 """
@@ -33,11 +36,14 @@ def parse_setting(text: str) -> dict:
     return {"per": per, "lr": float(lr), "norms": what == "norms"}
 
 
-def slug(setting: dict, steps: int) -> str:
-    return f"tuned-{setting['per']}-lr{setting['lr']:g}-{'norms' if setting['norms'] else 'scales'}-{steps}"
+def slug(setting: dict, steps: int, samples: int, calibration_samples: int) -> str:
+    """The variant's name: its settings, steps and (when not the checkpoint's own) tuning windows."""
+    more = f"-w{samples}" if samples != calibration_samples else ""
+    return f"tuned-{setting['per']}-lr{setting['lr']:g}-{'norms' if setting['norms'] else 'scales'}-{steps}{more}"
 
 
-def tuned(source_ckpt: Path, work: Path, setting: dict, steps: int, calib: str, samples: int) -> tuple[Path, dict]:
+def tuned(source_ckpt: Path, work: Path, setting: dict, steps: int, calib: str, samples: int,
+          name: str) -> tuple[Path, dict]:
     """The tuned copy of ``source_ckpt`` (made now, or reused) and its tuning report."""
     from llmopt.checkpoints.models import resolve_model
     from llmopt.core.data import calibration_ids
@@ -46,7 +52,7 @@ def tuned(source_ckpt: Path, work: Path, setting: dict, steps: int, calib: str, 
     from llmopt.self_calibration import sampler
     from transformers import AutoTokenizer
 
-    out = work / slug(setting, steps)
+    out = work / name
     settings = TuneSettings(steps, setting["lr"], norms=setting["norms"], per=setting["per"])
     record = out / "llmopt.json"
     if record.is_file():
@@ -89,11 +95,35 @@ def llama_check(path: Path, windows: int) -> dict | None:
     return {**row, **measure_llama(gguf, windows, ("wikitext2",))}
 
 
+def earlier_rows(path: Path, checkpoint: Path, calib: str, samples: int, now: dict) -> dict:
+    """Tuned rows of an earlier results file on the same checkpoint and calibration that this run
+    did not measure again, each given its run (start time, untuned KLD) and steps."""
+    if not path.is_file():
+        return {}
+    old = json.loads(path.read_text())
+    if old.get("checkpoint") != _shown(checkpoint) or old.get("calibration") != {"name": calib, "samples": samples}:
+        return {}
+    untuned = old["rows"].get("untuned", {})
+    run = untuned.get("run") or {"started": old["started"]["utc"], "untuned_wiki_kld": untuned["wikitext2"]["kld_mean"],
+                                 "untuned_heldout_kld": untuned["heldout"]["kld_mean"]}
+    kept = {}
+    for name, row in old["rows"].items():
+        if name != "untuned" and name not in now:
+            kept[name] = {"steps": old["steps"], "tune_samples": samples, "run": run, **row}
+    return kept
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", type=Path, default=ROOT / "out" / "mixed" / "auto_awq+gptq_4.85_GGUF_bpw")
     parser.add_argument("--settings", nargs="+", default=["row,1e-3,scales"])
     parser.add_argument("--steps", type=int, default=128, help="one window per step (124 windows are not held out)")
+    parser.add_argument("--tune-samples", type=int, default=None,
+                        help="calibration windows to tune on (default: the checkpoint's own calibration count)")
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--work", type=Path, default=ROOT / "out" / "scale_tuning")
     parser.add_argument("--results", type=Path, default=RESULTS)
@@ -101,16 +131,24 @@ def main() -> None:
     record = json.loads((args.checkpoint / "llmopt.json").read_text())
     calibration = record.get("calibration") or {}
     calib, samples = calibration.get("name", "austen"), calibration.get("samples", 128)
+    tune_samples = args.tune_samples or samples
     started = {"utc": datetime.now(timezone.utc).strftime("%H:%M:%S"), "load": [round(x, 2) for x in os.getloadavg()]}
-    rows = {"untuned": {"report": None, **evaluate(args.checkpoint, args.windows)}}
+    untuned = evaluate(args.checkpoint, args.windows)
+    run = {"started": started["utc"], "untuned_wiki_kld": untuned["wikitext2"]["kld_mean"],
+           "untuned_heldout_kld": untuned["heldout"]["kld_mean"]}
+    rows = {"untuned": {"report": None, "run": run, **untuned}}
     for text in args.settings:
         setting = parse_setting(text)
+        name = slug(setting, args.steps, tune_samples, samples)
         start = time.perf_counter()
-        path, report = tuned(args.checkpoint, args.work, setting, args.steps, calib, samples)
-        rows[slug(setting, args.steps)] = {"setting": setting, "report": report, "seconds": round(time.perf_counter() - start, 1),
-                                          **evaluate(path, args.windows), "llama_cpp": llama_check(path, args.windows)}
-        print(slug(setting, args.steps), json.dumps({d: rows[slug(setting, args.steps)][d]["kld_mean"] for d in DATASETS}), flush=True)
-    meta = {"checkpoint": str(args.checkpoint.relative_to(ROOT)) if args.checkpoint.is_relative_to(ROOT) else str(args.checkpoint),
+        path, report = tuned(args.checkpoint, args.work, setting, args.steps, calib, tune_samples, name)
+        rows[name] = {"setting": setting, "steps": args.steps, "tune_samples": tune_samples, "report": report, "run": run,
+                      "seconds": round(time.perf_counter() - start, 1), **evaluate(path, args.windows),
+                      "llama_cpp": llama_check(path, args.windows)}
+        print(name, json.dumps({d: rows[name][d]["kld_mean"] for d in DATASETS}), flush=True)
+    earlier = earlier_rows(args.results / "scale_tuning.json", args.checkpoint, calib, samples, rows)
+    rows = {"untuned": rows.pop("untuned"), **earlier, **rows}
+    meta = {"checkpoint": _shown(args.checkpoint),
             "plan": (record.get("plan") or {}).get("target"), "calibration": {"name": calib, "samples": samples},
             "steps": args.steps, "windows": args.windows, "seq_len": SEQ_LEN, "started": started,
             "finished": {"utc": datetime.now(timezone.utc).strftime("%H:%M:%S"), "load": [round(x, 2) for x in os.getloadavg()]}}
@@ -122,24 +160,28 @@ def main() -> None:
 def markdown(meta: dict, rows: dict) -> str:
     lines = [
         "# End-to-end scale tuning on the demo model's 4.85 GGUF-bpw plan", "",
-        f"`bench/scale_tuning.py` (started {meta['started']['utc']} UTC, load {meta['started']['load']}; finished "
+        f"`bench/scale_tuning.py` (last run started {meta['started']['utc']} UTC, load {meta['started']['load']}; finished "
         f"{meta['finished']['utc']} UTC, load {meta['finished']['load']}). Checkpoint `{meta['checkpoint']}` (made by "
-        f"bench/mixed_precision.py), tuned for {meta['steps']} steps of one 512-token window on its own calibration "
-        f"windows ({meta['calibration']['samples']} from {meta['calibration']['name']}; the first 4 held out of the "
-        "tuning and used for the `calibration KLD` columns), Adam with a 10% warm-up then a cosine; codes unchanged. "
+        f"bench/mixed_precision.py), each variant tuned for its `steps` of one 512-token window on calibration windows "
+        f"of the checkpoint's own text ({meta['calibration']['name']}; {meta['calibration']['samples']} windows as it was "
+        "quantized, or the `windows` column's count of the same text; the first 4 held out of the tuning and used for the "
+        "`calibration KLD` columns), Adam with a 10% warm-up then a cosine; codes unchanged. "
         f"Evaluation on the first {meta['windows']} windows of {meta['seq_len']} tokens of WikiText-2 and of the held-out "
-        "Gutenberg text, against the float demo model.", "",
-        "| variant | multipliers | lr | norms | calibration KLD before → after | wiki KLD | wiki top-1 | wiki ppl | held-out KLD | held-out top-1 | held-out ppl | tuning s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Gutenberg text, against the float demo model. `run`: the start of the run that measured the row, and the "
+        "untuned checkpoint's WikiText-2 / held-out KLD in that run (rows of earlier runs are kept).", "",
+        "| variant | multipliers | lr | norms | steps | windows | calibration KLD before → after | wiki KLD | wiki top-1 "
+        "| wiki ppl | held-out KLD | held-out top-1 | held-out ppl | tuning s | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
-        s, r = row.get("setting"), row.get("report")
+        s, r, run = row.get("setting"), row.get("report"), row["run"]
         cal = f"{r['kld_before']:.4f} → {r['kld_after']:.4f}" if r else ""
         w, h = row["wikitext2"], row["heldout"]
-        lines.append(f"| {name} | {s['per'] if s else ''} | {s['lr']:g} | {'yes' if s['norms'] else 'no'} | {cal} | "
-                     if s else f"| {name} | | | | | ")
+        lines.append(f"| {name} | {s['per']} | {s['lr']:g} | {'yes' if s['norms'] else 'no'} | {row['steps']} | "
+                     f"{row['tune_samples']} | {cal} | " if s else f"| {name} | | | | | | | ")
         lines[-1] += (f"{w['kld_mean']:.4f} | {w['top1']:.3f} | {w['ppl']:.2f} | {h['kld_mean']:.4f} | {h['top1']:.3f} | "
-                      f"{h['ppl']:.2f} | {r['seconds'] if r else ''} |")
+                      f"{h['ppl']:.2f} | {r['seconds'] if r else ''} | {run['started']} "
+                      f"({run['untuned_wiki_kld']:.4f} / {run['untuned_heldout_kld']:.4f}) |")
     for name, row in rows.items():
         lc = row.get("llama_cpp")
         if lc and "wikitext2" in lc:
