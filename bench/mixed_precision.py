@@ -268,7 +268,7 @@ def main() -> None:
     parser.add_argument("--calib", default="austen", help="calibration text of the calibrated rows and of their plans' sensitivity pass")
     parser.add_argument("--float-targets", action="store_true", help="GPTQ rows fit the float model's outputs (GPTAQ)")
     parser.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening")
-    parser.add_argument("--tune-steps", type=int, default=0, help="calibrated rows: end-to-end scale and norm tuning steps (0: off)")
+    parser.add_argument("--tune-steps", type=int, default=0, help="calibrated rows: end-to-end scale tuning steps (quantize --tune-steps; 0: off)")
     parser.add_argument("--tune-lr", type=float, default=1e-3, help="scale tuning's peak Adam step")
     parser.add_argument("--budgets", type=float, nargs="*", default=[4.85, 4.5, 5.5, 4.0])
     parser.add_argument("--llama-types", nargs="*", default=["Q4_K_M", "Q4_0", "Q6_K", "IQ4_NL"])

@@ -9,7 +9,8 @@ end-to-end step-size training):
 
 - a group scale ``s`` becomes ``s · exp(u)`` with one trainable ``u`` per group, or per
   super-block of 256 features where the scales are ``k · d`` multiples of one float16 ``d``
-  (IQ4_XS, Q6_K): there ``d`` moves and the integers ``k`` stay;
+  (IQ4_XS, Q6_K): there ``d`` moves and the integers ``k`` stay (``per="row"``: one ``u`` for
+  all the scales of an output row);
 - a norm's weight moves additively (RMSNorm, LayerNorm and Gemma's ``1 + w`` alike).
 
 Tuned scales are rounded to float16, as the GGUF blocks store them, so a ``--type auto`` export
@@ -40,7 +41,7 @@ class TuneSettings:
     lr: float = 1e-3  # Adam's step on the log-scales and the norm weights: a linear warm-up, then a cosine to 0
     warmup: float = 0.1  # fraction of the steps spent warming up
     norms: bool = False  # tune the norms' weights too (on the demo model they fitted the calibration text, not others)
-    per: str = "row"  # one multiplier per output row (all its scales alike), or per "group" (each scale on its own)
+    per: str = "group"  # one multiplier per scale ("group"; per super-block for k·d scales), or per output row ("row")
     seed: int = 0
 
 

@@ -106,6 +106,7 @@ def test_superblock_scales_keep_their_integer_multiples():
     (dict(scheme="W8A8", group_size=None, head="float", embedding="float", tune_steps=4), "weight-only"),
     (dict(tune_lr=1e-2), "--tune-lr applies only with --tune-steps"),
     (dict(tune_steps=4, tune_lr=0.0), "must be positive"),
+    (dict(tune_per="row"), "--tune-per applies only with --tune-steps"),
 ])
 def test_bad_tuning_options_are_refused(tiny_model_dir, tmp_path, options, message):
     with pytest.raises(LlmoptError, match=message):
@@ -142,3 +143,22 @@ def test_norms_tune_with_the_scales_when_asked(tuned_pair):
     moved = [k for k, v in norms.items() if not torch.equal(v, model.get_parameter(k))]
     assert len(moved) == 5 and report.norm_weights_tuned == 5 * 64
     assert report.kld_after < 0.9 * report.kld_before
+
+
+def test_tune_per_row_moves_a_rows_scales_together(tuned_pair, tmp_path):
+    """--tune-per row: one multiplier per output row; the default moves each scale on its own."""
+    _, src, plain, tuned, _ = tuned_pair
+    _quantize(src, tmp_path / "row", method="rtn", tune_steps=8, tune_lr=5e-3, tune_per="row")
+    before, _ = read_compressed(plain)
+    by_row, _ = read_compressed(tmp_path / "row")
+    by_group, _ = read_compressed(tuned)
+    assert sorted(by_row) == sorted(before) == sorted(by_group)
+    spread_row = spread_group = 0.0
+    for name, qw in before.items():
+        assert torch.equal(by_row[name].codes, qw.codes)
+        row_ratio = by_row[name].scale / qw.scale
+        group_ratio = by_group[name].scale / qw.scale
+        assert torch.allclose(row_ratio, row_ratio[:, :1].expand_as(row_ratio), rtol=2e-3)  # float16 rounding only
+        spread_row = max(spread_row, float((row_ratio / row_ratio[:, :1]).log().abs().max()))
+        spread_group = max(spread_group, float((group_ratio / group_ratio[:, :1]).log().abs().max()))
+    assert spread_row < 2e-3 and spread_group > 1e-2

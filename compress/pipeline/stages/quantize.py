@@ -77,10 +77,12 @@ class QuantizeConfig:
                                       "better result (2-3x GPTQ's solve time; the calibration forwards are unchanged) "
                                       "[default: on for GPTQ methods].")
     damp: float = option(0.01, "GPTQ: dampening, fraction of the mean Hessian diagonal.")
-    tune_steps: int = option(0, "After quantizing, tune one multiplier per output row of every quantized weight's scales "
+    tune_steps: int = option(0, "After quantizing, tune multipliers on every quantized weight's scales "
                              "(codes fixed) end to end against the float model's next-token distributions on the "
                              "calibration windows, one window per step (0: off; e.g. 128; about 3 forward passes per step).", min=0)
     tune_lr: float = option(1e-3, "Scale tuning: Adam's peak step on the log-multipliers (needs --tune-steps).")
+    tune_per: str = option("group", "Scale tuning: one multiplier per scale (group; per super-block where scales are "
+                           "k·d multiples, IQ4_XS / Q6_K) or one per output row (row).", choices=("group", "row"))
     alpha: float = option(0.5, "SmoothQuant migration strength.", aliases=("smooth_alpha",))
     clip_search: bool | None = option(None, "Search each group's clipping range (default: on for calibrated methods).")
     device: str = device_option()
@@ -159,8 +161,9 @@ class QuantizeConfig:
 
 
     def _check_tuning(self) -> None:
-        if self.tune_lr != 1e-3 and self.tune_steps == 0:
-            raise LlmoptError("--tune-lr applies only with --tune-steps", "add --tune-steps N, or drop --tune-lr")
+        for flag, given in (("--tune-lr", self.tune_lr != 1e-3), ("--tune-per", self.tune_per != "group")):
+            if given and self.tune_steps == 0:
+                raise LlmoptError(f"{flag} applies only with --tune-steps", f"add --tune-steps N, or drop {flag}")
         if self.tune_steps == 0:
             return
         if not self.tune_lr > 0:
@@ -284,8 +287,8 @@ def _tune(config: QuantizeConfig, source: Path, quantized: Path, ids) -> dict:
     from llmopt.quant.scale_tuning import TuneSettings
     from llmopt.quant.tune_checkpoint import tune_checkpoint
 
-    report = tune_checkpoint(quantized, source, Path(config.output), ids, TuneSettings(config.tune_steps, config.tune_lr, seed=config.seed),
-                             config.device, overwrite=config.overwrite)
+    settings = TuneSettings(config.tune_steps, config.tune_lr, per=config.tune_per, seed=config.seed)
+    report = tune_checkpoint(quantized, source, Path(config.output), ids, settings, config.device, overwrite=config.overwrite)
     return report.to_dict()
 
 
