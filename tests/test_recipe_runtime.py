@@ -55,7 +55,7 @@ def _recipe(tmp_path: Path, teacher: Path, output: Path) -> Path:
     recipe = {
         "model": str(teacher), "output": str(output),
         "stages": [{"distill": {"student_from": str(teacher), "drop_layers": 2, "calib": CALIB, "data": CALIB,
-                                "validation": "none", "steps": 16, "seq_len": 32, "batch_size": 2, "save_every": 2,
+                                "validation": "none", "steps": 48, "seq_len": 32, "batch_size": 2, "save_every": 2,
                                 "precision": "no", "lr": 3e-3}}],
     }
     path = tmp_path / f"{output.name}.yaml"
@@ -82,7 +82,7 @@ def test_distill_stage_resumes_after_kill_9(tmp_path):
         steps = sorted(checkpoints.glob("step-*")) if checkpoints.is_dir() else []
         if steps and int(steps[-1].name.split("-")[1]) >= 4:
             break
-        time.sleep(0.2)
+        time.sleep(0.02)  # a step of this tiny student takes milliseconds: look often, kill early
     assert process.poll() is None, "the run finished before it could be killed: make it longer"
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
