@@ -121,7 +121,8 @@ def _same_quantization(out: Path, options: dict) -> bool:
                                                   or made.get("descent_rounds", 0) != DESCENT_ROUNDS
                                                   or made.get("damp") != options.get("damp", 0.01)
                                                   or made.get("float_targets", False) != options.get("float_targets", False)
-                                                  or made.get("head_fisher_rows", 0) != FISHER_ROWS):
+                                                  or made.get("head_fisher_rows", 0) != FISHER_ROWS
+                                                  or (options.get("method") == "awq+gptq" and made.get("gptq_after_awq") != "sequential")):
         return False
     tuned = record.get("scale_tuning") or {}
     if tuned.get("steps", 0) != options.get("tune_steps", 0) or (tuned and tuned["settings"]["lr"] != options.get("tune_lr")):

@@ -42,6 +42,7 @@ VARIANTS: dict[str, tuple[str, str, int | None, list[str]]] = {
     "W4A16 g32 awq+gptq": ("W4A16", "awq+gptq", 32, []),
     "W4A16 g32 gptq, int4 head": ("W4A16", "gptq", 32, ["--head", "int4"]),
     "W4A16 g32 awq+gptq, int4 head": ("W4A16", "awq+gptq", 32, ["--head", "int4"]),
+    "W4A16 g32 awq+gptq, float targets": ("W4A16", "awq+gptq", 32, ["--float-targets"]),
     "W4A16 g128 (mixed 64/128) rtn": ("W4A16", "rtn", 128, []),
     "NF4 (bitsandbytes)": ("NF4", "rtn", None, []),
     "W4A16_ASYM g32 rtn (demo weights' own grid)": ("W4A16_ASYM", "rtn", 32, []),

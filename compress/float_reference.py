@@ -82,6 +82,18 @@ class FloatReference:
         self._hooks = [m.register_forward_pre_hook(self._pause) for m in self._layer.modules() if isinstance(m, nn.Linear)]
         self._call = call
 
+    def refresh_layer(self, layer: nn.Module) -> None:
+        """Copy the open ``layer`` again after an exact rewrite of it (AWQ's folded scales): the
+        float inputs then come in the coordinates its Linears now read. Every batch's forward is
+        first run to its end."""
+        if self._call is None:
+            raise ValueError("no layer is open")
+        for b in list(self._runs):
+            self.finish(b)
+        for handle in self._hooks:
+            handle.remove()
+        self.open_layer(layer, self._call)
+
     def _pause(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """In a batch's float forward: hand this Linear's input to whoever resumed it."""
         me = greenlet.getcurrent()

@@ -2,7 +2,10 @@
 
 Methods: ``rtn``; ``gptq``; ``awq`` (AWQ scaling, then RTN); ``awq+gptq``; ``smoothquant``
 (W8A8 only: SmoothQuant, then RTN); ``smoothquant+gptq``. Calibrated methods run the
-sequential engine of :mod:`llmopt.calibration`. The model is modified in place (dequantized
+sequential engine of :mod:`llmopt.calibration`. GPTQ solves each layer in one lockstep pass, in
+true sequential order (each Linear on inputs from the already-quantized Linears before it); with
+``awq+gptq`` that pass follows the statistics pass that AWQ's scale search reads (weight-only
+schemes outside routed experts). The model is modified in place (dequantized
 weights written back, scales folded into norms and Linears); the returned
 :class:`QuantizeResult` holds the codes and qparams for the savers. Invalid requests raise
 ``ValueError`` with a message that says what is wrong and how to fix it.
@@ -55,7 +58,6 @@ METHODS = ("rtn", "gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq")
 DEFAULT_IGNORE = ("lm_head",)
 # Float targets after AWQ's folded scales wreck the demo model (W4A16 g32 awq+gptq: KLD above 5 with
 # them, where gptq alone gives 0.17) though a tiny model passes: refused until it is understood.
-FLOAT_TARGETS_AWQ = "float targets do not work after AWQ's scales yet (they wreck real models): use them with method gptq"
 SPARSE_ZERO_FRACTION = 0.1  # preserve_zeros=None: keep zeros of layers at least this sparse
 # An expert whose Linears saw fewer calibration tokens than this (routing sent it few or none)
 # is quantized from its weights alone (RTN, MSE range search) instead of by the calibrated
@@ -268,8 +270,6 @@ def quantize_model(
         act_order = "gptq" in method
     if float_targets and "gptq" not in method:
         raise ValueError(f"float targets are part of GPTQ; method {method} has no GPTQ step: use gptq")
-    if float_targets and method.startswith("awq"):
-        raise ValueError(FLOAT_TARGETS_AWQ)
     if clip_search is None:
         clip_search = method != "rtn"
     if compute_dtype == "auto":
@@ -369,8 +369,11 @@ def _quantize_calibrated(
         if one_pass and not experts and _gptq_one_pass(layer, prefix, mods, run_layer, group_sizes, opts, result,
                                                        hessian_dtype, input_groups, reference):
             return
+        # after AWQ's scales GPTQ takes its own pass, in true sequential order (the statistics pass
+        # then feeds the scale search alone, with no float targets)
+        sequential = use_gptq and use_awq and not experts and opts.scheme.activations is None
         with LinearStats(observed, hessian=need_hessian, channel=need_channel, hessian_dtype=hessian_dtype,
-                         stop_early=not experts, reference=reference if use_gptq else None) as stats:
+                         stop_early=not experts, reference=reference if use_gptq and not sequential else None) as stats:
             run_layer()
         starved = _starved_experts(mods, stats) if experts else {}
         calibrated = {n: m for n, m in mods.items() if n not in starved}
@@ -382,6 +385,8 @@ def _quantize_calibrated(
                 found = smoothquant_apply_layer(mappings, stats, opts.smooth_alpha)
             else:
                 found = awq_apply_layer(mappings, stats, opts.scheme, group_sizes, set(calibrated), opts.awq_grid, opts.schemes)
+                if sequential and reference is not None:  # float inputs on the folded scales, as GPTQ's pass will read them
+                    reference.refresh_layer(layer)
                 if opts.awq_clip:
                     awq_clip_layer(calibrated, stats, opts.scheme, group_sizes, schemes=opts.schemes)
             for r in found:
@@ -390,6 +395,13 @@ def _quantize_calibrated(
         if starved:  # after the scales are folded: their weights are final now
             _starved_experts_rtn(starved, mods, opts, group_sizes, result)
             mods = calibrated
+        if sequential:
+            del stats  # (its Hessians: the pass below gathers its own)
+            if _gptq_one_pass(layer, prefix, mods, run_layer, group_sizes, opts, result, hessian_dtype, input_groups,
+                              reference):
+                return  # weight-only: no activation hooks to add
+            with LinearStats(mods, hessian=True, channel=False, hessian_dtype=hessian_dtype) as stats:
+                run_layer()
         if use_gptq:
             result.store(_gptq_layer(mods, stats, group_sizes, opts))
         else:

@@ -47,7 +47,7 @@ def quantize_estimate(source: Path, method: str, calib_ids: torch.Tensor | None,
     n, seq = (calib_ids.shape if calib_ids is not None else (0, 0))
     return estimate_memory(read_config(source), size, hessian=hessian, n_samples=int(n), seq_len=int(seq),
                            batch_size=batch_size, output_bytes=total, shard_bytes=shard_bytes, baseline=process_rss(),
-                           one_pass=method == "gptq", reference="gptq" in method and bool(float_targets))
+                           one_pass=method in ("gptq", "awq+gptq"), reference="gptq" in method and bool(float_targets))
 
 
 def quantize_streaming(

@@ -79,7 +79,6 @@ CASES = [
     (Q + ["--scheme", "W4A16", "--calib-samples", "8"], "only apply to calibrated methods"),
     (Q + ["--scheme", "W4A16", "--act-order"], "act-order"),
     (Q + ["--scheme", "W4A16", "--method", "awq", "--float-targets"], "float-targets is a GPTQ option"),
-    (Q + ["--scheme", "W4A16", "--method", "awq+gptq", "--float-targets"], "does not work after AWQ's scales"),
     (Q + ["--scheme", "W4A16", "--ignore", "("], "invalid ignore pattern"),
     (Q + ["--scheme", "W4A16", "--ignore", ".*"], "no Linear layers left"),
     (Q + ["--scheme", "W4A16", "--device", "tpu"], "unknown --device 'tpu'"),

@@ -133,8 +133,8 @@ def test_drift_term_lost_when_tokens_do_not_pair() -> None:
     assert s.drift is None
 
 
-def test_float_targets_reduce_the_error_against_the_float_model() -> None:
-    method = "gptq"
+@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
+def test_float_targets_reduce_the_error_against_the_float_model(method: str) -> None:
     torch.manual_seed(3)
     base = tiny_model(4)
     ids, test_ids = calib_ids(64, 32), calib_ids(16, 32)
@@ -154,5 +154,39 @@ def test_float_targets_reduce_the_error_against_the_float_model() -> None:
 def test_float_targets_only_with_gptq() -> None:
     with pytest.raises(ValueError, match="float targets are part of GPTQ"):
         quantize_model(tiny_model(1), "W4A16", "awq", 32, calib_ids(), float_targets=True, show_progress=False)
-    with pytest.raises(ValueError, match="do not work after AWQ's scales"):
-        quantize_model(tiny_model(1), "W4A16", "awq+gptq", 32, calib_ids(), float_targets=True, show_progress=False)
+
+
+@pytest.mark.parametrize("float_targets", [False, True])
+def test_gptq_after_awq_sees_the_quantized_linears_before_it(monkeypatch, float_targets: bool) -> None:
+    """After AWQ's scales, GPTQ runs in true sequential order: the Hessian each Linear is solved
+    on comes from the inputs that the finished quantized model gives it (o_proj after the
+    quantized q/k/v, down_proj after the quantized gate/up). Solving every Linear of a layer on
+    one pass through its float weights instead made float targets correct the same drift twice
+    per layer, which compounded over the layers of a real model."""
+    import llmopt.quant.apply as apply
+
+    torch.manual_seed(5)
+    model = tiny_model(3)
+    ids = calib_ids(8, 24)
+    seen: dict[str, torch.Tensor] = {}
+    solve = apply._gptq_layer
+
+    def recording(mods, stats, group_sizes, opts):
+        for name in mods:
+            seen[name] = stats.hessian(name)
+        return solve(mods, stats, group_sizes, opts)
+
+    monkeypatch.setattr(apply, "_gptq_layer", recording)
+    res = quantize_model(model, "W4A16", "awq+gptq", 32, ids, float_targets=float_targets, show_progress=False,
+                         compute_dtype=None)  # float32 forwards: the same products as the check below
+    assert len(res.weights) == 3 * 7 and sorted(seen) == sorted(res.weights)
+    inputs: dict[str, list[torch.Tensor]] = {}
+    hooks = [m.register_forward_pre_hook(lambda _m, args, n=n: inputs.setdefault(n, []).append(args[0].reshape(-1, args[0].shape[-1])))
+             for n, m in model.named_modules() if n in seen]
+    logits(model, ids)
+    for h in hooks:
+        h.remove()
+    for name, recorded in seen.items():
+        x = torch.cat(inputs[name]).double()
+        assert recorded.shape == (x.shape[1], x.shape[1])
+        torch.testing.assert_close(recorded, 2 / x.shape[0] * x.T @ x, rtol=1e-4, atol=1e-6, msg=name)

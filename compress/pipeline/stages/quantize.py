@@ -150,9 +150,6 @@ class QuantizeConfig:
                 raise LlmoptError(f"{flag} is a GPTQ option; method {self.method} does not use GPTQ",
                                   "drop it, or use --method gptq / awq+gptq")
         self._check_tuning()
-        if self.float_targets and self.method.startswith("awq"):
-            raise LlmoptError("--float-targets does not work after AWQ's scales yet (it wrecks real models)",
-                              "use it with --method gptq, or drop it")
         if not self.needs_calibration and not self.is_auto:
             changed = [f"--{k.replace('_', '-')}" for k, v in CALIBRATION_DEFAULTS.items() if getattr(self, k) != v]
             if changed:
@@ -257,7 +254,8 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
             "notices": result.notices,
             "options": {"act_order": config.act_order, "float_targets": config.float_targets,
                         "scale_refit": refit, "descent_rounds": DESCENT_ROUNDS if refit else 0, "damp": config.damp, "smooth_alpha": config.alpha,
-                        "clip_search": config.clip_search, "head_fisher_rows": FISHER_ROWS},
+                        "clip_search": config.clip_search, "head_fisher_rows": FISHER_ROWS,
+                        "gptq_after_awq": "sequential" if config.method == "awq+gptq" else None},
             "quantize_seconds": round(result.seconds, 2),
             "engine_seconds": result.timings.to_dict(), "memory_estimate": estimate.to_dict(),
         })
