@@ -16,6 +16,7 @@ A tuned checkpoint left in --work by an earlier run with the same settings and s
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -95,13 +96,22 @@ def llama_check(path: Path, windows: int) -> dict | None:
     return {**row, **measure_llama(gguf, windows, ("wikitext2",))}
 
 
-def earlier_rows(path: Path, checkpoint: Path, calib: str, samples: int, now: dict) -> dict:
-    """Tuned rows of an earlier results file on the same checkpoint and calibration that this run
-    did not measure again, each given its run (start time, untuned KLD) and steps."""
+def fingerprint(checkpoint: Path) -> str:
+    """The checkpoint's identity: the SHA-256 of its provenance record (a re-made checkpoint at the
+    same path gets a new one)."""
+    return hashlib.sha256((checkpoint / "llmopt.json").read_bytes()).hexdigest()
+
+
+def earlier_rows(path: Path, checkpoint: Path, calib: str, samples: int, windows: int, now: dict) -> dict:
+    """Tuned rows of an earlier results file on the same checkpoint (by content), calibration and
+    evaluation windows that this run did not measure again, each given its run (start time,
+    untuned KLD) and steps."""
     if not path.is_file():
         return {}
     old = json.loads(path.read_text())
-    if old.get("checkpoint") != _shown(checkpoint) or old.get("calibration") != {"name": calib, "samples": samples}:
+    same = (old.get("checkpoint") == _shown(checkpoint) and old.get("checkpoint_sha256") == fingerprint(checkpoint)
+            and old.get("calibration") == {"name": calib, "samples": samples} and old.get("windows") == windows)
+    if not same:
         return {}
     untuned = old["rows"].get("untuned", {})
     run = untuned.get("run") or {"started": old["started"]["utc"], "untuned_wiki_kld": untuned["wikitext2"]["kld_mean"],
@@ -146,9 +156,9 @@ def main() -> None:
                       "seconds": round(time.perf_counter() - start, 1), **evaluate(path, args.windows),
                       "llama_cpp": llama_check(path, args.windows)}
         print(name, json.dumps({d: rows[name][d]["kld_mean"] for d in DATASETS}), flush=True)
-    earlier = earlier_rows(args.results / "scale_tuning.json", args.checkpoint, calib, samples, rows)
+    earlier = earlier_rows(args.results / "scale_tuning.json", args.checkpoint, calib, samples, args.windows, rows)
     rows = {"untuned": rows.pop("untuned"), **earlier, **rows}
-    meta = {"checkpoint": _shown(args.checkpoint),
+    meta = {"checkpoint": _shown(args.checkpoint), "checkpoint_sha256": fingerprint(args.checkpoint),
             "plan": (record.get("plan") or {}).get("target"), "calibration": {"name": calib, "samples": samples},
             "steps": args.steps, "windows": args.windows, "seq_len": SEQ_LEN, "started": started,
             "finished": {"utc": datetime.now(timezone.utc).strftime("%H:%M:%S"), "load": [round(x, 2) for x in os.getloadavg()]}}
