@@ -21,12 +21,9 @@ from gguf.quants import dequantize as gguf_dequantize
 from llmopt.cli.main import main
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.export import export_compressed_tensors, export_hf
-from llmopt.formats.gguf_export import (
-    UnmappableTypeError,
-    UnsupportedArchitectureError,
-    export_gguf,
-)
+from llmopt.formats.gguf_export import export_gguf
 from llmopt.formats.compressed import read_compressed, save_compressed
+from llmopt.formats.gguf_source import UnmappableTypeError, UnsupportedArchitectureError
 from llmopt.formats.schemes import (
     QuantizedWeight,
     QuantScheme,
@@ -576,6 +573,7 @@ def test_cli_export_json_and_errors(tmp_path, dense_dir):
 
 def test_no_partial_file_when_writing_fails(tmp_path, dense_dir, monkeypatch):
     from llmopt.formats import gguf_export as module
+    from llmopt.formats.gguf_source import check_architecture
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")
@@ -585,7 +583,7 @@ def test_no_partial_file_when_writing_fails(tmp_path, dense_dir, monkeypatch):
         export_gguf(dense_dir, tmp_path / "x.gguf", "F16")
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(UnsupportedArchitectureError):
-        module.check_architecture({"model_type": "llama", "rope_parameters": {"rope_type": "yarn"}})
+        check_architecture({"model_type": "llama", "rope_parameters": {"rope_type": "yarn"}})
 
 
 def _quantized_mixed(path: Path, schemes: list[QuantScheme]) -> Path:

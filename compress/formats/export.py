@@ -56,7 +56,7 @@ def _quant_method(config: dict) -> str | None:
 
 def float_model(path: Path, dtype: Any) -> tuple[Any, str]:
     """The checkpoint as a plain float model (quantized weights dequantized) and what it was."""
-    from llmopt.formats.gguf_export import read_source, source_model
+    from llmopt.formats.gguf_source import read_source, source_model
 
     config = read_config(path)
     method = _quant_method(config)

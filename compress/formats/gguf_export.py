@@ -27,7 +27,7 @@ pruned models (fewer or narrower layers) are described as they are.
 
 After writing (to a temporary file), the file is read back with ``gguf.GGUFReader``; every
 tensor is dequantized and compared with its source, and carried codes are checked bit for bit,
-before the file is renamed into place. :func:`verify_with_transformers` additionally loads it
+before the file is renamed into place. ``llmopt.formats.gguf_verify`` additionally loads it
 through transformers' GGUF loader and compares logits with the source model.
 """
 
@@ -50,7 +50,20 @@ from llmopt.formats.schemes import IQ4_XS_STEPS, Q6_K_GROUP, Q6_K_STEPS, SUPERBL
 from llmopt.core.atomic import atomic_file, check_output
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.gguf_vocab import Vocab, build_vocab, write_vocab
-from llmopt.checkpoints.models import read_config, resolve_model
+from llmopt.checkpoints.models import resolve_model
+from llmopt.formats.gguf_source import (
+    LAYER_KEY,
+    Arch,
+    Layout,
+    Source,
+    UnmappableTypeError,
+    UnsupportedArchitectureError,
+    check_architecture,
+    read_layout,
+    read_source,
+    rope_parameters,
+)
+from llmopt.formats.gguf_verify import verify_with_transformers
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
 CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q6_K}
@@ -65,29 +78,6 @@ FILE_TYPES = {
 }
 F16_MAX = 65504.0
 
-
-class UnsupportedArchitectureError(LlmoptError):
-    """The checkpoint's architecture has no GGUF mapping here."""
-
-
-class UnmappableTypeError(LlmoptError):
-    """The requested GGUF type cannot hold the source's weights as asked."""
-
-
-@dataclass(frozen=True)
-class Arch:
-    """How one transformers model type is written: GGUF architecture name, q/k permutation."""
-
-    gguf: str
-    permute_qk: bool
-
-
-ARCHITECTURES = {
-    "llama": Arch("llama", True),
-    "mistral": Arch("llama", True),  # llama.cpp runs Mistral as llama
-    "qwen2": Arch("qwen2", False),  # NEOX-style rotary: no permutation
-    "qwen3": Arch("qwen3", False),
-}
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -106,7 +96,6 @@ IN_LAYER = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 IGNORED_KEYS = re.compile(r"(rotary_emb\.inv_freq|\.weight_shape)$")
 
 
@@ -118,89 +107,6 @@ def parse_type(name: str) -> T | None:
         return T[name.upper()]
     except KeyError:
         raise LlmoptError(f"unknown GGUF type '{name}'", f"use one of {', '.join(blocks.USER_TYPES)}") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading the source checkpoint (tensors as stored, without building the model)
-
-
-@dataclass
-class Source:
-    """A checkpoint's tensors: dense ones, and the Linears we quantized (as QuantizedWeight)."""
-
-    path: Path
-    config: dict
-    floats: dict[str, torch.Tensor]
-    quantized: dict[str, Any]  # module name → QuantizedWeight
-    kind: str  # "dense", "compressed-tensors", "bitsandbytes"
-
-    @property
-    def is_quantized(self) -> bool:
-        return self.kind != "dense"
-
-
-def _safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from llmopt.checkpoints.lazy import read_tensors, safetensors_files
-
-    if not safetensors_files(path):
-        raise LlmoptError(f"{path} has no safetensors weights", "export a checkpoint saved as safetensors")
-    return read_tensors(path)
-
-
-def read_source(path: Path) -> Source:
-    """Read a checkpoint directory's tensors; quantized Linears come back as QuantizedWeights."""
-    config = read_config(path)
-    qconfig = config.get("quantization_config") or {}
-    method = qconfig.get("quant_method")
-    if method is None:
-        return Source(path, config, _safetensors(path), {}, "dense")
-    if method == "compressed-tensors":
-        from llmopt.formats.compressed import read_compressed
-
-        try:
-            quantized, _ = read_compressed(path)
-        except (ValueError, KeyError) as exc:
-            raise UnmappableTypeError(f"cannot read the compressed-tensors checkpoint {path}: {exc}") from exc
-        floats = {k: v for k, v in _safetensors(path).items()
-                  if not (k.rpartition(".")[0] in quantized and k.rpartition(".")[2].startswith("weight"))}
-        return Source(path, config, floats, quantized, "compressed-tensors")
-    if method == "bitsandbytes":
-        from llmopt.formats.compressed import nf4_dequantized_state
-
-        return Source(path, config, nf4_dequantized_state(path), {}, "bitsandbytes")
-    raise UnmappableTypeError(
-        f"checkpoints quantized with '{method}' cannot be exported to GGUF",
-        "export the float checkpoint, or one quantized by llmopt (compressed-tensors)",
-    )
-
-
-def check_architecture(config: dict) -> Arch:
-    """The GGUF mapping for the checkpoint's model type, or a clear error."""
-    model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"GGUF export does not support the '{model_type}' architecture",
-            f"export a {', '.join(sorted(ARCHITECTURES))} model, or use --format hf",
-        )
-    rope = _rope(config)
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    if kind not in ("default", "linear"):
-        raise UnsupportedArchitectureError(
-            f"GGUF export does not support '{kind}' rope scaling",
-            "export a model with default or linear rope scaling",
-        )
-    return ARCHITECTURES[model_type]
-
-
-def _rope(config: dict) -> dict:
-    """Rope settings from ``rope_parameters`` (transformers 5) or ``rope_scaling`` / ``rope_theta``."""
-    params = dict(config.get("rope_parameters") or {})
-    scaling = config.get("rope_scaling") or {}
-    for key, value in scaling.items():
-        params.setdefault(key, value)
-    if "rope_theta" not in params and config.get("rope_theta") is not None:
-        params["rope_theta"] = config["rope_theta"]
-    return params
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,54 +350,6 @@ def _plan_float(name: str, source: str, t: torch.Tensor, opts: Options, is_outpu
     return Planned(name, source, t, qtype, how, fmt, "; ".join(n for n in (note, fallback) if n))
 
 
-@dataclass
-class Layout:
-    """Per-layer shapes read from the tensors (pruned models may differ from the config)."""
-
-    layers: int
-    hidden: int
-    vocab: int
-    head_dim: int
-    n_head: list[int]
-    n_kv: list[int]
-    ffn: list[int]
-    layer_map: dict[int, int]  # source layer index → GGUF block index
-
-
-def _shape(source: Source, key: str) -> tuple[int, ...] | None:
-    if key in source.floats:
-        return tuple(source.floats[key].shape)
-    module = key.rpartition(".")[0]
-    if module in source.quantized and key.endswith(".weight"):
-        return tuple(source.quantized[module].codes.shape)
-    return None
-
-
-def read_layout(source: Source) -> Layout:
-    """Layer count and widths from the tensors, checked against the config."""
-    keys = list(source.floats) + [f"{m}.weight" for m in source.quantized]
-    indices = sorted({int(m.group(1)) for k in keys if (m := LAYER_KEY.match(k))})
-    embed = _shape(source, "model.embed_tokens.weight")
-    if embed is None:
-        raise UnsupportedArchitectureError("the checkpoint has no model.embed_tokens.weight", "export a Llama-family checkpoint")
-    vocab, hidden = embed
-    cfg = source.config
-    heads_cfg = cfg.get("num_attention_heads") or 1
-    head_dim = cfg.get("head_dim") or hidden // heads_cfg
-    n_head, n_kv, ffn = [], [], []
-    for i in indices:
-        q = _shape(source, f"model.layers.{i}.self_attn.q_proj.weight")
-        k = _shape(source, f"model.layers.{i}.self_attn.k_proj.weight")
-        gate = _shape(source, f"model.layers.{i}.mlp.gate_proj.weight")
-        if q is None or k is None or gate is None:
-            raise UnsupportedArchitectureError(f"layer {i} lacks q/k/gate projections", "export a Llama-family checkpoint")
-        if q[0] % head_dim or k[0] % head_dim:
-            raise UnsupportedArchitectureError(f"layer {i}: q/k rows are not a multiple of head_dim {head_dim}", "check the checkpoint's config")
-        n_head.append(q[0] // head_dim)
-        n_kv.append(k[0] // head_dim)
-        ffn.append(gate[0])
-    return Layout(len(indices), hidden, vocab, head_dim, n_head, n_kv, ffn, {old: new for new, old in enumerate(indices)})
-
 
 def plan_tensors(source: Source, arch: Arch, layout: Layout, opts: Options) -> tuple[list[Planned], list[str]]:
     """Every output tensor with its GGUF name, type and value (q/k rows permuted)."""
@@ -607,7 +465,7 @@ def _file_type(plans: list[Planned], opts: Options) -> T:
 def write_metadata(writer: Any, source: Source, layout: Layout, file_type: T) -> None:
     """General and architecture keys (``llama.block_count`` …) from the config and the tensors."""
     cfg = source.config
-    rope = _rope(cfg)
+    rope = rope_parameters(cfg)
 
     def scalar_or_list(values: list[int]) -> int | list[int]:
         return values[0] if len(set(values)) == 1 else values
@@ -809,67 +667,3 @@ def _source_kind(source: Source) -> str:
         return "bitsandbytes NF4 (dequantized; no GGUF type holds NF4 exactly)"
     formats = Counter(describe_quantized(q) for q in source.quantized.values())
     return "compressed-tensors " + ", ".join(f"{fmt} ({n})" for fmt, n in formats.most_common())
-
-
-DEFAULT_VERIFY_TEXT = (
-    "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published four papers "
-    "that changed physics; one of them introduced the equation E = mc^2."
-)
-
-
-def source_model(source: Source) -> Any:
-    """The source checkpoint as a float32 transformers model (quantized Linears dequantized by us)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if source.kind == "compressed-tensors":
-        from llmopt.formats.compressed import load_dequantized
-
-        return load_dequantized(source.path, torch.float32)
-    if source.kind == "bitsandbytes":
-        config = AutoConfig.from_pretrained(source.path)
-        del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict({k: v.float() for k, v in source.floats.items()}, strict=False)
-        model.tie_weights()
-        return model.eval()
-    return AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
-
-
-def verify_with_transformers(gguf_path: Path, source: Source, text: str | None = None) -> dict:
-    """Load the GGUF through transformers' GGUF loader; compare token ids and logits with the source.
-
-    Returns the tokenizer agreement, max |Δlogit| (absolute and relative to the largest logit),
-    mean KL(source ‖ gguf) over positions and top-1 agreement.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    text = text or DEFAULT_VERIFY_TEXT
-    gguf_path = Path(gguf_path)
-    result: dict[str, Any] = {"text": text}
-    src_tok = AutoTokenizer.from_pretrained(source.path)
-    try:
-        gg_tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        gg_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
-    except Exception as exc:  # any failure of the loader is a finding to report, not a crash
-        result["error"] = f"transformers could not load the GGUF: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-        return result
-    src_ids = src_tok(text)["input_ids"]
-    gg_ids = gg_tok(text)["input_ids"]
-    result["tokens"] = len(src_ids)
-    result["token_ids_match"] = src_ids == gg_ids
-    result["chat_template_match"] = getattr(src_tok, "chat_template", None) == getattr(gg_tok, "chat_template", None)
-    model = source_model(source)
-    ids = torch.tensor([src_ids])
-    with torch.inference_mode():
-        a = model(input_ids=ids).logits[0].float()
-        b = gg_model(input_ids=ids).logits[0].float()
-    diff = (a - b).abs().max().item()
-    logp_a, logp_b = a.log_softmax(-1), b.log_softmax(-1)
-    kld = (logp_a.exp() * (logp_a - logp_b)).sum(-1).clamp(min=0)
-    result.update({
-        "max_abs_logit_diff": diff,
-        "rel_logit_diff": diff / max(a.abs().max().item(), 1e-12),
-        "kld_mean": kld.mean().item(),
-        "top1_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
-    })
-    return result
