@@ -30,7 +30,7 @@ BATCH_TOKENS = 8 * 512
 
 def gram_seconds(width: int, dtype: torch.dtype, repeats: int) -> float:
     """Best-of-``repeats`` seconds of one batch's ``xᵀx`` at ``width`` input features."""
-    from llmopt.calibration import gram
+    from llmopt.linear_stats import gram
 
     x = torch.randn(BATCH_TOKENS, width, generator=torch.Generator().manual_seed(width)).to(dtype).contiguous()
     gram(x)
@@ -45,7 +45,8 @@ def gram_seconds(width: int, dtype: torch.dtype, repeats: int) -> float:
 def output_errors(layers: int, samples: int) -> list[dict]:
     """Per Linear of the first ``layers`` layers: GPTQ's output error from float32- and
     bfloat16-product Hessians, both measured on the float32 one."""
-    from llmopt.calibration import LinearStats, _call_layer, capture_layer_inputs, decoder_layers, linear_modules
+    from llmopt.calibration import _call_layer, capture_layer_inputs, decoder_layers, linear_modules
+    from llmopt.linear_stats import LinearStats
     from llmopt.checkpoints.models import load_model, resolve_model
     from llmopt.core.data import calibration_ids
     from llmopt.quant.apply import validate_request

@@ -29,7 +29,8 @@ FORMATS = ["int4_g128", "int4_g32", "int4a_g32", "nl4_g32", "nl4x_g32", "int5_g3
 
 
 def measure(layers: list[int], samples: int, formats: list[str]) -> list[dict]:
-    from llmopt.calibration import LinearStats, _call_layer, capture_layer_inputs, decoder_layers, linear_modules
+    from llmopt.calibration import _call_layer, capture_layer_inputs, decoder_layers, linear_modules
+    from llmopt.linear_stats import LinearStats
     from llmopt.checkpoints.models import load_model, resolve_model
     from llmopt.core.data import calibration_ids
     from llmopt.quant.gptq import gptq_quantize_weight

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from llmopt.calibration import LinearStats, decoder_layers, run_sequential
+from llmopt.calibration import decoder_layers, run_sequential
+from llmopt.linear_stats import LinearStats
 from llmopt.core.errors import LlmoptError
 from torch import nn
 

@@ -24,13 +24,13 @@ from llmopt.calibration import (
     IN_MEMORY,
     EngineTimings,
     LayerLifecycle,
-    LinearStats,
     decoder_layers,
     for_each_layer,
     linear_modules,
     resolve_device,
     run_sequential,
 )
+from llmopt.linear_stats import LinearStats
 from torch import nn
 
 from llmopt.checkpoints.moe import is_expert, is_router, unfuse_experts

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from llmopt.calibration import LinearStats
+from llmopt.linear_stats import LinearStats
 
 from llmopt.quant.clipping import clamp_to_ratio, search_clip_ratio
 from llmopt.formats.schemes import QuantScheme, compute_qparams, fake_quantize

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from llmopt.calibration import LinearStats
+from llmopt.linear_stats import LinearStats
 
 from llmopt.quant.mappings import ScaleMapping
 

@@ -18,7 +18,7 @@ FOLDERS = {"compress": "llmopt", "quant": "llmopt.quant", "prune": "llmopt.prune
 # Lowest first. A module's layer is that of the longest prefix listed.
 LAYERS = [
     ["llmopt.core", "llmopt.corpora"],
-    ["llmopt.formats", "llmopt.checkpoints", "llmopt.calibration", "llmopt.float_reference", "llmopt.accuracy"],
+    ["llmopt.formats", "llmopt.checkpoints", "llmopt.calibration", "llmopt.linear_stats", "llmopt.float_reference", "llmopt.accuracy"],
     ["llmopt.runtime"],
     ["llmopt.quant", "llmopt.prune", "llmopt.distill", "llmopt.tasks", "llmopt.self_calibration"],
     ["llmopt.pipeline"],

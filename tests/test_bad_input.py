@@ -182,10 +182,10 @@ def test_a_bug_still_shows_its_traceback(files, tmp_path, monkeypatch):
 def test_numerical_failure_names_the_layer_and_the_fix(files, tmp_path, monkeypatch, args, where):
     """A Hessian that no dampening makes positive definite (here: NaN activations) stops the run
     with one line naming the module and suggesting --damp, and leaves nothing behind."""
-    import llmopt.calibration as calibration
+    import llmopt.linear_stats as linear_stats
 
     # every Hessian (copied or taken in place) is read through _xtx
-    monkeypatch.setattr(calibration.LinearStats, "_xtx", lambda self, name: torch.full((64, 64), float("nan"), dtype=torch.float64))
+    monkeypatch.setattr(linear_stats.LinearStats, "_xtx", lambda self, name: torch.full((64, 64), float("nan"), dtype=torch.float64))
     out = tmp_path / "out"
     argv = [a.format(**files) for a in args] + ["--calib", CALIB, "--calib-samples", "2", "--calib-seq-len", "32", "-o", str(out)]
     result = CliRunner().invoke(main, argv)

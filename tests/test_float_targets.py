@@ -10,7 +10,8 @@ import torch
 from conftest import correlated_inputs
 from test_quant_algorithms import calib_ids, logits, tiny_model
 
-from llmopt.calibration import InputStats, LinearStats, linear_modules, run_sequential
+from llmopt.calibration import linear_modules, run_sequential
+from llmopt.linear_stats import InputStats, LinearStats
 from llmopt.core.lockstep import Lockstep
 from llmopt.float_reference import FloatReference
 from llmopt.formats.schemes import get_scheme

@@ -7,7 +7,8 @@ import copy
 
 import pytest
 import torch
-from llmopt.calibration import LinearStats, linear_modules, run_sequential
+from llmopt.calibration import linear_modules, run_sequential
+from llmopt.linear_stats import LinearStats
 from llmopt.formats.schemes import get_scheme
 from llmopt.core.lockstep import Lockstep
 from llmopt.quant.apply import quantize_model

@@ -10,7 +10,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import CORPORA, correlated_inputs, out_err, save_model, tiny_llama
-from llmopt.calibration import LinearStats, linear_modules
+from llmopt.calibration import linear_modules
+from llmopt.linear_stats import LinearStats
 from llmopt.cli.main import main
 from llmopt.core.errors import LlmoptError
 from llmopt.checkpoints.models import load_model

@@ -8,7 +8,8 @@ import copy
 import pytest
 from conftest import correlated_inputs, out_err
 import torch
-from llmopt.calibration import LinearStats, linear_modules, run_sequential
+from llmopt.calibration import linear_modules, run_sequential
+from llmopt.linear_stats import LinearStats
 from llmopt.quant.apply import quantize_model
 from llmopt.quant.awq import awq_apply_layer, awq_search_scale
 from llmopt.formats.schemes import FP8_MAX, compute_qparams, get_scheme

@@ -196,9 +196,9 @@ def test_gptq_blocks_of_rows_and_owned_inputs_change_nothing(monkeypatch):
     """qparams over blocks of rows, and a Hessian / weight handed over (modified in place), give
     the codes of the plain call; batches summed into the Hessian in blocks of rows give the same
     sum; a taken accumulator is the Hessian, and is gone afterwards."""
-    import llmopt.calibration as calibration
+    import llmopt.linear_stats as linear_stats
     import llmopt.quant.gptq as gptq
-    from llmopt.calibration import LinearStats
+    from llmopt.linear_stats import LinearStats
     from llmopt.formats.schemes import get_scheme
 
     gen = torch.Generator().manual_seed(0)
@@ -209,7 +209,7 @@ def test_gptq_blocks_of_rows_and_owned_inputs_change_nothing(monkeypatch):
             lin(batch)
     h = stats.hessian("lin")
     with monkeypatch.context() as mp:
-        mp.setattr(calibration, "ADD_BLOCK", 5 * 128)  # blocks of 5 rows
+        mp.setattr(linear_stats, "ADD_BLOCK", 5 * 128)  # blocks of 5 rows
         with LinearStats({"lin": lin}, channel=False, stop_early=False, hessian_dtype=torch.bfloat16) as blocked:
             for batch in x.split(100):
                 lin(batch)
