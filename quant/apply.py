@@ -56,8 +56,6 @@ from llmopt.quant.smoothquant import SmoothResult, smoothquant_apply_layer
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq")
 DEFAULT_IGNORE = ("lm_head",)
-# Float targets after AWQ's folded scales wreck the demo model (W4A16 g32 awq+gptq: KLD above 5 with
-# them, where gptq alone gives 0.17) though a tiny model passes: refused until it is understood.
 SPARSE_ZERO_FRACTION = 0.1  # preserve_zeros=None: keep zeros of layers at least this sparse
 # An expert whose Linears saw fewer calibration tokens than this (routing sent it few or none)
 # is quantized from its weights alone (RTN, MSE range search) instead of by the calibrated
