@@ -162,3 +162,57 @@ def test_tune_per_row_moves_a_rows_scales_together(tuned_pair, tmp_path):
         spread_row = max(spread_row, float((row_ratio / row_ratio[:, :1]).log().abs().max()))
         spread_group = max(spread_group, float((group_ratio / group_ratio[:, :1]).log().abs().max()))
     assert spread_row < 2e-3 and spread_group > 1e-2
+
+
+def test_learned_codes_start_at_the_stored_codes_and_stay_on_their_grid():
+    """Code latents round to the scheme's values: IQ4_NL's grid for 8-bit codes all on it, the
+    signed range (zero points kept) for asymmetric int4; unmoved latents give the stored codes."""
+    torch.manual_seed(0)
+    grid_codes = torch.tensor(IQ4_NL_GRID, dtype=torch.int8)[torch.randint(0, 16, (4, 64))]
+    on_nl = QuantizedWeight(grid_codes, torch.rand(4, 2) * 0.01 + 0.01, None, QuantScheme("W8A16", 8, group_size=32), 32)
+    asym = QuantScheme("W4A16_ASYM", 4, group_size=32, symmetric=False)
+    w = torch.randn(4, 64)
+    zero = torch.randint(-3, 3, (4, 2), dtype=torch.int32)
+    int4 = QuantizedWeight.from_weight(w, asym, 32, w.reshape(4, 2, 32).abs().amax(-1) / 7, zero)
+    for qw in (on_nl, int4):
+        t = TunableScales(qw, learn_codes=True)
+        assert len(t.parameters()) == 1 and t.parameters()[0].shape == qw.codes.shape
+        assert torch.equal(t.tuned().codes, qw.codes) and torch.allclose(t.weight().detach(), qw.dequantize())
+        with torch.no_grad():
+            t.parameters()[0].add_(torch.randn_like(t.parameters()[0]) * 2)
+        out = t.tuned()
+        assert out.codes.shape == qw.codes.shape and out.codes.dtype == qw.codes.dtype
+        moved = int((out.codes != qw.codes).sum())
+        assert moved > qw.codes.numel() // 4
+        allowed = torch.tensor(IQ4_NL_GRID) if qw is on_nl else torch.arange(-8, 8)
+        assert torch.isin(out.codes.long(), allowed).all()
+        assert (out.zero_point is None) == (qw.zero_point is None)
+        assert qw.zero_point is None or torch.equal(out.zero_point, qw.zero_point)
+        assert torch.allclose(out.dequantize(), t.weight().detach(), rtol=1e-3, atol=1e-6)  # what trained is what is stored
+
+
+def test_tune_codes_moves_codes_and_keeps_the_gguf_export_exact(tuned_pair, tmp_path):
+    model, src, plain, _, _ = tuned_pair
+    record = _quantize(src, tmp_path / "codes", method="rtn", tune_steps=24, tune_lr=5e-3, tune_codes_lr=0.05)
+    report = record["scale_tuning"]
+    before, _ = read_compressed(plain)
+    after, _ = read_compressed(tmp_path / "codes")
+    assert sorted(after) == sorted(before) and len(after) == 15
+    changed = sum(int((after[n].codes != qw.codes).sum()) for n, qw in before.items())
+    assert report["codes_learned"] == sum(qw.codes.numel() for qw in before.values())
+    assert changed == report["codes_changed"] > 0
+    assert all(int(qw.codes.min()) >= -8 and int(qw.codes.max()) <= 7 for qw in after.values())
+    export = export_gguf(tmp_path / "codes", tmp_path / "codes.gguf", "auto")
+    quantized = [t for t in export.tensors if t.how == "carried codes"]
+    assert len(quantized) == 15 and all(t.codes_identical for t in quantized)
+
+
+def test_tune_codes_needs_tuning_and_integer_codes(tiny_model_dir, tmp_path):
+    with pytest.raises(LlmoptError, match="--tune-codes-lr applies only with --tune-steps"):
+        _quantize(tiny_model_dir, tmp_path / "a", method="rtn", tune_codes_lr=0.02)
+    with pytest.raises(LlmoptError, match="must not be negative"):
+        _quantize(tiny_model_dir, tmp_path / "b", method="rtn", tune_steps=4, tune_codes_lr=-1.0)
+    with pytest.raises(LlmoptError, match="float8"):
+        _quantize(tiny_model_dir, tmp_path / "c", method="rtn", scheme="FP8", group_size=None, head="float",
+                  embedding="float", tune_steps=4, tune_codes_lr=0.02)
+    assert not any((tmp_path / n).exists() for n in "abc")
