@@ -30,21 +30,17 @@ SEQ_LEN = 2048
 
 
 def parse_setting(text: str) -> dict:
-    """``per,lr,what[,codesLR]`` (what: norms = scales and norms, scales = scales only; codesLR: the
-    codes learn too, at that rate in grid steps) → TuneSettings fields."""
-    per, lr, what, *codes = text.split(",")
-    if per not in ("row", "group") or what not in ("norms", "scales") or len(codes) > 1 or (
-            codes and not codes[0].startswith("codes")):
-        raise SystemExit(f"bad setting {text!r}: give per,lr,what[,codesLR] with per row|group, what norms|scales "
-                         "and e.g. codes0.01")
-    return {"per": per, "lr": float(lr), "norms": what == "norms", "codes_lr": float(codes[0][5:]) if codes else 0.0}
+    """``per,lr,what`` (what: norms = scales and norms, scales = scales only) → TuneSettings fields."""
+    per, lr, what = text.split(",")
+    if per not in ("row", "group") or what not in ("norms", "scales"):
+        raise SystemExit(f"bad setting {text!r}: give per,lr,what with per row|group and what norms|scales")
+    return {"per": per, "lr": float(lr), "norms": what == "norms"}
 
 
 def slug(setting: dict, steps: int, samples: int, calibration_samples: int) -> str:
     """The variant's name: its settings, steps and (when not the checkpoint's own) tuning windows."""
     more = f"-w{samples}" if samples != calibration_samples else ""
-    codes = f"-codes{setting['codes_lr']:g}" if setting.get("codes_lr") else ""
-    return f"tuned-{setting['per']}-lr{setting['lr']:g}-{'norms' if setting['norms'] else 'scales'}{codes}-{steps}{more}"
+    return f"tuned-{setting['per']}-lr{setting['lr']:g}-{'norms' if setting['norms'] else 'scales'}-{steps}{more}"
 
 
 def tuned(source_ckpt: Path, work: Path, setting: dict, steps: int, calib: str, samples: int,
@@ -58,8 +54,7 @@ def tuned(source_ckpt: Path, work: Path, setting: dict, steps: int, calib: str, 
     from transformers import AutoTokenizer
 
     out = work / name
-    settings = TuneSettings(steps, setting["lr"], norms=setting["norms"], per=setting["per"],
-                            codes_lr=setting.get("codes_lr", 0.0))
+    settings = TuneSettings(steps, setting["lr"], norms=setting["norms"], per=setting["per"])
     record = out / "llmopt.json"
     if record.is_file():
         made = json.loads(record.read_text())
@@ -180,23 +175,20 @@ def markdown(meta: dict, rows: dict) -> str:
         f"bench/mixed_precision.py), each variant tuned for its `steps` of one 512-token window on calibration windows "
         f"of the checkpoint's own text ({meta['calibration']['name']}; {meta['calibration']['samples']} windows as it was "
         "quantized, or the `windows` column's count of the same text; the first 4 held out of the tuning and used for the "
-        "`calibration KLD` columns), Adam with a 10% warm-up then a cosine; codes unchanged unless the `codes lr` column "
-        "names the step of their learned latents (straight-through rounding to their grid; `codes moved` counts the "
-        "codes that changed). "
+        "`calibration KLD` columns), Adam with a 10% warm-up then a cosine; codes unchanged. "
         f"Evaluation on the first {meta['windows']} windows of {meta['seq_len']} tokens of WikiText-2 and of the held-out "
         "Gutenberg text, against the float demo model. `run`: the start of the run that measured the row, and the "
         "untuned checkpoint's WikiText-2 / held-out KLD in that run (rows of earlier runs are kept).", "",
-        "| variant | multipliers | lr | norms | codes lr | codes moved | steps | windows | calibration KLD before → after "
-        "| wiki KLD | wiki top-1 | wiki ppl | held-out KLD | held-out top-1 | held-out ppl | tuning s | run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | multipliers | lr | norms | steps | windows | calibration KLD before → after | wiki KLD | wiki top-1 "
+        "| wiki ppl | held-out KLD | held-out top-1 | held-out ppl | tuning s | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
         s, r, run = row.get("setting"), row.get("report"), row["run"]
         cal = f"{r['kld_before']:.4f} → {r['kld_after']:.4f}" if r else ""
         w, h = row["wikitext2"], row["heldout"]
-        codes = (f"{s['codes_lr']:g} | {r.get('codes_changed', 0):,} | " if s and s.get("codes_lr") else "| | ")
-        lines.append(f"| {name} | {s['per']} | {s['lr']:g} | {'yes' if s['norms'] else 'no'} | {codes}{row['steps']} | "
-                     f"{row['tune_samples']} | {cal} | " if s else f"| {name} | | | | | | | | | ")
+        lines.append(f"| {name} | {s['per']} | {s['lr']:g} | {'yes' if s['norms'] else 'no'} | {row['steps']} | "
+                     f"{row['tune_samples']} | {cal} | " if s else f"| {name} | | | | | | | ")
         lines[-1] += (f"{w['kld_mean']:.4f} | {w['top1']:.3f} | {w['ppl']:.2f} | {h['kld_mean']:.4f} | {h['top1']:.3f} | "
                       f"{h['ppl']:.2f} | {r['seconds'] if r else ''} | {run['started']} "
                       f"({run['untuned_wiki_kld']:.4f} / {run['untuned_heldout_kld']:.4f}) |")

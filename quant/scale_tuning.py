@@ -11,16 +11,11 @@ end-to-end step-size training):
   super-block of 256 features where the scales are ``k · d`` multiples of one float16 ``d``
   (IQ4_XS, Q6_K): there ``d`` moves and the integers ``k`` stay (``per="row"``: one ``u`` for
   all the scales of an output row);
-- a norm's weight moves additively (RMSNorm, LayerNorm and Gemma's ``1 + w`` alike);
-- with ``codes_lr`` set, the integer codes move too: each code gets a float latent, started at
-  the code GPTQ chose, that the forward pass rounds to the scheme's codes (its range, or its
-  grid such as IQ4_NL's) with a straight-through gradient — the codes that the end-to-end loss
-  pushes across a rounding boundary change, staying on their grid.
+- a norm's weight moves additively (RMSNorm, LayerNorm and Gemma's ``1 + w`` alike).
 
 Tuned scales are rounded to float16, as the GGUF blocks store them, so a ``--type auto`` export
 still carries the checkpoint's weights exactly. The codes, zero points and every other tensor
-(unless ``codes_lr`` is set) are unchanged, so the tuned checkpoint has the same format, size
-and speed; learned codes stay on the scheme's grid and in its range, so the same holds for them.
+are unchanged, so the tuned checkpoint has the same format, size and speed.
 """
 
 from __future__ import annotations
@@ -33,16 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from llmopt.formats.schemes import (
-    IQ4_NL_GRID,
-    IQ4_XS_STEPS,
-    Q6_K_STEPS,
-    SUPERBLOCK,
-    QuantizedWeight,
-    on_grid,
-    round_to_grid,
-    superblock_factors,
-)
+from llmopt.formats.schemes import IQ4_XS_STEPS, Q6_K_STEPS, SUPERBLOCK, QuantizedWeight, superblock_factors
 
 CHECK_WINDOWS = 4  # calibration windows held out of the tuning, on which the KLD is reported before and after
 
@@ -56,7 +42,6 @@ class TuneSettings:
     warmup: float = 0.1  # fraction of the steps spent warming up
     norms: bool = False  # tune the norms' weights too (on the demo model they fitted the calibration text, not others)
     per: str = "group"  # one multiplier per scale ("group"; per super-block for k·d scales), or per output row ("row")
-    codes_lr: float = 0.0  # Adam's peak step on the codes' latents, in grid steps (0: codes fixed)
     seed: int = 0
 
 
@@ -74,8 +59,6 @@ class TuneReport:
     scale_change_mean: float  # mean |log(new / old)| over the tuned scales
     scale_change_max: float
     settings: dict
-    codes_changed: int = 0  # integer codes the tuning moved to another grid value
-    codes_learned: int = 0  # integer codes that could move (all the integer codes when codes_lr is set)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,58 +75,17 @@ def _superblock_structure(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tens
     return None
 
 
-def code_grid(qw: QuantizedWeight) -> tuple[int, ...] | None:
-    """The grid ``qw``'s integer codes must lie on, when it is not every integer in range: the
-    scheme's, or IQ4_NL's for 8-bit symmetric codes all on it (a checkpoint read back does not
-    name its grid; the GGUF exporter tests the codes the same way)."""
-    if qw.scheme.grid is not None:
-        return qw.scheme.grid
-    if qw.scheme.num_bits == 8 and qw.scheme.symmetric and on_grid(qw.codes):
-        return IQ4_NL_GRID
-    return None
-
-
-class TunableCodes:
-    """Trainable latents for one weight's integer codes, rounded in the forward pass
-    (straight-through) to the scheme's range or grid; in grid steps, so one learning rate
-    moves int4 codes and IQ4_NL's wider-spaced grid values alike."""
-
-    def __init__(self, qw: QuantizedWeight, device: torch.device | None) -> None:
-        self.grid = code_grid(qw)
-        self.step = 1.0 if self.grid is None else (self.grid[-1] - self.grid[0]) / (len(self.grid) - 1)
-        self.low, self.high = qw.scheme.qmin, qw.scheme.qmax
-        self.latent = (qw.codes.float() / self.step).to(device).requires_grad_(True)
-
-    def _rounded(self, values: torch.Tensor) -> torch.Tensor:
-        if self.grid is not None:
-            return round_to_grid(values, self.grid)
-        return values.round().clamp(self.low, self.high)
-
-    def codes(self) -> torch.Tensor:
-        """The stored codes now, differentiable in the latents (straight-through)."""
-        values = self.latent * self.step
-        return values + (self._rounded(values.detach()) - values).detach()
-
-    def final(self, dtype: torch.dtype) -> torch.Tensor:
-        """The learned codes as stored (on the CPU)."""
-        return self._rounded(self.latent.detach() * self.step).cpu().to(dtype)
-
-
 class TunableScales:
-    """One quantized weight with trainable log-multipliers on its scales (and, with
-    ``learn_codes``, trainable codes)."""
+    """One quantized weight with trainable log-multipliers on its scales."""
 
-    def __init__(self, qw: QuantizedWeight, device: torch.device | None = None, per: str = "group",
-                 learn_codes: bool = False) -> None:
+    def __init__(self, qw: QuantizedWeight, device: torch.device | None = None, per: str = "group") -> None:
         self.original = qw
         rows, cols = qw.codes.shape
         self.group = qw.group_size or cols
-        self.zero = None if qw.zero_point is None else qw.zero_point.float().repeat_interleave(self.group, dim=1).to(device)
-        self.learned = TunableCodes(qw, device) if learn_codes and not qw.scheme.is_float else None
-        self.codes = None  # the fixed codes less their zero points, or None where the latents hold them
-        if self.learned is None:
-            codes = qw.codes.float().to(device)
-            self.codes = codes if self.zero is None else codes - self.zero
+        codes = qw.codes.float()
+        if qw.zero_point is not None:
+            codes = codes - qw.zero_point.float().repeat_interleave(self.group, dim=1)
+        self.codes = codes.to(device)
         self.scale = qw.scale.float().to(device)
         self.factors = _superblock_structure(qw) if cols % SUPERBLOCK == 0 else None
         self.per_unit = SUPERBLOCK // self.group if self.factors is not None else 1
@@ -157,15 +99,7 @@ class TunableScales:
     def weight(self) -> torch.Tensor:
         """The dequantized weight at the current multipliers (differentiable in them)."""
         scale = self.scale * self._expanded(self.log_multiplier.exp())
-        codes = self.codes
-        if codes is None:
-            codes = self.learned.codes()
-            codes = codes if self.zero is None else codes - self.zero
-        return codes * scale.repeat_interleave(self.group, dim=1)
-
-    def parameters(self) -> list[torch.Tensor]:
-        """The latents the code learning trains (none when codes are fixed)."""
-        return [] if self.learned is None else [self.learned.latent]
+        return self.codes * scale.repeat_interleave(self.group, dim=1)
 
     def tuned(self) -> QuantizedWeight:
         """The weight with its tuned scales, rounded as they are stored (codes unchanged)."""
@@ -178,8 +112,7 @@ class TunableScales:
             scale = qw.scale.float() * self._expanded(multiplier)
             if not qw.scheme.is_float:  # integer codes: float16 scales, as their GGUF blocks hold them
                 scale = scale.to(torch.float16).float()
-        codes = qw.codes if self.learned is None else self.learned.final(qw.codes.dtype)
-        return QuantizedWeight(codes, scale, qw.zero_point, qw.scheme, qw.group_size)
+        return QuantizedWeight(qw.codes, scale, qw.zero_point, qw.scheme, qw.group_size)
 
 
 def norm_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -198,14 +131,13 @@ def kl_divergence(teacher_logits: torch.Tensor, student_logits: torch.Tensor) ->
 class _Student:
     """The quantized model with its quantized weights rebuilt from tunable scales at each step."""
 
-    def __init__(self, model: nn.Module, weights: dict[str, QuantizedWeight], device: torch.device | None, per: str,
-                 learn_codes: bool = False) -> None:
+    def __init__(self, model: nn.Module, weights: dict[str, QuantizedWeight], device: torch.device | None, per: str) -> None:
         self.model = model
         self.modules = dict(model.named_modules())
         missing = [name for name in weights if name not in self.modules]
         if missing:
             raise ValueError(f"quantized weights without a module in the model: {missing[:3]}")
-        self.tunable = {name: TunableScales(qw, device, per, learn_codes) for name, qw in weights.items()}
+        self.tunable = {name: TunableScales(qw, device, per) for name, qw in weights.items()}
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
         # a tied head that is not quantized on its own reads the embedding's tuned weight
         self.shared_head = None
@@ -264,18 +196,13 @@ def tune_scales(
     start = time.perf_counter()
     teacher.eval()
     student.eval()  # no dropout: the gradients follow the inference-time model
-    if settings.codes_lr < 0:
-        raise ValueError("the codes' learning rate must not be negative")
-    state = _Student(student, weights, device, settings.per, learn_codes=settings.codes_lr > 0)
+    state = _Student(student, weights, device, settings.per)
     norms = norm_modules(student) if settings.norms else {}
     for m in norms.values():
         m.weight.requires_grad_(True)
     groups = [{"params": [t.log_multiplier for t in state.tunable.values()]}]
     if norms:
         groups.append({"params": [m.weight for m in norms.values()]})
-    latents = [p for t in state.tunable.values() for p in t.parameters()]
-    if latents:
-        groups.append({"params": latents, "lr": settings.codes_lr})
     optimizer = torch.optim.Adam(groups, lr=settings.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, settings))
     if len(ids) < 2:
@@ -308,13 +235,11 @@ def tune_scales(
         change = torch.cat([(tuned[n].scale / w.scale).abs().log().flatten() for n, w in weights.items()
                             if w.scale.numel()]).abs()
         change = change[torch.isfinite(change)]
-        changed = sum(int((tuned[n].codes != w.codes).sum()) for n, w in weights.items())
     norm_state = {f"{name}.weight": m.weight.detach().cpu().clone() for name, m in norms.items()}
     report = TuneReport(
         steps=settings.steps, seconds=round(time.perf_counter() - start, 1), check_windows=len(check),
         kld_before=before, kld_after=after, scales_tuned=sum(t.log_multiplier.numel() for t in state.tunable.values()),
         norm_weights_tuned=sum(m.weight.numel() for m in norms.values()),
         scale_change_mean=float(change.mean()) if change.numel() else 0.0,
-        scale_change_max=float(change.max()) if change.numel() else 0.0, settings=asdict(settings),
-        codes_changed=changed, codes_learned=sum(p.numel() for p in latents))
+        scale_change_max=float(change.max()) if change.numel() else 0.0, settings=asdict(settings))
     return tuned, norm_state, report

@@ -21,12 +21,11 @@ from llmopt.checkpoints.models import load_model
 from llmopt.core.atomic import atomic_dir
 from llmopt.core.console import progress_task
 from llmopt.core.errors import LlmoptError
-from llmopt.formats.compressed import load_dequantized, quantized_tensors, read_compressed
+from llmopt.formats.compressed import load_dequantized, read_compressed
 from llmopt.quant.scale_tuning import TuneReport, TuneSettings, tune_scales
 
 RECORD = "llmopt.json"
 BYTES_PER_WEIGHT = 16  # float32 teacher, codes, rebuilt weights and their gradients
-LEARNED_CODE_BYTES = 12  # and, when codes are learned, each code's float32 latent and Adam's two moments
 
 
 def check_tunable(weights: dict) -> None:
@@ -37,9 +36,9 @@ def check_tunable(weights: dict) -> None:
                           "tune a W4A16 / W8A16 / IQ4_NL / AUTO checkpoint, or drop the tuning")
 
 
-def _check_memory(weights: dict, device: torch.device | None, learn_codes: bool) -> None:
+def _check_memory(weights: dict, device: torch.device | None) -> None:
     n = sum(qw.codes.numel() for qw in weights.values())
-    need = (BYTES_PER_WEIGHT + (LEARNED_CODE_BYTES if learn_codes else 0)) * n
+    need = BYTES_PER_WEIGHT * n
     free = available_bytes("cuda" if device is not None and device.type == "cuda" else "cpu")
     if need > free:
         raise LlmoptError(f"scale tuning needs about {need / GIB:.1f} GiB for {n / 1e6:.0f}M quantized weights "
@@ -80,17 +79,13 @@ def tune_checkpoint(quantized: Path, source: Path, output: Path, ids: torch.Tens
     weights, _ = read_compressed(Path(quantized))
     check_tunable(weights)
     where = resolve_device(device)
-    _check_memory(weights, where, settings.codes_lr > 0)
+    _check_memory(weights, where)
     student = load_dequantized(Path(quantized), torch.float32).to(where)
     teacher, _ = load_model(source)
     teacher.to(where)
-    what = "scales, codes" if settings.codes_lr > 0 else "scales"
-    with progress_task(f"tuning {what}{' and norms' if settings.norms else ''}", settings.steps) as advance:
+    with progress_task("tuning scales and norms", settings.steps) as advance:
         tuned, norms, report = tune_scales(student, teacher, weights, ids, settings, where, advance)
-    if settings.codes_lr > 0:  # every serialized tensor of each weight, in the layout it was written in
-        replacements = quantized_tensors(tuned)
-    else:
-        replacements = {f"{name}.weight_scale": qw.scale for name, qw in tuned.items()}
+    replacements = {f"{name}.weight_scale": qw.scale for name, qw in tuned.items()}
     replacements.update(norms)
     rewrite_tensors(Path(quantized), Path(output), replacements, {"scale_tuning": report.to_dict()}, overwrite)
     return report

@@ -83,10 +83,6 @@ class QuantizeConfig:
     tune_lr: float = option(1e-3, "Scale tuning: Adam's peak step on the log-multipliers (needs --tune-steps).")
     tune_per: str = option("group", "Scale tuning: one multiplier per scale (group; per super-block where scales are "
                            "k·d multiples, IQ4_XS / Q6_K) or one per output row (row).", choices=("group", "row"))
-    tune_codes_lr: float = option(0.0, "Scale tuning: let the integer codes move too, each through a float latent "
-                                  "rounded to its grid (straight-through), at this Adam step in grid steps "
-                                  "(0: codes fixed; e.g. 0.02; needs --tune-steps). The codes stay on their scheme's "
-                                  "grid, so the format, size and exact GGUF export are unchanged.")
     alpha: float = option(0.5, "SmoothQuant migration strength.", aliases=("smooth_alpha",))
     clip_search: bool | None = option(None, "Search each group's clipping range (default: on for calibrated methods).")
     device: str = device_option()
@@ -162,23 +158,17 @@ class QuantizeConfig:
 
 
     def _check_tuning(self) -> None:
-        for flag, given in (("--tune-lr", self.tune_lr != 1e-3), ("--tune-per", self.tune_per != "group"),
-                            ("--tune-codes-lr", self.tune_codes_lr != 0.0)):
+        for flag, given in (("--tune-lr", self.tune_lr != 1e-3), ("--tune-per", self.tune_per != "group")):
             if given and self.tune_steps == 0:
                 raise LlmoptError(f"{flag} applies only with --tune-steps", f"add --tune-steps N, or drop {flag}")
         if self.tune_steps == 0:
             return
         if not self.tune_lr > 0:
             raise LlmoptError("--tune-lr must be positive", "e.g. --tune-lr 1e-3")
-        if not self.tune_codes_lr >= 0:
-            raise LlmoptError("--tune-codes-lr must not be negative", "e.g. --tune-codes-lr 0.02, or 0 to keep the codes")
         scheme = self.parse_scheme()
         if scheme is None or scheme.activations is not None:
             raise LlmoptError(f"--tune-steps tunes the scales of weight-only schemes, not {self.scheme}",
                               "use it with W4A16, W4A16_ASYM, W8A16, IQ4_NL or AUTO, or drop it")
-        if self.tune_codes_lr > 0 and scheme.is_float:
-            raise LlmoptError(f"--tune-codes-lr moves integer codes; {self.scheme} stores float8 weights",
-                              "drop --tune-codes-lr (the scales still tune), or pick an integer scheme")
 
     def _check_auto(self) -> None:
         given = [f"--{k.replace('_', '-')}" for k in ("target_bpw", "target_kld", "plan") if getattr(self, k) is not None]
@@ -295,8 +285,7 @@ def _tune(config: QuantizeConfig, source: Path, quantized: Path, ids) -> dict:
     from llmopt.quant.scale_tuning import TuneSettings
     from llmopt.quant.tune_checkpoint import tune_checkpoint
 
-    settings = TuneSettings(config.tune_steps, config.tune_lr, per=config.tune_per, seed=config.seed,
-                            codes_lr=config.tune_codes_lr)
+    settings = TuneSettings(config.tune_steps, config.tune_lr, per=config.tune_per, seed=config.seed)
     report = tune_checkpoint(quantized, source, Path(config.output), ids, settings, config.device, overwrite=config.overwrite)
     return report.to_dict()
 
