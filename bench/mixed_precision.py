@@ -43,10 +43,10 @@ LLAMA_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY
                 "IQ4_NL": "LLAMA_FTYPE_MOSTLY_IQ4_NL"}
 Q4_K_M_ANCHOR_BYTES = 105_453_824  # llama.cpp's Q4_K_M file of the demo model (shared/anchors), when llama.cpp is absent
 MODEL = "demo"  # --model (a small model for a smoke run)
-SENSITIVITY_VERSION = 8  # candidate formats int4 g128/g64/g32, int4 / int5 asym g32, nl4 / nl4x g32, int5/int6/int8 g32,
-# int6x g16 (Q6_K), int8; int4/int4a/nl4/int5/int5a/int6/int8 head
+SENSITIVITY_VERSION = 9  # candidate formats int4 g128/g64/g32, int4 / int5 asym g32, nl4 / nl4x g32, int5/int6/int8 g32,
+# int6x g16 (Q6_K), int3x g16 (Q3_K), int8; int4/int4a/nl4/int5/int5a/int6/int8 head
 # (v3: a calibrated method's head priced as GPTQ stores it; v4: int5 asym g32; v7: int6x, int4a / int5a head;
-# v8: the head's most probable rows on their own KL-weighted Hessians)
+# v8: the head's most probable rows on their own KL-weighted Hessians; v9: int3x)
 ENGINE_VERSION = 5  # calibration engine: v2 float32 Hessian products, bfloat16 forwards only where native; v3 GPTQ scale
 # refit; v5 the head's most probable rows on their own Hessians (llmopt.quant.head_fisher)
 # (engine "4" there, 4 rounds of code descent after the refit: bench/results/mixed_precision_descent; off by default now)
@@ -68,23 +68,24 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def sensitivity(source: Path, samples: int, seq_len: int, head_gptq: bool, calib: str = "austen"):
+def sensitivity(source: Path, samples: int, seq_len: int, head_gptq: bool, calib: str = "austen", linear_gptq: bool = False):
     """Per-tensor costs (cached) on the first ``samples`` windows of ``calib``, as ``--scheme auto``
-    measures them; ``head_gptq``: the head priced as a calibrated method stores it."""
+    measures them; ``head_gptq``: the head priced as a calibrated method stores it; ``linear_gptq``:
+    the Linears likewise."""
     from llmopt.checkpoints.models import load_model
     from llmopt.core.data import calibration_ids
     from llmopt.quant.sensitivity import Sensitivity, measure_sensitivity
     from llmopt.self_calibration import sampler
 
     slug = "" if calib == "austen" else "-" + re.sub(r"[^A-Za-z0-9]+", "_", calib).strip("_")
-    cache = OUT / f"sensitivity-v{SENSITIVITY_VERSION}-{samples}x{seq_len}{'-gptq-head' if head_gptq else ''}{slug}.json"
+    cache = OUT / f"sensitivity-v{SENSITIVITY_VERSION}-{samples}x{seq_len}{'-gptq-head' if head_gptq else ''}{'-gptq-linears' if linear_gptq else ''}{slug}.json"
     if cache.exists():
         data = json.loads(cache.read_text())
         return Sensitivity.from_dict(data), data.get("seconds")
     model, tokenizer = load_model(source)
     ids, _ = calibration_ids(tokenizer, calib, samples, seq_len, 0, sample_self=sampler(source))
     start = time.perf_counter()
-    sens = measure_sensitivity(model, ids, head_gptq=head_gptq)
+    sens = measure_sensitivity(model, ids, head_gptq=head_gptq, linear_gptq=linear_gptq)
     seconds = time.perf_counter() - start
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({**sens.to_dict(), "seconds": seconds}))
@@ -113,6 +114,8 @@ def _same_quantization(out: Path, options: dict) -> bool:
     record = json.loads((out / "llmopt.json").read_text())
     calibration = record.get("calibration") or {}
     if record.get("method") != options.get("method", "rtn") or calibration.get("samples") != options.get("calib_samples"):
+        return False
+    if calibration and calibration.get("seq_len", 512) != options.get("calib_seq_len", 512):
         return False
     if calibration and calibration.get("name") != options.get("calib", "austen"):
         return False
@@ -266,6 +269,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq+gptq"])
     parser.add_argument("--calib-samples", type=int, default=128)
+    parser.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window of the calibrated rows")
     parser.add_argument("--calib", default="austen", help="calibration text of the calibrated rows and of their plans' sensitivity pass")
     parser.add_argument("--float-targets", action="store_true", help="GPTQ rows fit the float model's outputs (GPTAQ)")
     parser.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening")
@@ -275,6 +279,7 @@ def main() -> None:
     parser.add_argument("--llama-types", nargs="*", default=["Q4_K_M", "Q4_0", "Q6_K", "IQ4_NL"])
     parser.add_argument("--sens-samples", type=int, default=4)
     parser.add_argument("--sens-seq-len", type=int, default=512)
+    parser.add_argument("--sens-gptq", action="store_true", help="calibrated plans: price the Linears' formats by GPTQ's error, not RTN's")
     parser.add_argument("--deadline", default=None, help="UTC HH:MM after which no new row starts")
     parser.add_argument("--only", nargs="*", default=None, help="variant names to run (default: all)")
     parser.add_argument("--model", default="demo", help="another model for a smoke run (with --results and --work)")
@@ -287,7 +292,8 @@ def main() -> None:
     started = {"utc": datetime.now(timezone.utc).strftime("%H:%M:%S"), "load": load()}
     source = resolve_model(MODEL)
     sens, sens_seconds = sensitivity(source, args.sens_samples, args.sens_seq_len, head_gptq=args.method != "rtn",
-                                     calib=args.calib if args.method != "rtn" else "austen")
+                                     calib=args.calib if args.method != "rtn" else "austen",
+                                     linear_gptq=args.sens_gptq and args.method != "rtn")
     n_weights = sum(t.numel for t in sens.tensors) + sens.other_params
     log(f"sensitivity: {len(sens.tensors)} tensors, {sens.tokens} tokens, {sens_seconds:.0f} s")
     lc = llama_cpp_available()
@@ -343,6 +349,8 @@ def main() -> None:
             opts["calib_samples"] = args.calib_samples
         if opts and opts.get("method", "rtn") != "rtn" and args.calib != "austen":
             opts["calib"] = args.calib
+        if opts and opts.get("method", "rtn") != "rtn" and args.calib_seq_len != 512:
+            opts["calib_seq_len"] = args.calib_seq_len
         if opts and "gptq" in opts.get("method", "rtn"):
             opts["damp"] = args.damp
             if args.float_targets:
@@ -355,6 +363,8 @@ def main() -> None:
 
     settings = {"method": m, "windows": args.windows, "calib_samples": args.calib_samples, "damp": args.damp, "sensitivity": SENSITIVITY_VERSION,
                 "engine": ENGINE_VERSION, **({"calib": args.calib} if args.calib != "austen" else {}),
+                **({"calib_seq_len": args.calib_seq_len} if args.calib_seq_len != 512 else {}),
+                **({"sens_gptq": True} if args.sens_gptq else {}),
                 **({"float_targets": True} if args.float_targets else {}),
                 **({"tune_steps": args.tune_steps, "tune_lr": args.tune_lr} if args.tune_steps else {})}
     results: dict = {}
@@ -473,7 +483,7 @@ def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> No
         "computes it natively), Hessian products in float32; GPTQ with its scale refit (least-squares group scales for "
         "the chosen codes, a second pass on them, each row's best: `llmopt.quant.scale_refit`"
         f"{f'; then {DESCENT_ROUNDS} rounds of coordinate descent on the codes alternating with least-squares scales: `llmopt.quant.code_descent`' if DESCENT_ROUNDS else ''}). "
-        f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of 512 from {s.get('calib', 'austen')}, GPTQ dampening {s.get('damp', 0.01)}{FLOAT_TARGETS_NOTE if s.get('float_targets') else ''}{TUNING_NOTE.format(**s) if s.get('tune_steps') else ''}) unless named rtn; "
+        f"Our rows: method {s['method']} ({s['calib_samples']} calibration windows of {s.get('calib_seq_len', 512)} from {s.get('calib', 'austen')}, GPTQ dampening {s.get('damp', 0.01)}{FLOAT_TARGETS_NOTE if s.get('float_targets') else ''}{TUNING_NOTE.format(**s) if s.get('tune_steps') else ''}) unless named rtn; "
         f"sensitivity pass the first {meta['sens']['samples']} windows of {meta['sens']['seq_len']} tokens of that calibration ({meta['sens_seconds']:.0f} s when "
         "it was measured and cached). "
         "bpw = checkpoint bits (codes + 16-bit scales) over all weights; GGUF bpw = the `--type auto` GGUF file (or llama.cpp's "

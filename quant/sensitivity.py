@@ -15,12 +15,15 @@ add across tensors (validated against end-to-end KLD in ``bench/mixed_precision.
 ``ΔW`` is the round-to-nearest error (min-max ranges for Linears, the clipping search of
 :func:`~llmopt.quant.outer.quantize_matrix` for the embedding/head, as each is applied by RTN;
 with ``head_gptq`` the head's error is that of GPTQ on its inputs, its most probable rows on their
-own KL-weighted Hessians, as a calibrated run stores it);
-GPTQ lowers every Linear's error, so costs predict an upper bound for GPTQ plans.
+own KL-weighted Hessians, as a calibrated run stores it). With ``linear_gptq`` every Linear's
+``ΔW`` is GPTQ's on ``H`` (activation order, static groups), so the costs rank formats by what
+GPTQ leaves rather than by what RTN would; without it, GPTQ lowers every Linear's error and the
+costs are an upper bound for GPTQ plans.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +32,8 @@ from torch import nn
 from llmopt.formats.schemes import (
     IQ4_NL_GRID,
     IQ4_XS_STEPS,
-    Q6_K_GROUP,
+    K_GROUP,
+    Q3_K_STEPS,
     Q6_K_STEPS,
     SUPERBLOCK,
     QuantScheme,
@@ -39,6 +43,8 @@ from llmopt.formats.schemes import (
     grid_scheme,
     int_weight_scheme,
 )
+from llmopt.core.console import progress_task
+from llmopt.quant.gptq import gptq_quantize_weight
 from llmopt.quant.head_fisher import HeadFisher
 from llmopt.quant.outer import EMBED, HEAD, input_hessian, outer_scheme, quantize_head
 
@@ -49,13 +55,15 @@ from llmopt.quant.outer import EMBED, HEAD, input_hessian, outer_scheme, quantiz
 # int8 (8.5 bits in a checkpoint, 4.5 as GGUF IQ4_NL); nl4x also quantizes its scales per 256
 # features (GGUF IQ4_XS, 4.25 bits; IQ4_NL on rows 256 does not divide); int6x is int6 in groups of
 # 16 with 8-bit scale multiples per 256 features (GGUF Q6_K, 6.5625 bits; F16 where 256 does not
-# divide the rows, so plans counted in GGUF bits take it only where it applies).
+# divide the rows, so plans counted in GGUF bits take it only where it applies); int3x likewise
+# with 3-bit codes and 6-bit multiples (GGUF Q3_K, 3.4375 bits).
 LINEAR_FORMATS: dict[str, tuple[int, int | None, bool, tuple[int, ...] | None, int | None]] = {
     "int4_g128": (4, 128, True, None, None), "int4_g64": (4, 64, True, None, None), "int4_g32": (4, 32, True, None, None),
     "int4a_g32": (4, 32, False, None, None), "nl4x_g32": (8, 32, True, IQ4_NL_GRID, IQ4_XS_STEPS),
     "nl4_g32": (8, 32, True, IQ4_NL_GRID, None), "int5_g32": (5, 32, True, None, None),
     "int5a_g32": (5, 32, False, None, None), "int6_g32": (6, 32, True, None, None),
-    "int6x_g16": (6, 16, True, None, Q6_K_STEPS), "int8_g32": (8, 32, True, None, None),
+    "int6x_g16": (6, 16, True, None, Q6_K_STEPS), "int3x_g16": (3, 16, True, None, Q3_K_STEPS),
+    "int8_g32": (8, 32, True, None, None),
     "int8": (8, None, True, None, None),
 }
 OUTER_FORMATS = ("int4", "nl4", "int4a", "int5", "int5a", "int6", "int8")
@@ -88,13 +96,14 @@ def format_bits(name: str, in_features: int, float_bits: int) -> float:
 
 def gguf_bits(name: str, in_features: int) -> float:
     """Bits per weight of the format in a ``--type auto`` GGUF file: the block type that carries its
-    codes (IQ4_XS 4.25, Q4_0 / IQ4_NL 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q6_K 6.5625, Q8_0 8.5), F16 when none
+    codes (Q3_K 3.4375, IQ4_XS 4.25, Q4_0 / IQ4_NL 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q6_K 6.5625, Q8_0 8.5), F16 when none
     does or for float."""
     scheme = format_scheme(name, in_features)
     group = None if scheme is None else (scheme.group_size or in_features)
-    if scheme is not None and scheme.grid is None and scheme.scale_steps == Q6_K_STEPS:
-        q6_k = scheme.num_bits == 6 and group == Q6_K_GROUP and in_features % SUPERBLOCK == 0
-        return 6.5625 if q6_k else float(GGUF_FLOAT_BITS)
+    if scheme is not None and scheme.grid is None and scheme.scale_steps in (Q3_K_STEPS, Q6_K_STEPS):
+        k_quant = {(6, Q6_K_STEPS): 6.5625, (3, Q3_K_STEPS): 3.4375}.get((scheme.num_bits, scheme.scale_steps))
+        fits = k_quant is not None and group == K_GROUP and in_features % SUPERBLOCK == 0
+        return k_quant if fits else float(GGUF_FLOAT_BITS)
     if scheme is None or group % 32 or in_features % 32:
         return float(GGUF_FLOAT_BITS)
     if scheme.grid == IQ4_NL_GRID:
@@ -162,11 +171,19 @@ def _weight_error(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return fake_quantize(w.float(), scale, zp, scheme, scheme.group_size) - w.float()
 
 
+def _gptq_error(w: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """GPTQ's weight error on ``hessian`` (activation order, static groups), as a GPTQ run stores ``w``."""
+    qw = gptq_quantize_weight(w.float(), hessian.double().clone(), scheme, scheme.group_size, act_order=True,
+                              hessian_owned=True)
+    return qw.dequantize() - w.float()
+
+
 def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0,
-                        head_chunk: int = 256, head_gptq: bool = False) -> Sensitivity:
+                        head_chunk: int = 256, head_gptq: bool = False, linear_gptq: bool = False) -> Sensitivity:
     """Per-tensor costs of every candidate format on ``calib_ids`` ``[n, seq]`` (float model, CPU).
     ``head_gptq``: the head (and a tied embedding) quantized by GPTQ on its inputs' Hessian, as a
-    calibrated quantization stores it, instead of RTN with the clipping search."""
+    calibrated quantization stores it, instead of RTN with the clipping search; ``linear_gptq``:
+    the decoder Linears' errors likewise GPTQ's on their inputs' second moments."""
     model.eval()
     linears = _decoder_linears(model)
     dim = {n: m.in_features for n, m in linears.items()}
@@ -238,19 +255,22 @@ def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0
             p.requires_grad_(flag)
     float_bits = embed.weight.element_size() * 8
     out: list[TensorCost] = []
-    with torch.no_grad():
+    pricing = progress_task("pricing formats by GPTQ", len(linears)) if linear_gptq else nullcontext(lambda: None)
+    with torch.no_grad(), pricing as advance:
         for name, m in linears.items():
             h = (hess[shared.get(name, name)] / tokens).float()
             f = (fisher[name] / tokens).float()
             costs, bits, gbits = {}, {}, {}
             for fmt in LINEAR_FORMATS:
                 scheme = format_scheme(fmt, dim[name])
-                dw = _weight_error(m.weight, scheme)
+                dw = _gptq_error(m.weight, h, scheme) if linear_gptq else _weight_error(m.weight, scheme)
                 costs[fmt] = 0.5 * float((f * ((dw @ h) * dw).sum(1)).sum())
                 bits[fmt] = format_bits(fmt, dim[name], float_bits)
                 gbits[fmt] = gguf_bits(fmt, dim[name])
             costs[FLOAT], bits[FLOAT], gbits[FLOAT] = 0.0, float(float_bits), gguf_bits(FLOAT, dim[name])
             out.append(TensorCost(name, "linear", tuple(m.weight.shape), costs, bits, gbits))
+            advance()
+    with torch.no_grad():
         final = torch.cat(finals)
         g2 = emb_grad.float() / tokens
         roles = ["tied"] if tied else ["embedding", "head"]

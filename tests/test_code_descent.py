@@ -58,7 +58,7 @@ def test_sweep_matches_brute_force(fmt: str, monkeypatch: pytest.MonkeyPatch) ->
     assert not torch.equal(swept.codes, qw.codes)  # GPTQ's codes are not a coordinate-wise optimum
 
 
-@pytest.mark.parametrize("fmt", ["int4_g32", "int4a_g32", "int5a_g32", "nl4_g32", "nl4x_g32", "int6x_g16", "int8_g32", "int4_g128"])
+@pytest.mark.parametrize("fmt", ["int4_g32", "int4a_g32", "int5a_g32", "nl4_g32", "nl4x_g32", "int6x_g16", "int3x_g16", "int8_g32", "int4_g128"])
 def test_descent_keeps_layout_and_never_worsens_a_row(fmt: str) -> None:
     w, hessian = _problem(n=SUPERBLOCK, rows=16, seed=2)
     scheme = format_scheme(fmt, w.shape[1])

@@ -450,6 +450,35 @@ def test_int6x_super_block_scales_carried_as_q6_k(tmp_path):
     assert set(export_gguf(tmp_path / "g32", tmp_path / "g32.gguf").by_type) == {"Q8_0", "F16", "F32"}
 
 
+def test_int3x_super_block_scales_carried_as_q3_k(tmp_path):
+    """int3x: 3-bit codes in groups of 16 whose scales are k * d per 256 features (d float16, k in
+    [-32, 31]) go to Q3_K blocks with codes, d and 6-bit scales exact: gguf's own dequantizer gives
+    our weights bit for bit. Free group-16 int3 scales have no block type (F16)."""
+    from llmopt.formats.gguf_blocks import stored_codes
+    from llmopt.formats.schemes import Q3_K_STEPS, int_weight_scheme, superblock_factors
+
+    weights = quantized_dir(tmp_path / "q3", int_weight_scheme(3, 16, scale_steps=Q3_K_STEPS), 16)
+    qw = weights["model.layers.1.mlp.down_proj"]  # 512 columns: two super-blocks per row
+    d, k = superblock_factors(qw.scale, 16, Q3_K_STEPS)
+    assert d.shape == (qw.codes.shape[0], 2) and k.shape == qw.scale.shape == (qw.codes.shape[0], 32)
+    assert int(k.min()) == -32 and int(k.max()) < 0 and len(k.unique()) > 10
+    assert int(qw.codes.min()) == -4 and int(qw.codes.max()) == 3
+    report = export_gguf(tmp_path / "q3", tmp_path / "q3.gguf")
+    assert report.by_type["Q3_K"]["codes_identical"] is True and report.by_type["Q3_K"]["tensors"] == 14
+    t = read_tensors(tmp_path / "q3.gguf")["blk.1.ffn_down.weight"]
+    assert t.tensor_type == T.Q3_K
+    b = np.ascontiguousarray(t.data).reshape(-1, 110)
+    assert b.shape[0] == qw.codes.numel() // 256
+    assert np.array_equal(b[:, 108:].copy().view(np.float16).astype(np.float32).reshape(d.shape), d.numpy())
+    codes, scales = stored_codes(t.data, T.Q3_K, qw.codes.shape[0])
+    assert codes.shape == tuple(qw.codes.shape) and np.array_equal(codes, qw.codes.numpy())
+    assert np.array_equal(scales, (d.repeat_interleave(16, dim=1) * k).numpy())
+    got, want = values(t), qw.dequantize().numpy()
+    assert got.shape == want.shape and np.array_equal(got, want)
+    quantized_dir(tmp_path / "free", int_weight_scheme(3, 16), 16, fp16_scales=True)
+    assert set(export_gguf(tmp_path / "free", tmp_path / "free.gguf").by_type) == {"F16", "F32"}
+
+
 def test_auto_without_exact_mapping_and_unmappable_types(tmp_path):
     quantized_dir(tmp_path / "fp8", get_scheme("FP8"), None)
     report = export_gguf(tmp_path / "fp8", tmp_path / "fp8.gguf")
@@ -601,7 +630,7 @@ def _quantized_mixed(path: Path, schemes: list[QuantScheme]) -> Path:
 
 
 def test_mixed_gguf_runs_in_llama_cpp(tmp_path, monkeypatch):
-    """A checkpoint mixing int4 / int4 asymmetric / int5 / int5 asymmetric / int6 / int8 / nl4 / nl4x / int6x Linears,
+    """A checkpoint mixing int4 / int4 asymmetric / int5 / int5 asymmetric / int6 / int8 / nl4 / nl4x / int6x / int3x Linears,
     exported with ``--type auto``, run by llama.cpp itself: its log-probabilities are as close to
     our dequantized model's as those of the same model with every Linear int8 (Q8_0, an exact
     mapping tested above). llama.cpp rounds activations to 8-bit blocks in quantized dot products
@@ -610,7 +639,7 @@ def test_mixed_gguf_runs_in_llama_cpp(tmp_path, monkeypatch):
     llama_cpp = pytest.importorskip("llama_cpp")
     from llama_cpp import llama_cpp as c_api
     from llmopt.formats.compressed import load_dequantized
-    from llmopt.formats.schemes import IQ4_NL_GRID, IQ4_XS_STEPS, Q6_K_STEPS, grid_scheme, int_weight_scheme
+    from llmopt.formats.schemes import IQ4_NL_GRID, IQ4_XS_STEPS, Q3_K_STEPS, Q6_K_STEPS, grid_scheme, int_weight_scheme
 
     default_params = c_api.llama_model_default_params
 
@@ -641,4 +670,6 @@ def test_mixed_gguf_runs_in_llama_cpp(tmp_path, monkeypatch):
                                 grid_scheme(IQ4_NL_GRID, 32), grid_scheme(IQ4_NL_GRID, 32, IQ4_XS_STEPS),
                                 int_weight_scheme(6, 16, scale_steps=Q6_K_STEPS)], "mixed")
     assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q6_K"} <= types
+    kld, top1, types = compare([int_weight_scheme(3, 16, scale_steps=Q3_K_STEPS), get_scheme("W8A16")], "q3_k")
+    assert "Q3_K" in types and kld < 2 * ref_kld and top1 >= 0.85, (kld, ref_kld, top1)
     assert kld < 2 * ref_kld and top1 >= 0.85, (kld, ref_kld, top1)

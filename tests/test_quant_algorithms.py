@@ -236,25 +236,29 @@ def test_gptq_on_a_grid_beats_rtn_and_matches_reference() -> None:
     assert_matches_reference(qw, w, h, scheme)
 
 
-def test_gptq_with_q6_k_super_block_scales() -> None:
-    """int6x (llama.cpp's Q6_K): the scales GPTQ fixes up front are 8-bit multiples of one float16
-    per 256 features, for RTN and GPTQ alike; GPTQ still beats RTN well, and the restricted scales
-    cost little against free ones."""
-    from llmopt.formats.schemes import Q6_K_STEPS, int_weight_scheme, superblock_factors
+@pytest.mark.parametrize("bits,steps_name", [(6, "Q6_K_STEPS"), (3, "Q3_K_STEPS")])
+def test_gptq_with_k_quant_super_block_scales(bits: int, steps_name: str) -> None:
+    """int6x / int3x (llama.cpp's Q6_K / Q3_K): the scales GPTQ fixes up front are 8-bit / 6-bit
+    multiples of one float16 per 256 features, for RTN and GPTQ alike; GPTQ still beats RTN well,
+    and the restricted scales cost little against free ones."""
+    from llmopt.formats import schemes
+    from llmopt.formats.schemes import int_weight_scheme, superblock_factors
 
-    scheme = int_weight_scheme(6, 16, scale_steps=Q6_K_STEPS)
+    steps = getattr(schemes, steps_name)
+    scheme = int_weight_scheme(bits, 16, scale_steps=steps)
     x = correlated_inputs(2048, 512)
     w = torch.randn(64, 512) * 0.1
     h = 2.0 / x.shape[0] * (x.T.double() @ x.double())
     qw = gptq_quantize_weight(w, h, scheme, 16)
     rtn = rtn_quantize_weight(w, scheme, 16)
+    half = 2 ** (bits - 1)
     for q in (qw, rtn):
-        assert q.codes.shape == w.shape and int(q.codes.min()) >= -32 and int(q.codes.max()) <= 31
-        factors = superblock_factors(q.scale, 16, Q6_K_STEPS)
-        assert factors is not None and factors[0].shape == (64, 2) and int(factors[1].min()) == -128
-    assert superblock_factors(gptq_quantize_weight(w, h, int_weight_scheme(6, 16), 16).scale, 16, Q6_K_STEPS) is None
+        assert q.codes.shape == w.shape and int(q.codes.min()) >= -half and int(q.codes.max()) <= half - 1
+        factors = superblock_factors(q.scale, 16, steps)
+        assert factors is not None and factors[0].shape == (64, 2) and int(factors[1].min()) == -steps // 2
+    assert superblock_factors(gptq_quantize_weight(w, h, int_weight_scheme(bits, 16), 16).scale, 16, steps) is None
     assert out_err(x, w, qw.dequantize()) < 0.8 * out_err(x, w, rtn.dequantize())
-    free = gptq_quantize_weight(w, h, int_weight_scheme(6, 16), 16, static_groups=True)
+    free = gptq_quantize_weight(w, h, int_weight_scheme(bits, 16), 16, static_groups=True)
     assert out_err(x, w, qw.dequantize()) < 1.1 * out_err(x, w, free.dequantize())
 
 

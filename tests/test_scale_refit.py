@@ -54,7 +54,7 @@ def test_refit_solves_each_rows_least_squares(fmt: str) -> None:
     assert float(after.sum()) < 0.98 * float(before.sum())
 
 
-@pytest.mark.parametrize("fmt", ["nl4x_g32", "int6x_g16"])
+@pytest.mark.parametrize("fmt", ["nl4x_g32", "int6x_g16", "int3x_g16"])
 def test_refit_keeps_super_block_scales_exact(fmt: str) -> None:
     w, hessian = _problem(n=2 * SUPERBLOCK)
     scheme = format_scheme(fmt, w.shape[1])

@@ -17,6 +17,11 @@ Layouts (one block, little-endian, as ggml stores them; ``d``/``m`` are float16)
   ``w = d * (ls - 32) * kvalues[u]``.
 * ``Q4_K`` (256 weights, 144 bytes): ``d``, ``dmin``, 12 bytes holding eight 6-bit sub-block scales
   and mins, 128 bytes of nibbles (sub-blocks of 32); ``w = d * sc * u - dmin * mn``.
+* ``Q3_K`` (256 weights, 110 bytes): ``hmask`` (32 bytes: bit ``b`` of byte ``l`` is the third bit of
+  weight ``32 b + l``), ``qs`` (64 bytes: two 32-byte halves of 128 weights, bits ``2j, 2j+1`` of byte
+  ``l`` holding the low two bits of weight ``32 j + l`` of its half), ``scales`` (12 bytes: sixteen
+  6-bit ``sc``, low nibbles in bytes 0-7 (sub-blocks 8-15 in the high half), high pairs in bytes
+  8-11), ``d``; ``w = d * (sc - 32) * (u - 4)``, ``u`` in [0, 7], sub-blocks of 16.
 * ``Q6_K`` (256 weights, 210 bytes): 128 bytes of low nibbles, 64 bytes of high 2-bit pairs,
   sixteen int8 sub-block scales (sub-blocks of 16), ``d``; ``w = d * sc * (u - 32)``, ``u`` in [0, 63].
 
@@ -29,7 +34,9 @@ Our codes are signed (int4 in [-8, 7]) with ``w = (q - z) * s``; the exact mappi
 * int8 (or any narrower integer codes, symmetric or not) → Q8_0: ``q8 = q - z``, ``d = fp16(s)``;
 * int8 codes that all lie on the IQ4_NL grid (our ``nl4`` formats) → IQ4_NL: ``u`` = the code's
   index in the grid, ``d = fp16(s)`` (signed); → IQ4_XS when, in addition, each super-block's 8
-  group scales are ``k * d`` (``nl4x``): ``ls = k + 32`` and that block's ``d``, both exact.
+  group scales are ``k * d`` (``nl4x``): ``ls = k + 32`` and that block's ``d``, both exact;
+* int3 / int6 symmetric in groups of 16 whose scales are ``k * d`` per super-block (``int3x`` /
+  ``int6x``) → Q3_K (``u = q + 4``, ``sc = k + 32``) / Q6_K (``u = q + 32``, ``sc = k``).
 
 Only the scales are rounded (to float16); the integer codes are carried over unchanged.
 gguf's own ``quants.quantize`` (the llama.cpp reference) is used for dense Q4_0/Q4_1/Q5_0/Q8_0;
@@ -183,15 +190,17 @@ def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
 
 
 def stored_codes(data: np.ndarray, qtype: T, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """The integer codes and fp16 scales ``d`` stored in a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL / IQ4_XS / Q6_K tensor's bytes.
+    """The integer codes and fp16 scales ``d`` stored in a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL / IQ4_XS / Q3_K / Q6_K tensor's bytes.
 
     Codes are returned in our signed convention (``u - 8`` for the 4-bit types, ``u - 16`` for
-    the 5-bit ones, ``u - 32`` for Q6_K, the grid value for IQ4_NL), shape ``[rows, cols]``; ``d`` has
-    shape ``[rows, cols/32]`` (``[rows, cols/16]`` for Q6_K; float32).
+    the 5-bit ones, ``u - 32`` for Q6_K, ``u - 4`` for Q3_K, the grid value for IQ4_NL), shape
+    ``[rows, cols]``; ``d`` has shape ``[rows, cols/32]`` (``[rows, cols/16]`` for Q3_K / Q6_K; float32).
     """
     blocks = np.ascontiguousarray(data.reshape(-1)).reshape(-1, _type_bytes(qtype))
     if qtype == T.Q6_K:
         return _q6_k_codes(blocks, rows)
+    if qtype == T.Q3_K:
+        return _q3_k_codes(blocks, rows)
     d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
     if qtype == T.Q8_0:
         codes = blocks[:, 2:].copy().view(np.int8)
@@ -224,6 +233,43 @@ def _q6_k_codes(blocks: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
     sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
     d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
     return codes.reshape(rows, -1), (d * sc).reshape(rows, -1)
+
+
+def _q3_k_codes(blocks: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Codes (``u - 4``) and ``d`` per sub-block of 16 (the super-block's d times ``sc - 32``) of
+    Q3_K blocks (``hmask`` 32 bytes, ``qs`` 64, ``scales`` 12, ``d`` 2)."""
+    hmask = blocks[:, :32]
+    qs = blocks[:, 32:96].reshape(-1, 2, 1, 32)  # [n, half, 1, 32]
+    low = (qs >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3  # [n, half, j, 32]
+    high = (hmask[:, None, :] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1  # [n, 8 = 4 * half + j, 32]
+    codes = (low.reshape(-1, 256) | (high.reshape(-1, 256) << 2)).astype(np.int8) - 4
+    raw = blocks[:, 96:108]
+    low4 = np.concatenate([raw[:, :8] & 15, raw[:, :8] >> 4], axis=1)  # sub-blocks 0-7, then 8-15
+    high2 = np.concatenate([(raw[:, 8:12] >> (2 * i)) & 3 for i in range(4)], axis=1)  # sub-blocks 4i .. 4i+3
+    sc = (low4 | (high2 << 4)).astype(np.float32) - 32
+    d = blocks[:, 108:110].copy().view(np.float16).astype(np.float32)
+    return codes.reshape(rows, -1), (d * sc).reshape(rows, -1)
+
+
+def encode_q3_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Q3_K bytes ``[rows, cols/256*110]`` from 3-bit codes ``[rows, cols]`` (in [-4, 3]), super-block
+    scales ``d`` ``[rows, cols/256]`` (float16 values) and sub-block multipliers ``k`` ``[rows, cols/16]``
+    (in [-32, 31]): weight = d * k * code."""
+    rows = codes.shape[0]
+    if codes.min(initial=0) < -4 or codes.max(initial=0) > 3:
+        raise ValueError("a Q3_K code is outside [-4, 3]")
+    if k.min(initial=0) < -32 or k.max(initial=0) > 31:
+        raise ValueError("a Q3_K sub-block scale is outside [-32, 31]")
+    u = (codes.astype(np.int16) + 4).astype(np.uint8).reshape(-1, 8, 32)  # [n, 4 * half + j, 32]
+    low = (u & 3).reshape(-1, 2, 4, 32)
+    qs = (low << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)).sum(axis=2, dtype=np.uint8).reshape(-1, 64)
+    hmask = ((u >> 2) << np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).sum(axis=1, dtype=np.uint8)
+    sc = (k.astype(np.int16) + 32).astype(np.uint8).reshape(-1, 16)
+    low4 = (sc[:, :8] & 15) | ((sc[:, 8:] & 15) << 4)
+    high2 = (sc >> 4).reshape(-1, 4, 4)  # [n, i, sub-block 4i + b]
+    packed = (high2 << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 4, 1)).sum(axis=1, dtype=np.uint8)
+    out = np.concatenate([hmask, qs, low4, packed, _f16_bytes(d.reshape(-1))], axis=1)
+    return out.reshape(rows, -1)
 
 
 def _type_bytes(qtype: T) -> int:

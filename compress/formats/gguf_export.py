@@ -8,9 +8,10 @@ What each tensor becomes:
   symmetric → Q5_0, int5 asymmetric → Q5_1, int8 codes all on the IQ4_NL grid (``nl4``) →
   IQ4_NL, or IQ4_XS when their scales are also quantized per 256 features (``nl4x``), int6
   symmetric in groups of 16 whose scales are 8-bit multiples of one float16 per 256 features
-  (``int6x``) → Q6_K, int8 symmetric and int6 / int7 → Q8_0 (any group size that is a multiple
-  of 32, per-channel included: a group spans whole blocks that share its scale). Only the scales
-  are rounded, to float16 (IQ4_XS and Q6_K scales are already exact).
+  (``int6x``) → Q6_K, int3 symmetric in groups of 16 with 6-bit multiples (``int3x``) → Q3_K,
+  int8 symmetric and int6 / int7 → Q8_0 (any group size that is a multiple of 32, per-channel
+  included: a group spans whole blocks that share its scale). Only the scales are rounded, to
+  float16 (IQ4_XS, Q3_K and Q6_K scales are already exact).
   ``--type auto`` takes the first exact mapping, or F16 (near-lossless) when there is none
   (FP8, int8 asymmetric, groups not a multiple of 32). An explicit integer type that would need
   the weights rounded again is refused unless ``requantize`` is set.
@@ -46,7 +47,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
 from llmopt.formats import gguf_blocks as blocks
-from llmopt.formats.schemes import IQ4_XS_STEPS, Q6_K_GROUP, Q6_K_STEPS, SUPERBLOCK, on_grid, superblock_factors
+from llmopt.formats.schemes import IQ4_XS_STEPS, K_GROUP, Q3_K_STEPS, Q6_K_STEPS, SUPERBLOCK, on_grid, superblock_factors
 from llmopt.core.atomic import atomic_file, check_output
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.gguf_vocab import Vocab, build_vocab, write_vocab
@@ -66,7 +67,8 @@ from llmopt.formats.gguf_source import (
 from llmopt.formats.gguf_verify import verify_with_transformers
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
-CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q6_K}
+CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q6_K}
+K_TYPES = {T.Q3_K: Q3_K_STEPS, T.Q6_K: Q6_K_STEPS}  # carried k-quants of 16-weight sub-blocks: their scale steps
 FOUR_BIT = {T.Q4_0, T.Q4_1, T.Q4_K, T.IQ4_NL, T.IQ4_XS}
 FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q4_0: T.F16, T.Q4_1: T.F16, T.Q5_0: T.F16, T.Q5_1: T.F16, T.Q8_0: T.F16,
             T.IQ4_NL: T.F16, T.IQ4_XS: T.IQ4_NL}
@@ -74,7 +76,7 @@ FILE_TYPES = {
     T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16, T.BF16: LlamaFileType.MOSTLY_BF16,
     T.Q8_0: LlamaFileType.MOSTLY_Q8_0, T.Q4_0: LlamaFileType.MOSTLY_Q4_0, T.Q4_1: LlamaFileType.MOSTLY_Q4_1,
     T.Q5_0: LlamaFileType.MOSTLY_Q5_0, T.Q5_1: LlamaFileType.MOSTLY_Q5_1, T.Q4_K: LlamaFileType.MOSTLY_Q4_K_S, T.Q6_K: LlamaFileType.MOSTLY_Q6_K,
-    T.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL, T.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
+    T.Q3_K: LlamaFileType.MOSTLY_Q3_K_S, T.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL, T.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
 }
 F16_MAX = 65504.0
 
@@ -206,7 +208,9 @@ def carry_types(qw: Any) -> list[T]:
     cols = qw.codes.shape[1]
     group = qw.group_size or cols
     bits, sym = qw.scheme.num_bits, qw.scheme.symmetric
-    q6_k = [T.Q6_K] if bits == 6 and sym and _q6_k_factors(qw) is not None else []
+    q6_k = [T.Q6_K] if bits == 6 and sym and _k_factors(qw, T.Q6_K) is not None else []
+    if bits == 3 and sym and _k_factors(qw, T.Q3_K) is not None:
+        q6_k = [T.Q3_K]
     if group % blocks.QK or cols % blocks.QK:
         return q6_k
     if bits == 4:
@@ -230,14 +234,14 @@ def _iq4_xs_factors(qw: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     return superblock_factors(qw.scale.float().repeat_interleave(group // blocks.QK, dim=1), blocks.QK, IQ4_XS_STEPS)
 
 
-def _q6_k_factors(qw: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Q6_K's super-block ``d`` and int8 sub-block scales of ``qw``'s scales (per 16 columns), or
-    None when the scales are not of that form or 256 does not divide the rows."""
+def _k_factors(qw: Any, qtype: T) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Q3_K's / Q6_K's super-block ``d`` and integer sub-block scales of ``qw``'s scales (per 16
+    columns), or None when the scales are not of that form or 256 does not divide the rows."""
     cols = qw.codes.shape[1]
     group = qw.group_size or cols
-    if cols % SUPERBLOCK or group % Q6_K_GROUP:
+    if cols % SUPERBLOCK or group % K_GROUP:
         return None
-    return superblock_factors(qw.scale.float().repeat_interleave(group // Q6_K_GROUP, dim=1), Q6_K_GROUP, Q6_K_STEPS)
+    return superblock_factors(qw.scale.float().repeat_interleave(group // K_GROUP, dim=1), K_GROUP, K_TYPES[qtype])
 
 
 def _fits(qtype: T, cols: int) -> bool:
@@ -308,12 +312,12 @@ def _carry(name: str, source: str, qw: Any, qtype: T, fmt: str, note: str) -> Pl
     """Plan a tensor whose codes go into ``qtype`` blocks unchanged."""
     cols = qw.codes.shape[1]
     group = qw.group_size or cols
-    per_block = group // (Q6_K_GROUP if qtype == T.Q6_K else blocks.QK)
-    scale = qw.scale.float().repeat_interleave(per_block, dim=1)  # [rows, cols/32] (Q6_K: cols/16)
+    per_block = group // (K_GROUP if qtype in K_TYPES else blocks.QK)
+    scale = qw.scale.float().repeat_interleave(per_block, dim=1)  # [rows, cols/32] (Q3_K / Q6_K: cols/16)
     d16 = scale.to(torch.float16)
     if not torch.isfinite(d16).all():
         raise UnmappableTypeError(f"{source}: a scale exceeds float16's range", "export with --type F32")
-    if qtype in (T.IQ4_XS, T.Q6_K):  # the scales are carried exactly: a float16 d per super-block times an integer
+    if qtype in (T.IQ4_XS, *K_TYPES):  # the scales are carried exactly: a float16 d per super-block times an integer
         d16 = scale
     codes = qw.codes.to(torch.int16)
     if qtype == T.Q8_0 and qw.zero_point is not None:
@@ -421,9 +425,10 @@ def encode(p: Planned) -> tuple[np.ndarray, T | None]:
         if p.qtype == T.IQ4_XS:
             d, k = _iq4_xs_factors(qw)
             return blocks.encode_iq4_xs(codes, d.numpy(), k.numpy()), T.IQ4_XS
-        if p.qtype == T.Q6_K:
-            d, k = _q6_k_factors(qw)
-            return blocks.encode_q6_k(codes, d.numpy(), k.numpy()), T.Q6_K
+        if p.qtype in K_TYPES:
+            d, k = _k_factors(qw, p.qtype)
+            encode = blocks.encode_q6_k if p.qtype == T.Q6_K else blocks.encode_q3_k
+            return encode(codes, d.numpy(), k.numpy()), p.qtype
         cols = codes.shape[1]
         group = qw.group_size or cols
         scale = qw.scale.float().repeat_interleave(group // blocks.QK, dim=1)

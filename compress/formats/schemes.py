@@ -20,7 +20,8 @@ integer multiples ``k * d`` of one float16 ``d``, ``-steps/2 <= k < steps/2``: l
 (6-bit sub-block scales, 4.25 bits per weight) when ``steps`` is 64 (rows whose length 256
 does not divide keep free scales: IQ4_NL). Symmetric integer schemes take ``scale_steps`` too:
 6-bit codes in groups of 16 with 8-bit multiples (``Q6_K_STEPS``) are llama.cpp's Q6_K
-(6.5625 bits per weight).
+(6.5625 bits per weight), 3-bit codes in groups of 16 with 6-bit multiples (``Q3_K_STEPS``) its
+Q3_K (3.4375 bits per weight).
 The algorithms (RTN, GPTQ, AWQ …) only choose scales and codes; how they are laid out on
 disk (compressed-tensors, GGUF) is decided by the savers from what is defined here.
 """
@@ -133,7 +134,8 @@ IQ4_NL_GRID: tuple[int, ...] = PRESETS["IQ4_NL"].grid
 SUPERBLOCK = 256  # input features sharing one float16 scale of the group scales (llama.cpp's QK_K)
 IQ4_XS_STEPS = 64  # IQ4_XS: 6-bit signed sub-block scales
 Q6_K_STEPS = 256  # Q6_K: 8-bit signed scales of 16-weight sub-blocks (with 6-bit codes)
-Q6_K_GROUP = 16
+Q3_K_STEPS = 64  # Q3_K: 6-bit signed scales of 16-weight sub-blocks (with 3-bit codes in [-4, 3])
+K_GROUP = 16  # sub-block of Q3_K and Q6_K
 
 
 def on_grid(codes: torch.Tensor, grid: tuple[int, ...] = IQ4_NL_GRID) -> bool:
