@@ -226,13 +226,17 @@ def calib_text(tmp_path):
     return path
 
 
-def test_auto_checkpoint_loads_and_plan_is_reused(tmp_path, calib_text):
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_auto_checkpoint_loads_and_plan_is_reused(tmp_path, calib_text, method):
+    """An AUTO checkpoint (formats priced by RTN, or by GPTQ for a GPTQ method) loads in our loader
+    and the runtime alike, and its saved plan reproduces the same formats and codes."""
     src = save_model(tiny_llama(seed=8), tmp_path / "src")
-    config = QuantizeConfig(model=str(src), output=str(tmp_path / "a"), scheme="AUTO", target_bpw=5.5,
+    config = QuantizeConfig(model=str(src), output=str(tmp_path / "a"), scheme="AUTO", target_bpw=5.5, method=method,
                             calib=str(calib_text), calib_samples=4, calib_seq_len=64)
     record = run_quantize(config)
     plan = record["plan"]
     assert plan["bpw"] <= 5.5 and len(plan["formats"]) == 2 * 7 + 1  # tied: one embedding/head entry
+    assert plan["linears_priced_by"] == ("gptq" if "gptq" in config.method else "rtn")
     stored = json.loads((tmp_path / "a" / "llmopt.json").read_text())
     assert stored["plan"]["formats"] == plan["formats"]
     weights, qconfig = read_compressed(tmp_path / "a")
@@ -251,8 +255,9 @@ def test_auto_checkpoint_loads_and_plan_is_reused(tmp_path, calib_text):
                               eos_token_id=None).tolist()[0][len(prompt):]
     got = LLM(tmp_path / "a").generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].token_ids
     assert len(got) == 6 and got == want
-    again = run_quantize(QuantizeConfig(model=str(src), output=str(tmp_path / "b"), scheme="AUTO",
-                                        plan=str(tmp_path / "a" / "llmopt.json")))
+    again = run_quantize(QuantizeConfig(model=str(src), output=str(tmp_path / "b"), scheme="AUTO", method=method,
+                                        plan=str(tmp_path / "a" / "llmopt.json"), calib=str(calib_text), calib_samples=4,
+                                        calib_seq_len=64))
     assert again["plan"]["formats"] == plan["formats"]
     w2, _ = read_compressed(tmp_path / "b")
     assert sorted(w2) == sorted(weights)
@@ -271,6 +276,9 @@ def test_auto_checkpoint_loads_and_plan_is_reused(tmp_path, calib_text):
     (["--scheme", "AUTO", "--plan", "missing.json"], "does not exist"),
     (["--scheme", "W4A16", "--objective", "speed"], "only apply to --scheme AUTO"),
     (["--scheme", "AUTO", "--target-bpw", "5", "--objective", "speed"], "fastest plan under a KLD target"),
+    (["--scheme", "W4A16", "--price-by", "rtn"], "only apply to --scheme AUTO"),
+    (["--scheme", "AUTO", "--plan", "missing.json", "--price-by", "rtn"], "--plan reuses a plan"),
+    (["--scheme", "AUTO", "--target-bpw", "5", "--method", "rtn", "--price-by", "gptq"], "does not use GPTQ"),
 ])
 def test_bad_auto_options(tmp_path, args, message):
     src = save_model(tiny_llama(seed=9), tmp_path / "src")

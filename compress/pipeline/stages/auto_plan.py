@@ -27,7 +27,7 @@ def plan_for(config: Any, source: Path, calib: torch.Tensor | None) -> tuple[dic
 
         model, _ = load_model(source)
         sens = measure_sensitivity(model, calib[: config.sensitivity_samples], seed=config.seed,
-                                   head_gptq=config.method != "rtn")
+                                   head_gptq=config.method != "rtn", linear_gptq=config.linear_pricing == "gptq")
         del model
         seconds = decode_speeds(sens) if config.objective == "speed" else None
         try:
@@ -38,6 +38,7 @@ def plan_for(config: Any, source: Path, calib: torch.Tensor | None) -> tuple[dic
         record["shapes"] = {t.name: list(t.shape) for t in sens.tensors}
         record["kinds"] = {t.name: t.kind for t in sens.tensors}
         record["sensitivity"] = sens.to_dict()
+        record["linears_priced_by"] = config.linear_pricing
         record["table"] = plan_table(sens, plan)
         bpw, _ = totals(sens, plan.formats)
         record["bpw"] = round(bpw, 4)

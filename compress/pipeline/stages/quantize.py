@@ -68,6 +68,10 @@ class QuantizeConfig:
     plan: str | None = option(None, "AUTO: reuse a plan (a plan.json, or a checkpoint's llmopt.json) instead of measuring.",
                               metavar="PATH")
     sensitivity_samples: int = option(4, "AUTO: calibration windows for the sensitivity pass (one forward + backward each).", min=1)
+    price_by: str | None = option(None, "AUTO: price each Linear's candidate formats by the error GPTQ leaves on the "
+                                  "sensitivity pass's inputs (gptq: one GPTQ solve per Linear and format) or by "
+                                  "round-to-nearest's (rtn) [default: gptq for GPTQ methods, else rtn].",
+                                  choices=("gptq", "rtn"))
     act_order: bool | None = option(None, "GPTQ: activation ordering with static groups, so the saved format stays plain [default: on for GPTQ methods].")
     float_targets: bool = option(False, "GPTQ: fit each Linear to the float model's outputs, the float model's hidden "
                                  "states run alongside (asymmetric calibration, as GPTAQ), rather than to its own "
@@ -100,6 +104,11 @@ class QuantizeConfig:
     @property
     def is_auto(self) -> bool:
         return self.scheme == AUTO
+
+    @property
+    def linear_pricing(self) -> str:
+        """How ``--scheme AUTO`` prices the Linears' formats: gptq or rtn."""
+        return self.price_by or ("gptq" if "gptq" in self.method else "rtn")
 
     def parse_scheme(self) -> QuantScheme | None:
         """The scheme object for this request (None for NF4), or LlmoptError for impossible combinations."""
@@ -175,6 +184,7 @@ class QuantizeConfig:
         if not self.is_auto:
             given += ["--size-of"] if self.size_of != "checkpoint" else []
             given += ["--objective"] if self.objective != "size" else []
+            given += ["--price-by"] if self.price_by is not None else []
             if given:
                 raise LlmoptError(f"{', '.join(given)} only apply to --scheme AUTO", "drop them, or use --scheme AUTO")
             return
@@ -192,8 +202,12 @@ class QuantizeConfig:
         if self.objective == "speed" and self.target_kld is None:
             raise LlmoptError("--objective speed finds the fastest plan under a KLD target, not under a bits budget or a saved plan",
                               "give --target-kld (e.g. --target-kld 0.05), or drop --objective")
-        if self.plan is not None and self.size_of != "checkpoint":
-            raise LlmoptError("--size-of chooses how a new plan counts bits; --plan reuses a plan as it is", "drop --size-of")
+        if self.plan is not None and (self.size_of != "checkpoint" or self.price_by is not None):
+            raise LlmoptError("--size-of and --price-by shape a new plan; --plan reuses a plan as it is",
+                              "drop --size-of / --price-by")
+        if self.price_by == "gptq" and "gptq" not in self.method:
+            raise LlmoptError(f"--price-by gptq prices formats as GPTQ stores them; method {self.method} does not use GPTQ",
+                              "drop --price-by, or use --method gptq / awq+gptq")
         if self.plan is not None and not Path(self.plan).is_file():
             raise LlmoptError(f"plan file {self.plan} does not exist", "give a plan.json or a checkpoint's llmopt.json")
 
