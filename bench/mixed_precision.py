@@ -490,7 +490,9 @@ def write(results: dict, meta: dict, skipped: list[str], order: list[str]) -> No
         f"file) in bits over the {n_weights:,} weights. The Q4_K_M-size plans count GGUF block bits (`--size-of gguf`) with "
         f"a budget of {meta['q4km_target_gguf_bpw']} bits per weight: the {meta['q4km_bytes']:,}-byte Q4_K_M file less "
         f"{meta['gguf_overhead_bytes']:,} bytes of metadata; the `GGUF bpw` plans count the same block bits against their "
-        "budget (tensor data only, as a format's nominal bits per weight; nl4 at 4.5 as IQ4_NL, norms at F32). Predicted KLD: the plan's summed per-tensor costs (RTN errors for the Linears; for a calibrated method the head's exact KLD as GPTQ quantizes it, the way it is stored, from the cached sensitivity pass).",
+        "budget (tensor data only, as a format's nominal bits per weight; nl4 at 4.5 as IQ4_NL, norms at F32). Predicted KLD: the plan's summed per-tensor costs ("
+        f"{'the errors GPTQ leaves on the pass’s inputs for the Linears (`--price-by gptq`)' if s.get('sens_gptq') else 'RTN errors for the Linears'}; "
+        "for a calibrated method the head's exact KLD as GPTQ quantizes it, the way it is stored, from the cached sensitivity pass).",
         "",
         "| variant | bpw | GGUF MiB | GGUF bpw | predicted KLD | wiki KLD mean | wiki KLD p99 | wiki top-1 | wiki ppl | held-out KLD mean | held-out top-1 | held-out ppl | seconds | load before → after |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -419,64 +419,39 @@ def test_nl4x_super_block_scales_carried_as_iq4_xs(tmp_path):
     assert set(export_gguf(tmp_path / "nl", tmp_path / "nl.gguf").by_type) == {"IQ4_NL", "F16", "F32"}
 
 
-def test_int6x_super_block_scales_carried_as_q6_k(tmp_path):
-    """int6x: 6-bit codes in groups of 16 whose scales are k * d per 256 features (d float16, k in
-    [-128, 127]) go to Q6_K blocks with codes, d and 8-bit scales exact: gguf's own dequantizer
-    gives our weights bit for bit. Free group-16 scales have no block type (F16); int6 in groups
-    of 32 is Q8_0."""
+@pytest.mark.parametrize("bits,steps_name,qtype,block_bytes", [(6, "Q6_K_STEPS", "Q6_K", 210), (3, "Q3_K_STEPS", "Q3_K", 110)])
+def test_k_quant_super_block_scales_carried(tmp_path, bits, steps_name, qtype, block_bytes):
+    """int6x / int3x: 6- / 3-bit codes in groups of 16 whose scales are k * d per 256 features (d
+    float16, k 8- / 6-bit signed) go to Q6_K / Q3_K blocks with codes, d and sub-block scales
+    exact: gguf's own dequantizer gives our weights bit for bit. Free group-16 scales have no
+    block type (F16); the same codes in groups of 32 are Q8_0."""
+    from llmopt.formats import schemes
     from llmopt.formats.gguf_blocks import stored_codes
-    from llmopt.formats.schemes import Q6_K_STEPS, int_weight_scheme, superblock_factors
+    from llmopt.formats.schemes import int_weight_scheme, superblock_factors
 
-    weights = quantized_dir(tmp_path / "q6", int_weight_scheme(6, 16, scale_steps=Q6_K_STEPS), 16)
+    steps, half = getattr(schemes, steps_name), 2 ** (bits - 1)
+    weights = quantized_dir(tmp_path / "k", int_weight_scheme(bits, 16, scale_steps=steps), 16)
     qw = weights["model.layers.1.mlp.down_proj"]  # 512 columns: two super-blocks per row
-    d, k = superblock_factors(qw.scale, 16, Q6_K_STEPS)
+    d, k = superblock_factors(qw.scale, 16, steps)
     assert d.shape == (qw.codes.shape[0], 2) and k.shape == qw.scale.shape == (qw.codes.shape[0], 32)
-    assert int(k.min()) == -128 and int(k.max()) < 0 and len(k.unique()) > 20
-    assert int(qw.codes.min()) == -32 and int(qw.codes.max()) == 31
-    report = export_gguf(tmp_path / "q6", tmp_path / "q6.gguf")
-    assert report.by_type["Q6_K"]["codes_identical"] is True and report.by_type["Q6_K"]["tensors"] == 14
-    t = read_tensors(tmp_path / "q6.gguf")["blk.1.ffn_down.weight"]
-    assert t.tensor_type == T.Q6_K
-    b = np.ascontiguousarray(t.data).reshape(-1, 210)
-    assert np.array_equal(b[:, 208:].copy().view(np.float16).astype(np.float32).reshape(d.shape), d.numpy())
-    assert np.array_equal(b[:, 192:208].copy().view(np.int8).astype(np.int16).reshape(k.shape), k.numpy().astype(np.int16))
-    codes, _ = stored_codes(t.data, T.Q6_K, qw.codes.shape[0])
-    assert codes.shape == tuple(qw.codes.shape) and np.array_equal(codes, qw.codes.numpy())
-    got, want = values(t), qw.dequantize().numpy()
-    assert got.shape == want.shape and np.array_equal(got, want)
-    quantized_dir(tmp_path / "free", int_weight_scheme(6, 16), 16, fp16_scales=True)
-    assert set(export_gguf(tmp_path / "free", tmp_path / "free.gguf").by_type) == {"F16", "F32"}
-    quantized_dir(tmp_path / "g32", int_weight_scheme(6, 32), 32, fp16_scales=True)
-    assert set(export_gguf(tmp_path / "g32", tmp_path / "g32.gguf").by_type) == {"Q8_0", "F16", "F32"}
-
-
-def test_int3x_super_block_scales_carried_as_q3_k(tmp_path):
-    """int3x: 3-bit codes in groups of 16 whose scales are k * d per 256 features (d float16, k in
-    [-32, 31]) go to Q3_K blocks with codes, d and 6-bit scales exact: gguf's own dequantizer gives
-    our weights bit for bit. Free group-16 int3 scales have no block type (F16)."""
-    from llmopt.formats.gguf_blocks import stored_codes
-    from llmopt.formats.schemes import Q3_K_STEPS, int_weight_scheme, superblock_factors
-
-    weights = quantized_dir(tmp_path / "q3", int_weight_scheme(3, 16, scale_steps=Q3_K_STEPS), 16)
-    qw = weights["model.layers.1.mlp.down_proj"]  # 512 columns: two super-blocks per row
-    d, k = superblock_factors(qw.scale, 16, Q3_K_STEPS)
-    assert d.shape == (qw.codes.shape[0], 2) and k.shape == qw.scale.shape == (qw.codes.shape[0], 32)
-    assert int(k.min()) == -32 and int(k.max()) < 0 and len(k.unique()) > 10
-    assert int(qw.codes.min()) == -4 and int(qw.codes.max()) == 3
-    report = export_gguf(tmp_path / "q3", tmp_path / "q3.gguf")
-    assert report.by_type["Q3_K"]["codes_identical"] is True and report.by_type["Q3_K"]["tensors"] == 14
-    t = read_tensors(tmp_path / "q3.gguf")["blk.1.ffn_down.weight"]
-    assert t.tensor_type == T.Q3_K
-    b = np.ascontiguousarray(t.data).reshape(-1, 110)
+    assert int(k.min()) == -steps // 2 and int(k.max()) < 0 and len(k.unique()) > 10
+    assert int(qw.codes.min()) == -half and int(qw.codes.max()) == half - 1
+    report = export_gguf(tmp_path / "k", tmp_path / "k.gguf")
+    assert report.by_type[qtype]["codes_identical"] is True and report.by_type[qtype]["tensors"] == 14
+    t = read_tensors(tmp_path / "k.gguf")["blk.1.ffn_down.weight"]
+    assert t.tensor_type == T[qtype]
+    b = np.ascontiguousarray(t.data).reshape(-1, block_bytes)
     assert b.shape[0] == qw.codes.numel() // 256
-    assert np.array_equal(b[:, 108:].copy().view(np.float16).astype(np.float32).reshape(d.shape), d.numpy())
-    codes, scales = stored_codes(t.data, T.Q3_K, qw.codes.shape[0])
+    assert np.array_equal(b[:, -2:].copy().view(np.float16).astype(np.float32).reshape(d.shape), d.numpy())
+    codes, scales = stored_codes(t.data, T[qtype], qw.codes.shape[0])
     assert codes.shape == tuple(qw.codes.shape) and np.array_equal(codes, qw.codes.numpy())
     assert np.array_equal(scales, (d.repeat_interleave(16, dim=1) * k).numpy())
     got, want = values(t), qw.dequantize().numpy()
     assert got.shape == want.shape and np.array_equal(got, want)
-    quantized_dir(tmp_path / "free", int_weight_scheme(3, 16), 16, fp16_scales=True)
+    quantized_dir(tmp_path / "free", int_weight_scheme(bits, 16), 16, fp16_scales=True)
     assert set(export_gguf(tmp_path / "free", tmp_path / "free.gguf").by_type) == {"F16", "F32"}
+    quantized_dir(tmp_path / "g32", int_weight_scheme(bits, 32), 32, fp16_scales=True)
+    assert set(export_gguf(tmp_path / "g32", tmp_path / "g32.gguf").by_type) == {"Q8_0", "F16", "F32"}
 
 
 def test_auto_without_exact_mapping_and_unmappable_types(tmp_path):

@@ -251,15 +251,20 @@ def _q3_k_codes(blocks: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(rows, -1), (d * sc).reshape(rows, -1)
 
 
+def _check_k_quant(qtype: str, codes: np.ndarray, code_bits: int, k: np.ndarray, scale_bits: int) -> None:
+    """Refuse codes or sub-block multipliers outside the signed ranges of ``qtype``'s fields."""
+    for values, bits, what in ((codes, code_bits, "code"), (k, scale_bits, "sub-block scale")):
+        low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+        if values.min(initial=0) < low or values.max(initial=0) > high:
+            raise ValueError(f"a {qtype} {what} is outside [{low}, {high}]")
+
+
 def encode_q3_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Q3_K bytes ``[rows, cols/256*110]`` from 3-bit codes ``[rows, cols]`` (in [-4, 3]), super-block
     scales ``d`` ``[rows, cols/256]`` (float16 values) and sub-block multipliers ``k`` ``[rows, cols/16]``
     (in [-32, 31]): weight = d * k * code."""
     rows = codes.shape[0]
-    if codes.min(initial=0) < -4 or codes.max(initial=0) > 3:
-        raise ValueError("a Q3_K code is outside [-4, 3]")
-    if k.min(initial=0) < -32 or k.max(initial=0) > 31:
-        raise ValueError("a Q3_K sub-block scale is outside [-32, 31]")
+    _check_k_quant("Q3_K", codes, 3, k, 6)
     u = (codes.astype(np.int16) + 4).astype(np.uint8).reshape(-1, 8, 32)  # [n, 4 * half + j, 32]
     low = (u & 3).reshape(-1, 2, 4, 32)
     qs = (low << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)).sum(axis=2, dtype=np.uint8).reshape(-1, 64)
@@ -328,10 +333,7 @@ def encode_q6_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray) -> np.ndarray:
     scales ``d`` ``[rows, cols/256]`` (float16 values) and sub-block multipliers ``k`` ``[rows, cols/16]``
     (in [-128, 127]): weight = d * k * code."""
     rows = codes.shape[0]
-    if codes.min(initial=0) < -32 or codes.max(initial=0) > 31:
-        raise ValueError("a Q6_K code is outside [-32, 31]")
-    if k.min(initial=0) < -128 or k.max(initial=0) > 127:
-        raise ValueError("a Q6_K sub-block scale is outside [-128, 127]")
+    _check_k_quant("Q6_K", codes, 6, k, 8)
     u = (codes.astype(np.int16) + 32).astype(np.uint8).reshape(-1, 2, 128)  # two halves of 128 weights
     low, high = u & 0x0F, u >> 4
     low = low.reshape(-1, 2, 2, 64)
