@@ -69,8 +69,10 @@ class QuantizeConfig:
                               metavar="PATH")
     sensitivity_samples: int = option(4, "AUTO: calibration windows for the sensitivity pass (one forward + backward each).", min=1)
     price_by: str | None = option(None, "AUTO: price each Linear's candidate formats by the error GPTQ leaves on the "
-                                  "sensitivity pass's inputs (gptq: one GPTQ solve per Linear and format) or by "
-                                  "round-to-nearest's (rtn) [default: gptq for GPTQ methods, else rtn].",
+                                  "sensitivity pass's inputs (gptq: one GPTQ solve per Linear and candidate format) "
+                                  "or by round-to-nearest's "
+                                  "(rtn: no solves; faster on large models without a GPU) "
+                                  "[default: gptq for GPTQ methods, else rtn].",
                                   choices=("gptq", "rtn"))
     act_order: bool | None = option(None, "GPTQ: activation ordering with static groups, so the saved format stays plain [default: on for GPTQ methods].")
     float_targets: bool = option(False, "GPTQ: fit each Linear to the float model's outputs, the float model's hidden "
