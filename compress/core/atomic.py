@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,14 +64,33 @@ def umask() -> int:
     return mask
 
 
-def _public_mode(path: Path, directory: bool) -> None:
+def _public_mode(path: Path, directory: bool, mask: int | None = None) -> None:
     """Give ``path`` the mode a plain ``mkdir`` / ``open`` would have (mkdtemp / mkstemp make
     them private), so that finished outputs carry the user's umask like any other tool's."""
-    os.chmod(path, (0o777 if directory else 0o666) & ~umask())
+    os.chmod(path, (0o777 if directory else 0o666) & ~(umask() if mask is None else mask))
+
+
+def _public_tree(root: Path) -> None:
+    """:func:`_public_mode` for ``root`` and everything under it (links left alone).
+
+    Writers that go through a temporary file and a rename create private files whatever the
+    umask: safetensors >= 0.8 (``save_file``, hence ``save_pretrained``) writes every
+    ``*.safetensors`` 0600. A finished output directory is made uniform here, in one place, so
+    every file in it gets ``0666 & ~umask`` (``0777 & ~umask`` if it was made executable) and
+    every folder ``0777 & ~umask``, as with ``open`` / ``mkdir``.
+    """
+    mask = umask()
+    for folder, dirs, files in os.walk(root, topdown=False):  # contents before their folder
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            st = os.lstat(path)
+            if not stat.S_ISLNK(st.st_mode):
+                _public_mode(path, directory=stat.S_ISDIR(st.st_mode) or bool(st.st_mode & 0o100), mask=mask)
+    _public_mode(root, directory=True, mask=mask)
 
 
 def _move_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
-    _public_mode(tmp, directory=True)
+    _public_tree(tmp)
     if not target.exists():
         os.rename(tmp, target)
         return

@@ -641,7 +641,6 @@ def export_gguf(
     with atomic_file(output, overwrite) as tmp:
         _write(tmp, arch, source, layout, vocab, plans, file_type)
         reports = read_back(tmp, plans, layout, vocab)
-        _default_permissions(tmp)
     report = GGUFExportReport(
         output=str(output), source=str(path), source_kind=_source_kind(source), architecture=arch.gguf,
         requested_type=gguf_type.upper() if gguf_type.lower() != "auto" else "auto",
@@ -653,15 +652,6 @@ def export_gguf(
         report.verify = verify_with_transformers(output, source, verify_text)
     report.seconds = round(time.perf_counter() - start, 2)
     return report
-
-
-def _default_permissions(path: Path) -> None:
-    """Give a temporary file (created 0600) the permissions a new file normally gets."""
-    import os
-
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
 
 
 def _source_kind(source: Source) -> str:
