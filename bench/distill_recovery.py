@@ -39,7 +39,7 @@ DROP = 8
 
 def settings(steps: int, args, **overrides):
     """Training settings shared by the distillation and the cross-entropy run (same schedule)."""
-    from llmopt.distill.trainer import TrainSettings
+    from llmopt.distillation.trainer import TrainSettings
 
     values = dict(steps=steps, batch_size=args.batch_size, grad_accum=1, lr=args.lr, warmup=max(1, steps // 20),
                   loss=args.loss, temperature=args.temperature, kd_weight=1.0, ce_weight=args.ce_weight,
@@ -50,8 +50,8 @@ def settings(steps: int, args, **overrides):
 
 
 def request(out: Path, dropped: list[int], train_settings, seq_len: int, **kwargs):
-    from llmopt.distill.run import DistillRequest
-    from llmopt.distill.student import StudentRequest
+    from llmopt.distillation.run import DistillRequest
+    from llmopt.distillation.student import StudentRequest
 
     return DistillRequest(teacher=TEACHER, output=out, student=StudentRequest(student_from=TEACHER, drop_layers=DROP, drop_indices=dropped),
                           settings=train_settings, seq_len=seq_len, overwrite=True, **kwargs)
@@ -80,7 +80,7 @@ def pick_threads() -> int:
 def rank(work: Path) -> dict:
     from llmopt.core.data import calibration_ids
     from llmopt.checkpoints.models import load_model
-    from llmopt.prune.depth import block_influence
+    from llmopt.pruning.depth import block_influence
 
     model, tokenizer = load_model(TEACHER)
     ids, record = calibration_ids(tokenizer, "austen", 16, 256, seed=0)
@@ -108,7 +108,7 @@ def perplexity(model_or_path, windows: int) -> dict:
 
 def pruned_perplexity(dropped: list[int], windows: int) -> dict:
     from llmopt.checkpoints.models import load_model
-    from llmopt.prune.depth import drop_layers
+    from llmopt.pruning.depth import drop_layers
 
     model, tokenizer = load_model(TEACHER)
     drop_layers(model, dropped)
@@ -116,7 +116,7 @@ def pruned_perplexity(dropped: list[int], windows: int) -> dict:
 
 
 def train(out: Path, dropped: list[int], train_settings, seq_len: int) -> dict:
-    from llmopt.distill.run import run_distill
+    from llmopt.distillation.run import run_distill
 
     start = time.perf_counter()
     outcome = run_distill(request(out, dropped, train_settings, seq_len))
@@ -129,7 +129,7 @@ def train(out: Path, dropped: list[int], train_settings, seq_len: int) -> dict:
 
 def probe_step_seconds(work: Path, dropped: list[int], args) -> float:
     """Seconds per distillation step, timed over a few steps after a warm-up step."""
-    from llmopt.distill.run import run_distill
+    from llmopt.distillation.run import run_distill
 
     times: list[float] = []
     last = [time.perf_counter()]

@@ -208,8 +208,8 @@ def cost_child(name: str, out: str) -> None:
     kind, options = COSTS[name]
     load, start = round(os.getloadavg()[0], 1), time.perf_counter()
     if kind == "prune":
-        from llmopt.prune.apply import PruneSettings
-        from llmopt.prune.streaming import prune_streaming
+        from llmopt.pruning.apply import PruneSettings
+        from llmopt.pruning.streaming import prune_streaming
 
         record = prune_streaming(source, Path(out), PruneSettings(**options), calib, overwrite=True,
                                  show_progress=False, device=DEVICE)

@@ -1,33 +1,19 @@
 """llmopt: compress, run and measure Hugging Face causal language models.
 
 The Python API mirrors the CLI: :func:`quantize`, :func:`prune`, :func:`distill`,
-:func:`export`, :func:`evaluate`, :func:`run_recipe`, and :func:`load_model` /
-:func:`resolve_model` for model specs. Names are imported on first use, so ``import llmopt``
-stays light and lower layers never load the upper ones.
+:func:`export`, :func:`evaluate`, :func:`run_recipe` (plain functions of :mod:`llmopt.api`),
+and :func:`load_model` / :func:`resolve_model` for model specs (:mod:`llmopt.checkpoints.models`).
+Both modules are light to import: the stages behind the API functions are imported when called.
+
+The algorithm packages import as ``llmopt.quant``, ``llmopt.pruning`` and ``llmopt.distillation``
+(folders ``quant/``, ``prune/``, ``distill/``), so no package name clashes with an API function.
 """
 
 from __future__ import annotations
 
-from typing import Any
+__version__ = "0.1.0"  # first: modules imported below may read it
 
-__version__ = "0.1.0"
+from llmopt.api import distill, evaluate, export, prune, quantize, run_recipe  # noqa: E402
+from llmopt.checkpoints.models import load_model, resolve_model  # noqa: E402
 
-_API = {"quantize", "prune", "distill", "export", "evaluate", "run_recipe"}
-_CHECKPOINTS = {"load_model", "resolve_model"}
-__all__ = ["__version__", *_API, *_CHECKPOINTS]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("prune", "distill"):  # packages that are also callable (see llmopt.core.callable_module)
-        import importlib
-
-        return importlib.import_module(f"llmopt.{name}")
-    if name in _API:
-        from llmopt import api
-
-        return getattr(api, name)
-    if name in _CHECKPOINTS:
-        from llmopt.checkpoints import models
-
-        return getattr(models, name)
-    raise AttributeError(f"module 'llmopt' has no attribute {name!r}")
+__all__ = ["__version__", "quantize", "prune", "distill", "export", "evaluate", "run_recipe", "load_model", "resolve_model"]

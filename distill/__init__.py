@@ -8,9 +8,6 @@
 - :mod:`.trainer` — the accelerate training loop (checkpoints, Ctrl-C, validation, live display)
 - :mod:`.run` — one run end to end (``run_distill``), used by ``llmopt distill``
 
-Calling the package, ``llmopt.distill(teacher, steps=..., output=...)``, runs the distill stage (:mod:`llmopt.api`).
+The folder is ``distill/``; it imports as ``llmopt.distillation`` so that ``llmopt.distill``
+stays the API function that runs the distill stage (:func:`llmopt.api.distill`).
 """
-
-from llmopt.core.callable_module import make_callable
-
-make_callable(__name__, "llmopt.api:distill")

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from llmopt.prune.depth import decoder_layers
+from llmopt.pruning.depth import decoder_layers
 from torch import nn
 
 

@@ -16,13 +16,13 @@ import torch
 from llmopt.core.atomic import atomic_dir, check_output
 from llmopt.core.errors import LlmoptError
 
-from llmopt.distill import checkpoint
-from llmopt.distill.data import DEFAULT_TRAIN, DEFAULT_VALIDATION, pack_text, spread
-from llmopt.distill.generated import generated_corpus, is_generated
-from llmopt.distill.display import TrainDisplay
-from llmopt.distill.precision import resolve_precision
-from llmopt.distill.student import Student, StudentRequest, build_student
-from llmopt.distill.trainer import Trainer, TrainResult, TrainSettings
+from llmopt.distillation import checkpoint
+from llmopt.distillation.data import DEFAULT_TRAIN, DEFAULT_VALIDATION, pack_text, spread
+from llmopt.distillation.generated import generated_corpus, is_generated
+from llmopt.distillation.display import TrainDisplay
+from llmopt.distillation.precision import resolve_precision
+from llmopt.distillation.student import Student, StudentRequest, build_student
+from llmopt.distillation.trainer import Trainer, TrainResult, TrainSettings
 from llmopt.checkpoints.provenance import write_provenance
 
 
@@ -135,7 +135,7 @@ def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
     val_ids = spread(val, request.settings.val_samples) if val is not None else None
     cache = None
     if request.settings.teacher_top_k:
-        from llmopt.distill.teacher_cache import TeacherCache
+        from llmopt.distillation.teacher_cache import TeacherCache
 
         cache = TeacherCache.for_run(model_fingerprint(teacher_path), train.ids, request.settings.teacher_top_k,
                                      request.settings.temperature, resolve_precision(request.settings.precision, cpu))

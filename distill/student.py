@@ -1,5 +1,5 @@
 """Students for distillation: a given model, or the teacher with its least important blocks
-dropped (:mod:`llmopt.prune.depth`), or width-pruned (:mod:`llmopt.prune.width`, where present).
+dropped (:mod:`llmopt.pruning.depth`), or width-pruned (:mod:`llmopt.pruning.width`, where present).
 
 Every student must share the teacher's vocabulary; :func:`check_vocab` refuses otherwise.
 The result carries the hidden-state layer map (student block → teacher block) when one follows
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from llmopt.core.errors import LlmoptError
-from llmopt.prune.depth import (
+from llmopt.pruning.depth import (
     METHODS,
     DepthPruneResult,
     LayerRanking,
@@ -25,7 +25,7 @@ from llmopt.prune.depth import (
 )
 from torch import nn
 
-from llmopt.distill.hidden import layer_map_from_kept, uniform_layer_map
+from llmopt.distillation.hidden import layer_map_from_kept, uniform_layer_map
 
 
 @dataclass
@@ -72,9 +72,9 @@ class Student:
 
 
 def width_pruning():
-    """The width-pruning entry point of :mod:`llmopt.prune`, or a clear refusal while it does not exist."""
-    if importlib.util.find_spec("llmopt.prune.width") is not None:
-        module = importlib.import_module("llmopt.prune.width")
+    """The width-pruning entry point of :mod:`llmopt.pruning`, or a clear refusal while it does not exist."""
+    if importlib.util.find_spec("llmopt.pruning.width") is not None:
+        module = importlib.import_module("llmopt.pruning.width")
         if hasattr(module, "prune_width"):
             return module.prune_width
     raise LlmoptError("width pruning (--width) is not available yet", "make the student with --student-from MODEL --drop-layers N, or pass --student DIR")

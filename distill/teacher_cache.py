@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from llmopt.core.paths import cache_dir
 
-from llmopt.distill.losses import TopK
+from llmopt.distillation.losses import TopK
 
 
 class TeacherCache:

@@ -2,7 +2,7 @@
 
 One optimizer step = ``grad_accum`` micro batches of ``batch_size`` sequences on every process
 (data parallel when started by ``torchrun``/``accelerate launch``). Each process draws its own
-samples from the seeded :class:`~llmopt.distill.data.DataOrder`, so the stream — and with it
+samples from the seeded :class:`~llmopt.distillation.data.DataOrder`, so the stream — and with it
 the result — depends only on the seed and the step, which makes ``resume`` exact.
 
 Ctrl-C asks the loop to stop: it finishes the current step, saves a checkpoint and returns
@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 from llmopt.core.errors import LlmoptError
 
-from llmopt.distill import checkpoint
-from llmopt.distill.data import DataOrder, PackedText
-from llmopt.distill.display import Progress, TrainDisplay
-from llmopt.distill.hidden import capture_hidden
-from llmopt.distill.losses import KINDS, cross_entropy, hidden_mse, kd_loss
-from llmopt.distill.precision import resolve_precision
-from llmopt.distill.teacher_cache import TeacherCache
+from llmopt.distillation import checkpoint
+from llmopt.distillation.data import DataOrder, PackedText
+from llmopt.distillation.display import Progress, TrainDisplay
+from llmopt.distillation.hidden import capture_hidden
+from llmopt.distillation.losses import KINDS, cross_entropy, hidden_mse, kd_loss
+from llmopt.distillation.precision import resolve_precision
+from llmopt.distillation.teacher_cache import TeacherCache
 
 
 @dataclass

@@ -3,9 +3,6 @@
 engine by :mod:`.sparsify`), depth (:mod:`.depth`) and width (:mod:`.width`) pruning, and one
 validated entry point for all of them (:mod:`.apply`).
 
-Calling the package, ``llmopt.prune(model, method=..., output=...)``, runs the prune stage (:mod:`llmopt.api`).
+The folder is ``prune/``; it imports as ``llmopt.pruning`` so that ``llmopt.prune`` stays the
+API function that runs the prune stage (:func:`llmopt.api.prune`).
 """
-
-from llmopt.core.callable_module import make_callable
-
-make_callable(__name__, "llmopt.api:prune")

@@ -19,11 +19,11 @@ import torch
 from llmopt.core.errors import LlmoptError
 from torch import nn
 
-from llmopt.prune.depth import METHODS as RANKINGS
-from llmopt.prune.depth import LayerRanking, check_drop_count, drop_layers, kept_layers, rank_layers
-from llmopt.prune.experts import check_expert_drop, drop_experts, measure_usage
-from llmopt.prune.masks import Pattern, parse_pattern
-from llmopt.prune.sparsify import (
+from llmopt.pruning.depth import METHODS as RANKINGS
+from llmopt.pruning.depth import LayerRanking, check_drop_count, drop_layers, kept_layers, rank_layers
+from llmopt.pruning.experts import check_expert_drop, drop_experts, measure_usage
+from llmopt.pruning.masks import Pattern, parse_pattern
+from llmopt.pruning.sparsify import (
     MASK_METHODS,
     PROFILES,
     SparsifyOptions,
@@ -31,7 +31,7 @@ from llmopt.prune.sparsify import (
     report_from_zeros,
     sparsify_model,
 )
-from llmopt.prune.width import HEAD_MODES, check_ffn_ratio, plan_heads, prune_width
+from llmopt.pruning.width import HEAD_MODES, check_ffn_ratio, plan_heads, prune_width
 
 METHODS = (*MASK_METHODS, "drop-layers", "drop-experts", "width")
 
@@ -156,7 +156,7 @@ def prune_model(
 
     ``ranking`` (drop-layers) reuses an earlier block ranking instead of computing it.
     ``lifecycle`` / ``observe_lifecycle`` / ``device`` (magnitude, Wanda, SparseGPT): streaming
-    and onloading, as in :func:`~llmopt.prune.sparsify.sparsify_model`; drop-layers and width
+    and onloading, as in :func:`~llmopt.pruning.sparsify.sparsify_model`; drop-layers and width
     keep the whole model in memory.
     """
     settings.validate(model.config.to_dict())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.prune.masks import Pattern, select_mask
+from llmopt.pruning.masks import Pattern, select_mask
 
 
 @torch.no_grad()

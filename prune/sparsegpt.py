@@ -15,7 +15,7 @@ import torch
 from llmopt.quant.columns import column_loop_threads
 from llmopt.quant.gptq import _inverse_hessian_factor
 
-from llmopt.prune.masks import Pattern, pruned_per_row
+from llmopt.pruning.masks import Pattern, pruned_per_row
 
 
 @torch.no_grad()

@@ -34,10 +34,10 @@ from torch import nn
 
 from llmopt.checkpoints.moe import is_expert, is_router, unfuse_experts
 from llmopt.core.errors import NumericalError
-from llmopt.prune.magnitude import magnitude_mask
-from llmopt.prune.masks import Pattern, nm_valid, outlier_ratio, owl_sparsities
-from llmopt.prune.sparsegpt import sparsegpt_prune_weight
-from llmopt.prune.wanda import wanda_mask, wanda_scores
+from llmopt.pruning.magnitude import magnitude_mask
+from llmopt.pruning.masks import Pattern, nm_valid, outlier_ratio, owl_sparsities
+from llmopt.pruning.sparsegpt import sparsegpt_prune_weight
+from llmopt.pruning.wanda import wanda_mask, wanda_scores
 
 MASK_METHODS = ("magnitude", "wanda", "sparsegpt")
 PROFILES = ("uniform", "owl")

@@ -1,6 +1,6 @@
 """Prune a checkpoint on disk (magnitude, Wanda, SparseGPT; N:M too) one decoder layer at a time.
 
-It runs :func:`~llmopt.prune.apply.prune_model` on a
+It runs :func:`~llmopt.pruning.apply.prune_model` on a
 :class:`~llmopt.checkpoints.streaming.StreamedModel`: each layer is read in float32, pruned on the
 outputs of the already-pruned layers before it, and written in its stored dtype before the next
 is read; everything outside the layers is copied as stored. OWL's first, read-only pass streams
@@ -22,7 +22,7 @@ from llmopt.calibration import LayerLifecycle
 from llmopt.checkpoints.streaming import StreamedModel
 from llmopt.checkpoints.writer import DEFAULT_SHARD_BYTES, ShardedWriter
 from llmopt.core.atomic import atomic_dir
-from llmopt.prune.apply import PruneSettings, prune_model
+from llmopt.pruning.apply import PruneSettings, prune_model
 
 
 class _ReadOnly(LayerLifecycle):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.prune.masks import Pattern, select_mask
+from llmopt.pruning.masks import Pattern, select_mask
 
 
 def wanda_scores(weight: torch.Tensor, input_norm: torch.Tensor) -> torch.Tensor:

@@ -1,33 +1,50 @@
 """The import graph keeps the layer order of docs/architecture.md and has no cycle.
 
-Every ``import`` in the package is read from the source (function-level imports too), mapped to
-the module it names, and checked: a module may import modules of its own layer or of lower
-layers only, and the graph of imports between modules has no cycle.
+The layer order lives in one place: the ``layers`` block of docs/architecture.md, which is both
+the document's drawing and what this test reads (:func:`read_layers`). Every import in the
+package is read from the source (function-level imports too, and ``importlib.import_module`` /
+``__import__`` calls whose module name is a string literal or an f-string with a literal
+prefix), mapped to the module it names, and checked: a module may import modules of its own
+layer or of lower layers only, and the graph of imports between modules has no cycle.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"compress": "llmopt", "quant": "llmopt.quant", "prune": "llmopt.prune", "distill": "llmopt.distill",
+DOC = ROOT / "docs" / "architecture.md"
+FOLDERS = {"compress": "llmopt", "quant": "llmopt.quant", "prune": "llmopt.pruning", "distill": "llmopt.distillation",
            "runtime": "llmopt.runtime", "recipes": "llmopt.recipes"}
+CLI_ONLY = {"click": (), "rich.table": ("llmopt.distillation.display",)}  # external module → allowed outside the CLI
+
+
+def read_layers(text: str) -> list[list[str]]:
+    """The layers of the document's ``layers`` block, lowest first.
+
+    The block is drawn highest layer first. A line that starts with at most one space and then a
+    name begins a layer: its first column (up to two spaces) lists the layer's modules, relative
+    to ``llmopt`` and separated by ``·`` (``llmopt`` itself is written ``llmopt``). Every other
+    line (indented further: the ``│`` connectors, descriptions and folders) is commentary.
+    """
+    blocks = re.findall(r"^```layers\n(.*?)^```", text, flags=re.M | re.S)
+    assert len(blocks) == 1, f"{DOC.name} must hold exactly one ```layers block (found {len(blocks)})"
+    layers = []
+    for line in blocks[0].splitlines():
+        if not re.match(r" ?[A-Za-z_]", line):
+            continue
+        column = re.split(r"\s{2,}", line.strip())[0]
+        names = [n.strip() for n in column.split("·")]
+        layers.append([n if n == "llmopt" else f"llmopt.{n}" for n in names])
+    return layers[::-1]
+
+
 # Lowest first. A module's layer is that of the longest prefix listed.
-LAYERS = [
-    ["llmopt.core", "llmopt.corpora"],
-    ["llmopt.formats", "llmopt.checkpoints", "llmopt.calibration", "llmopt.linear_stats", "llmopt.float_reference", "llmopt.accuracy"],
-    ["llmopt.runtime"],
-    ["llmopt.quant", "llmopt.prune", "llmopt.distill", "llmopt.tasks", "llmopt.self_calibration"],
-    ["llmopt.pipeline"],
-    ["llmopt.evaluation"],
-    ["llmopt.serve"],
-    ["llmopt.cli", "llmopt.__main__"],
-    ["llmopt.api", "llmopt", "llmopt.recipes"],
-]
-CLI_ONLY = {"click": (), "rich.table": ("llmopt.distill.display",)}  # external module → allowed outside the CLI
+LAYERS = read_layers(DOC.read_text())
 
 
 def _modules() -> dict[str, Path]:
@@ -54,8 +71,42 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
+def _dynamic_name(call: ast.Call, module: str, package: str) -> str | None:
+    """The module an ``importlib.import_module`` / ``__import__`` call names, where the source says.
+
+    A string literal counts whole; an f-string counts up to its first part that is not a literal,
+    ``__name__`` or ``__package__`` (``f"llmopt.runtime.backends.{name}"`` imports at least the
+    package ``llmopt.runtime.backends``).
+    """
+    func = call.func
+    called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if called not in ("import_module", "__import__") or not call.args:
+        return None
+    arg = call.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        name = arg.value
+    elif isinstance(arg, ast.JoinedStr):
+        name = ""
+        for part in arg.values:
+            if isinstance(part, ast.Constant):
+                name += part.value
+            elif isinstance(part, ast.FormattedValue) and isinstance(part.value, ast.Name) \
+                    and part.value.id in ("__name__", "__package__") and part.format_spec is None:
+                name += module if part.value.id == "__name__" else package
+            else:
+                break
+        name = name.rstrip(".")
+    else:
+        return None
+    if name.startswith("."):  # import_module(".x", package): relative to this package
+        dots = len(name) - len(name.lstrip("."))
+        anchor = package.split(".")[: len(package.split(".")) - dots + 1]
+        name = ".".join(anchor + [name.lstrip(".")]).rstrip(".")
+    return name or None
+
+
 def _imports(module: str, file: Path) -> list[tuple[str, int, list[str]]]:
-    """(imported module, line, names) for every import statement in the file."""
+    """(imported module, line, names) for every import statement and literal importlib call in the file."""
     tree = ast.parse(file.read_text(), str(file))
     package = module if file.name == "__init__.py" else module.rpartition(".")[0]
     found = []
@@ -73,6 +124,10 @@ def _imports(module: str, file: Path) -> list[tuple[str, int, list[str]]]:
             if len(submodules) < len(names):  # names defined in ``base`` itself
                 found.append((base, node.lineno, [n for n in names if n not in submodules]))
             found += [(f"{base}.{n}", node.lineno, []) for n in submodules]
+        elif isinstance(node, ast.Call):
+            name = _dynamic_name(node, module, package)
+            if name:
+                found.append((name, node.lineno, []))
     return found
 
 
@@ -82,7 +137,7 @@ def _layer(module: str) -> int:
         for p in prefixes:
             if (module == p or module.startswith(p + ".")) and len(p) > best:
                 best, rank = len(p), i
-    assert rank is not None, f"{module} is in no layer: add it to LAYERS and docs/architecture.md"
+    assert rank is not None, f"{module} is in no layer: add it to the layers block of docs/architecture.md"
     return rank
 
 
@@ -94,6 +149,14 @@ def _edges() -> dict[str, set[str]]:
             if target and target != module and not (target == "llmopt" and set(names) <= {"__version__"}):
                 graph[module].add(target)
     return graph
+
+
+def test_the_document_lists_real_modules_once():
+    """Every name in the layers block is a module or package of llmopt, and appears once."""
+    names = [name for layer in LAYERS for name in layer]
+    assert len(LAYERS) >= 5
+    assert sorted(set(names)) == sorted(names), "a name appears in two layers"
+    assert not [n for n in names if n not in MODULES], f"not modules of llmopt: {[n for n in names if n not in MODULES]}"
 
 
 def test_every_module_has_a_layer():
@@ -153,3 +216,19 @@ def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "llmopt.core.bad", fake)
     with pytest.raises(AssertionError, match="llmopt.core.bad"):
         test_imports_follow_the_layer_order()
+
+
+def test_the_checker_follows_importlib_strings(tmp_path, monkeypatch):
+    """A literal ``importlib.import_module`` (or an f-string with a literal prefix) is an import."""
+    fake = tmp_path / "bad.py"
+    fake.write_text("import importlib\n\n\ndef f(name):\n    return importlib.import_module('llmopt.api'), "
+                    "importlib.import_module(f'llmopt.cli.{name}')\n")
+    monkeypatch.setitem(MODULES, "llmopt.core.bad", fake)
+    assert {name for name, _, _ in _imports("llmopt.core.bad", fake)} == {"importlib", "llmopt.api", "llmopt.cli"}
+    with pytest.raises(AssertionError, match="llmopt.core.bad.*llmopt.api"):
+        test_imports_follow_the_layer_order()
+
+
+def test_read_layers():
+    doc = "text\n```layers\n top · api   the top    compress/\n   │        more\n core         low\n```\n"
+    assert read_layers(doc) == [["llmopt.core"], ["llmopt.top", "llmopt.api"]]

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from conftest import CORPORA, save_model, tiny_llama
 from llmopt.cli.main import main
-from llmopt.distill.data import DataOrder
-from llmopt.distill.hidden import layer_map_from_kept, uniform_layer_map
-from llmopt.distill.losses import (
+from llmopt.distillation.data import DataOrder
+from llmopt.distillation.hidden import layer_map_from_kept, uniform_layer_map
+from llmopt.distillation.losses import (
     TopK,
     cross_entropy,
     forward_kl,
@@ -30,7 +30,7 @@ from llmopt.distill.losses import (
     reverse_kl,
 )
 from llmopt.core.errors import LlmoptError
-from llmopt.prune.depth import (
+from llmopt.pruning.depth import (
     block_influence,
     drop_layers,
     kept_layers,
@@ -192,9 +192,9 @@ def test_layer_maps_and_data_order():
 # -- training ----------------------------------------------------------------------------------
 
 def _request(teacher_dir, texts, out: Path, steps: int = 12, **settings):
-    from llmopt.distill.run import DistillRequest
-    from llmopt.distill.student import StudentRequest
-    from llmopt.distill.trainer import TrainSettings
+    from llmopt.distillation.run import DistillRequest
+    from llmopt.distillation.student import StudentRequest
+    from llmopt.distillation.trainer import TrainSettings
 
     options = dict(steps=steps, batch_size=4, lr=3e-3, warmup=2, precision="no", log_every=1000)
     options.update(settings)
@@ -236,7 +236,7 @@ def test_quantized_teacher_is_distilled_from_its_dequantized_outputs(teacher_dir
     """An int4 checkpoint of ours as the teacher: the KL recorded before training is KL(int4 teacher,
     dequantized || student), computed here directly on the same validation windows."""
     from llmopt.checkpoints.models import load_model
-    from llmopt.distill.data import pack_text, spread
+    from llmopt.distillation.data import pack_text, spread
 
     int4 = tmp_path / "int4"
     done = CliRunner().invoke(main, ["quantize", str(teacher_dir), "--scheme", "W4A16", "--group-size", "32",
@@ -264,7 +264,7 @@ def test_quantized_teacher_is_distilled_from_its_dequantized_outputs(teacher_dir
 
 
 def test_ctrl_c_checkpoints_and_resume_matches_uninterrupted_run(teacher_dir, texts, tmp_path):
-    from llmopt.distill.run import run_distill
+    from llmopt.distillation.run import run_distill
 
     full = run_distill(_request(teacher_dir, texts, tmp_path / "full", hidden_weight=0.5, grad_accum=2))
     assert full.output is not None
@@ -290,7 +290,7 @@ def test_ctrl_c_checkpoints_and_resume_matches_uninterrupted_run(teacher_dir, te
 
 
 def test_teacher_cache_is_filled_and_reused(teacher_dir, texts, tmp_path):
-    from llmopt.distill.run import run_distill
+    from llmopt.distillation.run import run_distill
 
     first = run_distill(_request(teacher_dir, texts, tmp_path / "a", steps=4, teacher_top_k=259, temperature=2.0))
     cache = Path(first.record["teacher_cache"])
@@ -310,7 +310,7 @@ def test_live_display_shows_step_losses_lr_speed_and_eta():
 
     from rich.console import Console
 
-    from llmopt.distill.display import Progress, TrainDisplay
+    from llmopt.distillation.display import Progress, TrainDisplay
 
     buffer = StringIO()
     console = Console(file=buffer, force_terminal=True, width=100)
@@ -359,7 +359,7 @@ def test_bad_arguments_give_clear_errors(teacher_dir, texts, tmp_path, args, mes
 
 
 def test_width_pruning_is_refused_while_missing(monkeypatch):
-    from llmopt.distill import student
+    from llmopt.distillation import student
 
     monkeypatch.setattr(student.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(LlmoptError, match="not available yet"):
@@ -367,13 +367,13 @@ def test_width_pruning_is_refused_while_missing(monkeypatch):
 
 
 def test_width_pruned_student_distils(teacher_dir, texts, tmp_path):
-    from llmopt.distill import student
-    from llmopt.distill.run import run_distill
+    from llmopt.distillation import student
+    from llmopt.distillation.run import run_distill
 
     try:
         student.width_pruning()
     except LlmoptError:
-        pytest.skip("llmopt.prune.width is not available")
+        pytest.skip("llmopt.pruning.width is not available")
     request = _request(teacher_dir, texts, tmp_path / "w", steps=3, hidden_weight=1.0)
     request.student = student.StudentRequest(student_from=str(teacher_dir), width="ffn=0.5", calib=str(texts["train"]),
                                              calib_samples=4, calib_seq_len=64)
@@ -428,8 +428,8 @@ def test_generated_data_is_the_teachers_own_greedy_answers(teacher_dir, texts, t
     transformers); the run trains on them and records where they came from; a rerun reuses them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmopt.distill import generated
-    from llmopt.distill.run import run_distill
+    from llmopt.distillation import generated
+    from llmopt.distillation.run import run_distill
 
     monkeypatch.setenv("LLMOPT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(generated, "ANSWER_TOKENS", 12)

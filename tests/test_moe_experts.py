@@ -19,7 +19,7 @@ from test_runtime_architectures import reference
 from llmopt.checkpoints.lazy import LazyCheckpoint
 from llmopt.cli.main import main
 from llmopt.core.errors import LlmoptError
-from llmopt.prune.apply import PruneSettings, prune_model
+from llmopt.pruning.apply import PruneSettings, prune_model
 from llmopt.runtime import LLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,7 +131,7 @@ def test_streamed_mixtral_checkpoints_use_mixtral_names(tmp_path):
     loaded model equals the model pruned in memory."""
     from transformers import AutoModelForCausalLM
 
-    from llmopt.prune.streaming import prune_streaming
+    from llmopt.pruning.streaming import prune_streaming
 
     source = save_model(starved_model("mixtral"), tmp_path / "float")
     settings = PruneSettings("wanda", sparsity=0.5, batch_size=2)

@@ -10,8 +10,8 @@ import torch
 from test_moe_compression import DEAD, starved_model
 
 from llmopt.checkpoints.moe import is_expert, is_router
-from llmopt.prune.magnitude import magnitude_mask
-from llmopt.prune.sparsify import MIN_EXPERT_TOKENS, SparsifyOptions, sparsify_model, sparsity_report
+from llmopt.pruning.magnitude import magnitude_mask
+from llmopt.pruning.sparsify import MIN_EXPERT_TOKENS, SparsifyOptions, sparsify_model, sparsity_report
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

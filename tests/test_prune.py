@@ -15,9 +15,9 @@ from llmopt.linear_stats import LinearStats
 from llmopt.cli.main import main
 from llmopt.core.errors import LlmoptError
 from llmopt.checkpoints.models import load_model
-from llmopt.prune.apply import PruneSettings, prune_model
-from llmopt.prune.magnitude import magnitude_mask
-from llmopt.prune.masks import (
+from llmopt.pruning.apply import PruneSettings, prune_model
+from llmopt.pruning.magnitude import magnitude_mask
+from llmopt.pruning.masks import (
     Pattern,
     nm_mask,
     nm_valid,
@@ -26,10 +26,10 @@ from llmopt.prune.masks import (
     parse_pattern,
     unstructured_mask,
 )
-from llmopt.prune.sparsegpt import sparsegpt_prune_weight
-from llmopt.prune.sparsify import SparsifyOptions, sparsify_model
-from llmopt.prune.wanda import wanda_mask
-from llmopt.prune.width import choose_heads, plan_heads, prune_width
+from llmopt.pruning.sparsegpt import sparsegpt_prune_weight
+from llmopt.pruning.sparsify import SparsifyOptions, sparsify_model
+from llmopt.pruning.wanda import wanda_mask
+from llmopt.pruning.width import choose_heads, plan_heads, prune_width
 from transformers import AutoModelForCausalLM
 
 CALIB = CORPORA / "gutenberg" / "persuasion.txt"
@@ -189,8 +189,8 @@ def test_owl_outlier_ratios_equal_a_direct_dense_measurement() -> None:
     """OWL's profile (one forward per layer, its outputs kept as the next inputs) gives the outlier
     ratios of Wanda scores from the dense model's own activations, taken by hooks on one plain
     forward of every calibration sequence."""
-    from llmopt.prune.sparsify import owl_outlier_ratios
-    from llmopt.prune.wanda import wanda_scores
+    from llmopt.pruning.sparsify import owl_outlier_ratios
+    from llmopt.pruning.wanda import wanda_scores
 
     model = tiny_llama(seed=5, num_hidden_layers=3)
     ids = calib_ids()

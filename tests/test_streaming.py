@@ -120,8 +120,8 @@ def test_estimate_grows_with_layer_not_depth():
     ("magnitude", 0.5, None, None), ("wanda", None, "2:4", None), ("sparsegpt", 0.5, None, None), ("wanda", 0.5, None, "owl"),
 ])
 def test_streamed_prune_is_identical_to_in_memory(tmp_path, method, sparsity, pattern, profile):
-    from llmopt.prune.apply import PruneSettings, prune_model
-    from llmopt.prune.streaming import prune_streaming
+    from llmopt.pruning.apply import PruneSettings, prune_model
+    from llmopt.pruning.streaming import prune_streaming
 
     src = save_model(tiny_llama(seed=3), tmp_path / "src")
     settings = PruneSettings(method, sparsity=sparsity, pattern=pattern, profile=profile)

@@ -80,7 +80,7 @@ def _stage_values(item: StagePlan, recipe: Recipe, input_dir: str) -> dict:
     values["overwrite"] = True  # a stage reruns only when its key changed: its old output is stale
     kind = item.stage.kind
     if kind == "distill":
-        from llmopt.distill import checkpoint
+        from llmopt.distillation import checkpoint
 
         values["teacher"] = values.get("teacher") or recipe.model
         if not values.get("student") and not values.get("student_from"):

@@ -50,9 +50,9 @@ class DistillConfig:
 
     def request(self, show_progress: bool = True):
         """The distillation request this config describes."""
-        from llmopt.distill.run import DistillRequest
-        from llmopt.distill.student import StudentRequest
-        from llmopt.distill.trainer import TrainSettings
+        from llmopt.distillation.run import DistillRequest
+        from llmopt.distillation.student import StudentRequest
+        from llmopt.distillation.trainer import TrainSettings
 
         warmup = self.warmup if self.warmup is not None else min(100, max(self.steps, 0) // 20)
         settings = TrainSettings(
@@ -79,6 +79,6 @@ class DistillConfig:
 
 def run_distill_stage(config: DistillConfig, progress=None, show_progress: bool = True):
     """Distil and save; returns the run's outcome (record, whether it was interrupted)."""
-    from llmopt.distill.run import run_distill
+    from llmopt.distillation.run import run_distill
 
     return run_distill(config.request(show_progress))

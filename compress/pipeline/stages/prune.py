@@ -59,7 +59,7 @@ class PruneConfig:
         self.heads_mode = self.heads_mode.lower()
 
     def settings(self):
-        from llmopt.prune.apply import PruneSettings
+        from llmopt.pruning.apply import PruneSettings
 
         return PruneSettings(
             method=self.method, sparsity=self.sparsity, pattern=self.pattern, profile=self.profile, num=self.num,
@@ -100,7 +100,7 @@ def run_prune(config: PruneConfig, progress=None) -> dict:
     """Prune ``config.model`` and save the result; returns the provenance record written to ``llmopt.json``."""
     from llmopt.core.data import calibration_ids
     from llmopt.self_calibration import sampler
-    from llmopt.prune.apply import prune_model
+    from llmopt.pruning.apply import prune_model
 
     config.check()
     check_output(Path(config.output), config.overwrite)
@@ -124,7 +124,7 @@ def run_prune(config: PruneConfig, progress=None) -> dict:
     if config.method == "drop-layers":
         ranking, record["ranking_seconds"], record["ranking_cached"] = _cached_ranking(source, record["calibration"], settings, model, calib)
     if streamed:
-        from llmopt.prune.streaming import prune_streaming
+        from llmopt.pruning.streaming import prune_streaming
 
         def provenance(done: dict) -> dict:
             record.update(done, output=str(config.output))
@@ -155,7 +155,7 @@ def _cached_ranking(source: Path, calibration: dict, settings, model, calib):
 
     Returns ``(ranking, seconds it took to compute, whether it came from the cache)``.
     """
-    from llmopt.prune.depth import LayerRanking, rank_layers
+    from llmopt.pruning.depth import LayerRanking, rank_layers
 
     from llmopt.core.atomic import atomic_file
     from llmopt.checkpoints.provenance import model_fingerprint
