@@ -4,8 +4,11 @@ awq+gptq plan). Each setting tunes a copy of that checkpoint on its calibration 
 (austen+self, 128 x 512, as it was quantized; ``--tune-samples`` draws more windows of the same
 text), then every variant and the untuned checkpoint are evaluated against the float demo model on
 WikiText-2 and on the held-out Gutenberg text (never used for calibration or tuning). Written to
-bench/results/scale_tuning.{json,md}; rows of earlier runs on the same checkpoint and calibration
-are kept there, each with the start time of its run and the untuned KLD that run measured.
+bench/results/scale_tuning_gptq_priced/scale_tuning.{json,md} (``--results`` for another folder);
+rows of earlier runs on the same checkpoint and calibration are kept there, each with the start
+time of its run and the untuned KLD that run measured. The current results there tune the
+GPTQ-priced plan of bench/results/mixed_precision_gptq_priced (``--windows 8``); earlier tuning
+experiments are in git history, listed in docs/results.md.
 
     python bench/scale_tuning.py [--checkpoint DIR] [--settings row,1e-3,norms row,1e-3,scales ...]
                                  [--steps 128] [--tune-samples 256]
@@ -24,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "bench" / "results" / "scale_tuning_gptq_priced"
 DATASETS = ("wikitext2", "heldout")
 SEQ_LEN = 2048
 
@@ -49,7 +52,8 @@ def tuned(source_ckpt: Path, work: Path, setting: dict, steps: int, calib: str, 
     from llmopt.checkpoints.models import resolve_model
     from llmopt.core.data import calibration_ids
     from llmopt.quant.scale_tuning import TuneSettings
-    from llmopt.quant.tune_checkpoint import tune_checkpoint
+    from llmopt.checkpoints.rewrite import rewrite_tensors
+from llmopt.quant.tune_checkpoint import tune_checkpoint
     from llmopt.self_calibration import sampler
     from transformers import AutoTokenizer
 
@@ -64,7 +68,9 @@ def tuned(source_ckpt: Path, work: Path, setting: dict, steps: int, calib: str, 
             return out, report
     demo = resolve_model("demo")
     ids, _ = calibration_ids(AutoTokenizer.from_pretrained(demo), calib, samples, 512, 0, sample_self=sampler(demo))
-    return out, tune_checkpoint(source_ckpt, demo, out, ids, settings, "cpu", overwrite=True).to_dict()
+    replacements, report = tune_checkpoint(source_ckpt, demo, ids, settings, "cpu")
+    rewrite_tensors(source_ckpt, out, replacements, {"scale_tuning": report.to_dict()}, overwrite=True)
+    return out, report.to_dict()
 
 
 def evaluate(path: Path, windows: int) -> dict:

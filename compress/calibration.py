@@ -145,6 +145,11 @@ class LayerLifecycle:
     def after(self, index: int, layer: nn.Module) -> None:
         pass
 
+    def keep(self, weights: dict[str, Any]) -> bool:
+        """Take a layer's quantized weights (name → QuantizedWeight) as they are made; True when
+        taken (streaming writes them out), False when the caller keeps them (in memory)."""
+        return False
+
 
 IN_MEMORY = LayerLifecycle()
 

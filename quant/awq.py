@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from llmopt.linear_stats import LinearStats
@@ -20,6 +21,7 @@ from llmopt.linear_stats import LinearStats
 from llmopt.quant.clipping import clamp_to_ratio, search_clip_ratio
 from llmopt.formats.schemes import QuantScheme, compute_qparams, fake_quantize
 from llmopt.quant.mappings import ScaleMapping
+from llmopt.quant.method import GroupSizes, ScaleTransform, Schemes
 
 
 @dataclass
@@ -144,3 +146,30 @@ def awq_clip_layer(
         own = schemes.get(name, scheme)
         ratio = search_clip_ratio(w, own, gs, stats.hessian(name), n_grid, max_shrink)
         w.copy_(clamp_to_ratio(w, own, gs, ratio))
+
+
+@dataclass(frozen=True)
+class Awq(ScaleTransform):
+    """AWQ's activation-aware scale search for weight-only schemes; ``grid``: α points in [0, 1];
+    ``clip``: AWQ's auto-clip after the scales (off: the output-weighted clip search at
+    quantization did better on the demo model)."""
+
+    name: ClassVar[str] = "awq"
+    needs_hessian: ClassVar[bool] = True
+
+    grid: int = 20
+    clip: bool = False
+
+    def check(self, scheme: QuantScheme) -> None:
+        if scheme.activations is not None:
+            raise ValueError(
+                f"AWQ optimizes weight-only quantization and does not account for {scheme.name}'s activation "
+                "quantization; use smoothquant or smoothquant+gptq for W8A8, rtn or gptq for FP8_DYNAMIC"
+            )
+
+    def apply(self, mappings: list[ScaleMapping], stats: LinearStats, scheme: QuantScheme, schemes: Schemes,
+              group_sizes: GroupSizes, calibrated: Mapping[str, torch.nn.Linear]) -> list[AwqMappingResult]:
+        found = awq_apply_layer(mappings, stats, scheme, group_sizes, set(calibrated), self.grid, schemes)
+        if self.clip:
+            awq_clip_layer(calibrated, stats, scheme, group_sizes, schemes=schemes)
+        return found

@@ -5,15 +5,24 @@ sparsity-mask preservation."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 import torch
+from torch import nn
 
 from llmopt.checkpoints.estimate import IN_PLACE_FACTOR_MIN
 from llmopt.core.errors import NumericalError
 from llmopt.formats.schemes import QuantizedWeight, QuantScheme, compute_qparams, search_qparams
 from llmopt.quant.code_descent import descend_codes
 from llmopt.quant.columns import column_loop_threads, quantize_column
+from llmopt.linear_stats import LinearStats
+from llmopt.quant.method import PRICED_BY_GPTQ, PRICED_BY_RTN, GroupSizes, Quantizer, Schemes
 from llmopt.quant.scale_refit import better_rows, refit_scales
+
+SPARSE_ZERO_FRACTION = 0.1  # preserve_zeros=None: keep zeros of layers at least this sparse
 
 
 def _inverse_hessian_factor(h: torch.Tensor, damp: float, *, consume: bool = False,
@@ -366,3 +375,84 @@ def split_rows(qw: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:
         QuantizedWeight(c.contiguous(), s.contiguous(), None if z is None else z.contiguous(), qw.scheme, qw.group_size)
         for c, s, z in zip(codes, scales, zps)
     ]
+
+
+@dataclass(frozen=True)
+class Gptq(Quantizer):
+    """GPTQ with its options: ``act_order`` (activation ordering, static groups), ``damp``
+    (fraction of the mean Hessian diagonal), ``scale_refit`` (least-squares group scales for the
+    chosen codes, :mod:`~llmopt.quant.scale_refit`), ``float_targets`` (fit the float model's
+    outputs on its own inputs, the float hidden states run alongside), ``block_size`` (lazy
+    updates), ``preserve_zeros`` (keep pruned weights zero; None: Linears at least 10% zeros)."""
+
+    name: ClassVar[str] = "gptq"
+    calibrated: ClassVar[bool] = True
+    one_pass: ClassVar[bool] = True
+    prices: ClassVar[tuple[str, ...]] = (PRICED_BY_GPTQ, PRICED_BY_RTN)
+
+    clip_search: bool = True
+    act_order: bool = True
+    damp: float = 0.01
+    scale_refit: bool = True
+    float_targets: bool = False
+    block_size: int = 128
+    preserve_zeros: bool | None = None
+
+    @property
+    def uses_float_reference(self) -> bool:
+        return self.float_targets
+
+    @property
+    def head_refit(self) -> bool:
+        return self.scale_refit
+
+    def options(self) -> dict:
+        return {**super().options(), "descent_rounds": DESCENT_ROUNDS if self.scale_refit else 0}
+
+    @torch.no_grad()
+    def quantize(self, mods: Mapping[str, nn.Linear], schemes: Schemes, group_sizes: GroupSizes,
+                 stats: LinearStats | None) -> dict[str, QuantizedWeight]:
+        """GPTQ of one layer's ``mods``; Linears sharing an input (q/k/v, gate/up) are stacked
+        row-wise and solved at once, which is exact since GPTQ treats rows independently."""
+        assert stats is not None, "GPTQ needs the layer's calibration statistics"
+        batches: dict[tuple[int, int | None, QuantScheme], list[str]] = {}
+        for name in mods:
+            batches.setdefault((id(stats.stats(name)), group_sizes[name], schemes[name]), []).append(name)
+        out: dict[str, QuantizedWeight] = {}
+        uses = [key[0] for key in batches]
+        for (sid, gs, scheme), names in batches.items():
+            weights = [mods[n].weight.detach() for n in names]
+            stacked = len(weights) > 1  # a fresh tensor, handed over to the solver as its working copy
+            w = torch.cat(weights, dim=0) if stacked else weights[0]
+            mask = None
+            keep = self.preserve_zeros
+            zero_frac = float((w == 0).float().mean())
+            if keep is None:
+                keep = zero_frac >= SPARSE_ZERO_FRACTION
+            if keep and zero_frac > 0:
+                mask = w != 0
+            uses.remove(sid)
+            # a float64 tensor handed over to the solver: on its last use the accumulator itself
+            last = sid not in uses
+            hessian = [stats.take_hessian(names[0]) if last else stats.hessian(names[0])]
+            drift = stats.drift(names[0], take=last)
+            if drift is not None:  # fit the float model's outputs (asymmetric calibration)
+                w, stacked = float_target_weight(w, hessian[0], drift, self.damp), True
+                del drift
+            weight, device = [w], w.device
+            del w
+            try:
+                # the range search and factorization of a small Linear are latency-bound too (12 s -> 0.9 s on a loaded machine)
+                with column_loop_threads(device, weight[0].numel()):
+                    qw = gptq_quantize_weight(
+                        weight.pop(), hessian.pop(), scheme, gs, block_size=self.block_size, damp=self.damp,
+                        act_order=self.act_order, clip=self.clip_search, mask=mask, hessian_owned=True,
+                        weight_owned=stacked, refit=self.scale_refit,
+                    )
+            except NumericalError as exc:
+                raise exc.at(f"GPTQ on {', '.join(names)}") from exc
+            for name, part in zip(names, split_rows(qw, [x.shape[0] for x in weights])):
+                module = mods[name]
+                module.weight.data.copy_(part.dequantize(module.weight.dtype))
+                out[name] = part
+        return out

@@ -27,9 +27,16 @@ Everything is computed in units of each group's min-max quantization step (``W /
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
+from torch import nn
 
 from llmopt.formats.schemes import QuantizedWeight, QuantScheme, _grouped
+from llmopt.linear_stats import LinearStats
+from llmopt.quant.method import GroupSizes, Quantizer, Schemes
 
 _REFIT_ROUNDS = 8  # least-squares scale refits after the zero point is made an integer
 _TINY = 1e-12  # smallest scale, as in compute_qparams
@@ -163,3 +170,29 @@ def hqq_quantize_weight(
     scale = (fin_s * step).clamp(min=_TINY).contiguous()
     zero_point = fin_z.to(torch.int32).contiguous() if asym else None
     return QuantizedWeight.from_weight(weight, scheme, group_size, scale, zero_point)
+
+
+@dataclass(frozen=True)
+class Hqq(Quantizer):
+    """HQQ: calibration-free zero points and scales by half-quadratic optimisation of an ``l_p``
+    error (``p`` < 1), ``iters`` iterations at most, integer zero points refitted at the end."""
+
+    name: ClassVar[str] = "hqq"
+
+    iters: int = 20
+    p: float = 0.7
+
+    def check(self, scheme: QuantScheme) -> None:
+        if scheme.is_float or scheme.grid is not None or scheme.scale_steps is not None or scheme.activations is not None:
+            raise ValueError(f"hqq quantizes integer weight-only schemes (W4A16, W4A16_ASYM, W8A16), not {scheme.name}")
+
+    @torch.no_grad()
+    def quantize(self, mods: Mapping[str, nn.Linear], schemes: Schemes, group_sizes: GroupSizes,
+                 stats: LinearStats | None) -> dict[str, QuantizedWeight]:
+        out: dict[str, QuantizedWeight] = {}
+        for name, module in mods.items():
+            self.check(schemes[name])
+            qw = hqq_quantize_weight(module.weight.data, schemes[name], group_sizes[name], iters=self.iters, p=self.p)
+            module.weight.data.copy_(qw.dequantize(module.weight.dtype))
+            out[name] = qw
+        return out

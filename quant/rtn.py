@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
 
 from llmopt.quant.clipping import search_qparams_hessian
 from llmopt.formats.schemes import QuantizedWeight, QuantScheme, compute_qparams, search_qparams
+from llmopt.linear_stats import LinearStats
+from llmopt.quant.method import GroupSizes, Quantizer, Schemes
 
 ClipMode = Literal["minmax", "mse"]
 
@@ -54,3 +57,34 @@ def rtn_quantize_modules(
             module.weight.data.copy_(qw.dequantize(module.weight.dtype))
             out[name] = qw
     return out
+
+
+def rtn_mixed(mods: Mapping[str, nn.Linear], schemes: Schemes, group_sizes: GroupSizes, clip: ClipMode,
+              hessians: Mapping[str, torch.Tensor] | None = None) -> dict[str, QuantizedWeight]:
+    """RTN of ``mods``, each with its own scheme (one call per scheme)."""
+    out: dict[str, QuantizedWeight] = {}
+    by_scheme: dict[QuantScheme, dict[str, nn.Linear]] = {}
+    for name, module in mods.items():
+        by_scheme.setdefault(schemes[name], {})[name] = module
+    for scheme, part in by_scheme.items():
+        out.update(rtn_quantize_modules(part, scheme, group_sizes, clip, hessians))
+    return out
+
+
+@dataclass(frozen=True)
+class Rtn(Quantizer):
+    """Round to nearest; ``clip_search`` searches each group's range (on the output error when
+    calibration statistics are at hand, else on the weight error)."""
+
+    name: ClassVar[str] = "rtn"
+
+    clip_search: bool = False
+
+    @property
+    def needs_hessian(self) -> bool:
+        return self.clip_search
+
+    def quantize(self, mods: Mapping[str, nn.Linear], schemes: Schemes, group_sizes: GroupSizes,
+                 stats: LinearStats | None) -> dict[str, QuantizedWeight]:
+        hessians = {n: stats.hessian(n) for n in mods} if self.clip_search and stats is not None else None
+        return rtn_mixed(mods, schemes, group_sizes, "mse" if self.clip_search else "minmax", hessians)

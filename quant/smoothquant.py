@@ -4,12 +4,17 @@ weights with ``s_j = max|x_j|^α / max|W_j|^(1−α)`` per input channel, folded
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-from llmopt.linear_stats import LinearStats
+from torch import nn
 
+from llmopt.formats.schemes import QuantScheme
+from llmopt.linear_stats import LinearStats
 from llmopt.quant.mappings import ScaleMapping
+from llmopt.quant.method import GroupSizes, ScaleTransform, Schemes
 
 
 @dataclass
@@ -50,3 +55,29 @@ def smoothquant_apply_layer(
         stats.scale_inputs(mapping.consumers, mapping.expand(s))
         results.append(SmoothResult(mapping.name, float(s.max()), float(s.min())))
     return results
+
+
+@dataclass(frozen=True)
+class SmoothQuant(ScaleTransform):
+    """SmoothQuant's migration of activation outliers into the weights, for int8 activations;
+    ``alpha``: migration strength in [0, 1]."""
+
+    name: ClassVar[str] = "smoothquant"
+    weight_only: ClassVar[bool] = False
+    takes_plan: ClassVar[bool] = False
+
+    alpha: float = 0.5
+
+    def check(self, scheme: QuantScheme) -> None:
+        if scheme.activations != "int8":
+            raise ValueError(
+                f"SmoothQuant prepares int8 activation quantization and needs scheme W8A8, not {scheme.name}; "
+                "for weight-only schemes use awq or gptq"
+                + (", for FP8_DYNAMIC use rtn or gptq" if scheme.activations == "fp8" else "")
+            )
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"SmoothQuant alpha must be in [0, 1], got {self.alpha}")
+
+    def apply(self, mappings: list[ScaleMapping], stats: LinearStats, scheme: QuantScheme, schemes: Schemes,
+              group_sizes: GroupSizes, calibrated: Mapping[str, nn.Linear]) -> list[SmoothResult]:
+        return smoothquant_apply_layer(mappings, stats, self.alpha)

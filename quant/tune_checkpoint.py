@@ -1,30 +1,24 @@
-"""Tune a saved quantized checkpoint (:mod:`llmopt.quant.scale_tuning`) and write the result.
+"""Tune a saved quantized checkpoint (:mod:`llmopt.quant.scale_tuning`).
 
 The quantized checkpoint is read back (codes, scales and the dequantized model), the float
-source model is loaded beside it as the teacher, and the tuned scales and norm weights replace
-the old ones tensor for tensor in a copy of the checkpoint: every other file and tensor is
-copied unchanged, and the copy appears at ``output`` only once it is complete.
+source model is loaded beside it as the teacher, and the tuned scales and norm weights are
+returned by tensor name, for :func:`llmopt.checkpoints.rewrite.rewrite_tensors` to write.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from llmopt.calibration import resolve_device
 from llmopt.checkpoints.estimate import GIB, available_bytes
-from llmopt.checkpoints.lazy import safetensors_files
 from llmopt.checkpoints.models import load_model
-from llmopt.core.atomic import atomic_dir
 from llmopt.core.console import progress_task
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.compressed import load_dequantized, read_compressed
 from llmopt.quant.scale_tuning import TuneReport, TuneSettings, tune_scales
 
-RECORD = "llmopt.json"
 BYTES_PER_WEIGHT = 16  # float32 teacher, codes, rebuilt weights and their gradients
 
 
@@ -45,37 +39,10 @@ def _check_memory(weights: dict, device: torch.device | None) -> None:
                           f"but only {free / GIB:.1f} GiB is free", "drop the tuning, or run it on a machine with more memory")
 
 
-def rewrite_tensors(checkpoint: Path, output: Path, replacements: dict[str, torch.Tensor], record: dict,
-                    overwrite: bool = False) -> None:
-    """Copy ``checkpoint`` to ``output`` with the tensors named in ``replacements`` replaced
-    (each cast to its stored dtype, shapes checked) and ``record`` merged into its llmopt.json."""
-    from safetensors.torch import load_file, save_file
-
-    left = dict(replacements)
-    with atomic_dir(output, overwrite) as tmp:
-        shards = set(safetensors_files(checkpoint))
-        for file in checkpoint.iterdir():
-            if file.is_file() and file.name not in shards:
-                shutil.copy2(file, tmp / file.name)
-        for name in shards:
-            tensors = load_file(checkpoint / name)
-            for key in [k for k in tensors if k in left]:
-                new = left.pop(key)
-                if new.shape != tensors[key].shape:
-                    raise ValueError(f"{key}: tuned shape {tuple(new.shape)} differs from the stored {tuple(tensors[key].shape)}")
-                tensors[key] = new.to(tensors[key].dtype).contiguous()
-            save_file(tensors, tmp / name, metadata={"format": "pt"})
-        if left:
-            raise ValueError(f"tuned tensors missing from the checkpoint: {sorted(left)[:3]}")
-        path = tmp / RECORD
-        previous = json.loads(path.read_text()) if path.is_file() else {}
-        path.write_text(json.dumps({**previous, **record}, indent=2))
-
-
-def tune_checkpoint(quantized: Path, source: Path, output: Path, ids: torch.Tensor, settings: TuneSettings,
-                    device: str | None = None, overwrite: bool = False) -> TuneReport:
-    """Tune ``quantized`` (made from the float ``source``) on the calibration windows ``ids`` and
-    write the tuned checkpoint to ``output``."""
+def tune_checkpoint(quantized: Path, source: Path, ids: torch.Tensor, settings: TuneSettings,
+                    device: str | None = None) -> tuple[dict[str, torch.Tensor], TuneReport]:
+    """Tune ``quantized`` (made from the float ``source``) on the calibration windows ``ids``;
+    returns the tensors to replace in it (tuned scales, norm weights) and the report."""
     weights, _ = read_compressed(Path(quantized))
     check_tunable(weights)
     where = resolve_device(device)
@@ -87,5 +54,4 @@ def tune_checkpoint(quantized: Path, source: Path, output: Path, ids: torch.Tens
         tuned, norms, report = tune_scales(student, teacher, weights, ids, settings, where, advance)
     replacements = {f"{name}.weight_scale": qw.scale for name, qw in tuned.items()}
     replacements.update(norms)
-    rewrite_tensors(Path(quantized), Path(output), replacements, {"scale_tuning": report.to_dict()}, overwrite)
-    return report
+    return replacements, report

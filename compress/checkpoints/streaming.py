@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -91,7 +92,8 @@ class StreamedModel(LayerLifecycle):
         layers = decoder_layers(self.model)
         where = {id(m): n for n, m in self.model.named_modules()}
         self.prefixes = [f"{where[id(layers)]}.{i}." for i in range(len(layers))]
-        self.sink: Sink | None = None
+        self.sink: Sink | None = None  # gets each finished layer (its float tensors are written)
+        self.output: Any = None  # takes each layer's quantized weights as they are made (``keep``)
         self.announce: Callable[[str], None] | None = None  # gets the time estimate after layer 0
         self._started = 0.0
 
@@ -114,6 +116,12 @@ class StreamedModel(LayerLifecycle):
             self._started = time.perf_counter()
         self.materialize(index, layer)
         fixed_mmap_threshold(WORK_MMAP_THRESHOLD)  # activations: reuse heap blocks (see fixed_mmap_threshold)
+
+    def keep(self, weights: dict[str, Any]) -> bool:
+        if self.output is None:
+            return False
+        self.output.keep(weights)
+        return True
 
     def after(self, index: int, layer: nn.Module) -> None:
         fixed_mmap_threshold(WEIGHTS_MMAP_THRESHOLD)

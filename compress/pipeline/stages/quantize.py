@@ -11,8 +11,11 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from llmopt.checkpoints.models import float_source, load_model
 from llmopt.checkpoints.provenance import finish_record, versions
@@ -22,14 +25,21 @@ from llmopt.core.errors import LlmoptError
 from llmopt.formats.schemes import QuantScheme
 from llmopt.pipeline.stages.base import device_option, eval_option, option, overwrite_option
 from llmopt.pipeline.stages.evaluate import evaluate_output
-from llmopt.quant.gptq import DESCENT_ROUNDS
 from llmopt.quant.head_fisher import FISHER_ROWS
+from llmopt.quant.method import QuantMethod
 from llmopt.quant.outer import OUTER_CHOICES
+from llmopt.quant.planner import AutoPlanner
+from llmopt.quant.registry import build_method, method_names
+from llmopt.quant.request import QuantizeRequest, resolve_scheme
+from llmopt.quant.rtn import Rtn
+from llmopt.quant.streaming import StreamedQuantization
 
 NF4 = "NF4"
 AUTO = "AUTO"
-AUTO_METHODS = ("rtn", "gptq", "awq", "awq+gptq")  # weight-only methods that take a scheme per Linear
 CALIBRATION_DEFAULTS = {"calib": "austen", "calib_samples": 128, "calib_seq_len": 512}
+# Fields of QuantizeConfig that are options of a method object (the same names as its fields);
+# a value other than the field's default counts as given, and a method that lacks it refuses it.
+METHOD_OPTIONS = ("act_order", "float_targets", "scale_refit", "damp", "alpha", "clip_search")
 
 
 @dataclass
@@ -43,7 +53,7 @@ class QuantizeConfig:
                               "IQ4_NL blocks in a GGUF export); "
                               "AUTO: a format per tensor from measured sensitivities (--target-bpw, --target-kld or --plan).",
                          metavar="SCHEME")
-    method: str = option("rtn", "rtn, gptq, awq, awq+gptq, smoothquant, smoothquant+gptq.", metavar="METHOD")
+    method: str = option("rtn", f"{', '.join(method_names())} (a scale transform then a quantizer).", metavar="METHOD")
     group_size: int | None = option(None, "int4 / IQ4_NL group size (32/64/128; 0: per-channel). Default 128 (IQ4_NL: 32).", min=0)
     strict_groups: bool = option(False, "Refuse layers the group size does not divide instead of using the largest divisor.")
     calib: str = option("austen", CALIB_HELP)
@@ -99,37 +109,50 @@ class QuantizeConfig:
         self.scheme = self.scheme.upper()
         self.method = self.method.lower()
 
+    def build_method(self) -> QuantMethod:
+        """The method object of ``--method`` with the method options given (LlmoptError if one does not apply)."""
+        defaults = {f.name: f.default for f in fields(self)}
+        given = {k: getattr(self, k) for k in METHOD_OPTIONS if getattr(self, k) != defaults[k]}
+        try:
+            return build_method(self.method, given)
+        except ValueError as exc:
+            raise LlmoptError(str(exc), f"see llmopt quantize --help; methods: {', '.join(method_names())}") from exc
+
     @property
     def needs_calibration(self) -> bool:
-        return self.method != "rtn" or (self.scheme == AUTO and self.plan is None) or self.tune_steps > 0
+        return self.build_method().calibrated or (self.scheme == AUTO and self.plan is None) or self.tune_steps > 0
 
     @property
     def is_auto(self) -> bool:
         return self.scheme == AUTO
 
-    @property
-    def linear_pricing(self) -> str:
-        """How ``--scheme AUTO`` prices the Linears' formats: gptq or rtn."""
-        return self.price_by or ("gptq" if "gptq" in self.method else "rtn")
-
     def parse_scheme(self) -> QuantScheme | None:
         """The scheme object for this request (None for NF4), or LlmoptError for impossible combinations."""
-        from llmopt.quant.apply import validate_request
-
         if self.scheme == NF4:
             return None
         try:
             if self.is_auto:  # the plan gives each tensor its own scheme; W4A16 g32 describes the run
-                return validate_request("W4A16", self.method, 32, True, bool(self.act_order))
-            return validate_request(self.scheme, self.method, self.group_size, True, bool(self.act_order))
+                return self.build_method().check(resolve_scheme("W4A16", 32), True)
+            return self.build_method().check(resolve_scheme(self.scheme, self.group_size), True)
         except ValueError as exc:
             raise LlmoptError(str(exc)) from exc
+
+    def request(self) -> QuantizeRequest:
+        """The request this config asks for (not for NF4); an AUTO plan is added by :func:`run_quantize`."""
+        head_float = ["lm_head"] if self.head == "float" else []
+        return QuantizeRequest(self.parse_scheme(), self.build_method(), (*head_float, *self.ignore), self.strict_groups,
+                               head=self.head, embedding=self.embedding, device=self.device)
+
+    def planner(self) -> AutoPlanner:
+        return AutoPlanner(self.target_bpw, self.target_kld, self.objective, self.size_of, self.plan,
+                           self.sensitivity_samples, self.price_by or self.build_method().quantizer.pricing, self.seed)
 
     def check(self) -> None:
         """Refuse impossible requests, and options that do not apply, before any work starts."""
         from llmopt.calibration import resolve_device
 
         resolve_device(self.device)  # a bad name, or cuda without a GPU, fails now
+        method = self.build_method()
         if self.scheme == NF4 and self.device not in ("auto", "cpu"):
             raise LlmoptError("NF4 is quantized by bitsandbytes on the CPU here; --device does not apply", "drop --device")
         for pattern in self.ignore:
@@ -138,12 +161,12 @@ class QuantizeConfig:
             except re.error as exc:
                 raise LlmoptError(f"invalid ignore pattern {pattern!r}: {exc}", "write a Python regular expression, e.g. 'mlp\\.down_proj'") from exc
         if self.scheme == NF4:
-            if self.method != "rtn":
-                raise LlmoptError(f"NF4 is quantized by bitsandbytes and takes no --method {self.method}", "drop --method or use --method rtn")
-            ignored = [name for name, on in (("--group-size", self.group_size is not None), ("--act-order", self.act_order is not None),
-                                             ("--float-targets", self.float_targets), ("--scale-refit", self.scale_refit is not None),
-                                             ("--strict-groups", self.strict_groups), ("--clip-search", self.clip_search is not None))
-                       if on]
+            if method.transform is not None or not isinstance(method.quantizer, Rtn) or method.quantizer.clip_search:
+                raise LlmoptError(f"NF4 is quantized by bitsandbytes and takes no --method {self.method}"
+                                  + (" or --clip-search" if self.clip_search is not None else ""),
+                                  "drop --method / --clip-search, or pick a W4A16 scheme")
+            ignored = [name for name, on in (("--group-size", self.group_size is not None), ("--strict-groups", self.strict_groups),
+                                             ("--clip-search", self.clip_search is not None)) if on]
             if ignored:
                 raise LlmoptError(f"NF4 (bitsandbytes) takes no {', '.join(ignored)}", "drop those options, or pick a W4A16 scheme")
             if self.head != "float" or self.embedding != "float":
@@ -154,19 +177,14 @@ class QuantizeConfig:
                               "use them with W4A16, W4A16_ASYM or W8A16")
         if any(re.fullmatch(p, "lm_head") for p in self.ignore) and self.head != "float":
             raise LlmoptError(f"--ignore keeps lm_head in float but --head {self.head} asks to quantize it", "drop one of them")
-        self._check_auto()
+        self._check_auto(method)
         self.parse_scheme()
-        for flag, given in (("--float-targets", self.float_targets), ("--scale-refit", self.scale_refit is not None)):
-            if given and "gptq" not in self.method:
-                raise LlmoptError(f"{flag} is a GPTQ option; method {self.method} does not use GPTQ",
-                                  "drop it, or use --method gptq / awq+gptq")
         self._check_tuning()
         if not self.needs_calibration and not self.is_auto:
             changed = [f"--{k.replace('_', '-')}" for k, v in CALIBRATION_DEFAULTS.items() if getattr(self, k) != v]
             if changed:
                 raise LlmoptError(f"{', '.join(changed)} only apply to calibrated methods, not {self.method}",
                                   "drop them, or pick --method gptq / awq / smoothquant")
-
 
     def _check_tuning(self) -> None:
         for flag, given in (("--tune-lr", self.tune_lr != 1e-3), ("--tune-per", self.tune_per != "group")):
@@ -181,7 +199,7 @@ class QuantizeConfig:
             raise LlmoptError(f"--tune-steps tunes the scales of weight-only schemes, not {self.scheme}",
                               "use it with W4A16, W4A16_ASYM, W8A16, IQ4_NL or AUTO, or drop it")
 
-    def _check_auto(self) -> None:
+    def _check_auto(self, method: QuantMethod) -> None:
         given = [f"--{k.replace('_', '-')}" for k in ("target_bpw", "target_kld", "plan") if getattr(self, k) is not None]
         if not self.is_auto:
             given += ["--size-of"] if self.size_of != "checkpoint" else []
@@ -193,99 +211,65 @@ class QuantizeConfig:
         if len(given) != 1:
             raise LlmoptError("--scheme AUTO takes exactly one of --target-bpw, --target-kld and --plan",
                               "e.g. --scheme AUTO --target-bpw 4.85")
-        if self.method not in AUTO_METHODS:
-            raise LlmoptError(f"--scheme AUTO quantizes with {', '.join(AUTO_METHODS)}, not {self.method}",
+        if not method.takes_plan:
+            raise LlmoptError(f"--scheme AUTO gives each Linear its own format; method {self.method} quantizes one scheme for all",
                               "use --method gptq (or awq+gptq)")
         if self.head != "float" or self.embedding != "float" or self.group_size is not None:
             raise LlmoptError("--scheme AUTO chooses the head, embedding and group sizes itself",
                               "drop --head / --embedding / --group-size")
-        if (self.target_bpw is not None and self.target_bpw <= 0) or (self.target_kld is not None and self.target_kld <= 0):
-            raise LlmoptError("--target-bpw / --target-kld must be positive", "e.g. --target-bpw 4.85")
-        if self.objective == "speed" and self.target_kld is None:
-            raise LlmoptError("--objective speed finds the fastest plan under a KLD target, not under a bits budget or a saved plan",
-                              "give --target-kld (e.g. --target-kld 0.05), or drop --objective")
         if self.plan is not None and (self.size_of != "checkpoint" or self.price_by is not None):
             raise LlmoptError("--size-of and --price-by shape a new plan; --plan reuses a plan as it is",
                               "drop --size-of / --price-by")
-        if self.price_by == "gptq" and "gptq" not in self.method:
-            raise LlmoptError(f"--price-by gptq prices formats as GPTQ stores them; method {self.method} does not use GPTQ",
+        if self.price_by is not None and self.price_by not in method.quantizer.prices:
+            raise LlmoptError(f"--price-by {self.price_by}: method {self.method} prices its formats by "
+                              f"{' or '.join(method.quantizer.prices)} only",
                               "drop --price-by, or use --method gptq / awq+gptq")
-        if self.plan is not None and not Path(self.plan).is_file():
-            raise LlmoptError(f"plan file {self.plan} does not exist", "give a plan.json or a checkpoint's llmopt.json")
+        try:
+            self.planner().check()
+        except ValueError as exc:
+            raise LlmoptError(str(exc)) from exc
 
 
 def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     """Quantize ``config.model`` and save it; returns the provenance record written to ``llmopt.json``."""
-    from llmopt.core.console import notice
     from llmopt.core.data import calibration_ids
-    from llmopt.self_calibration import sampler
     from llmopt.formats.compressed import save_nf4
-    from llmopt.quant.streaming import quantize_streaming
+    from llmopt.self_calibration import sampler
 
     config.check()
     output = Path(config.output)
     check_output(output, config.overwrite)
-    scheme = config.parse_scheme()
-    ignore = [*(["lm_head"] if config.head == "float" else []), *config.ignore]
     source, _ = float_source(config.model, "quantized again", "quantize the original float checkpoint instead")
     start = time.perf_counter()
-    if scheme is None:
-        model, tokenizer = load_model(source)
-    else:  # streamed layer by layer from the checkpoint: only the tokenizer is loaded here
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(source)
     record: dict = {"source": str(source), "source_spec": config.model, "scheme": config.scheme,
-                    "method": config.method, "ignore": ignore, "head": config.head, "embedding": config.embedding,
-                    "versions": versions()}
-    if scheme is None:
-        save_nf4(model, tokenizer, output, ignore, finish_record(record, start), overwrite=config.overwrite)
+                    "method": config.method, "head": config.head, "embedding": config.embedding, "versions": versions()}
+    if config.scheme == NF4:
+        model, tokenizer = load_model(source)
+        record["ignore"] = ["lm_head", *config.ignore]
+        save_nf4(model, tokenizer, output, record["ignore"], finish_record(record, start), overwrite=config.overwrite)
         return _evaluated(config, record)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)  # the model itself streams layer by layer from the checkpoint
+    request = config.request()
     calib = None
     if config.needs_calibration:
-        calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.seed,
-            sample_self=sampler(source, config.device))
-    options: dict = {"head": config.head, "embedding": config.embedding}
+        calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.calib_samples, config.calib_seq_len,
+                                                       config.seed, sample_self=sampler(source, config.device))
     if config.is_auto:
-        from llmopt.pipeline.stages.auto_plan import plan_for
-
-        options, record["plan"] = plan_for(config, source, calib)
-        record["head"], record["embedding"] = options["head"], options["embedding"]
-        if options["head"] != "float":
-            ignore = [p for p in ignore if p != "lm_head"]
-            record["ignore"] = ignore
-
+        options, record["plan"] = config.planner().make(source, calib, request.method)
+        ignore = request.ignore if options["head"] == "float" else tuple(p for p in request.ignore if p != "lm_head")
+        request = replace(request, plan=options["plan"], head=options["head"], embedding=options["embedding"], ignore=ignore)
+        record["head"], record["embedding"] = request.head, request.embedding
+    record["ignore"] = list(request.ignore)
     tune_ids = calib
-    if config.method == "rtn":
-        calib = None  # the plan's sensitivities and the scale tuning use them; RTN itself takes none
-    refit = "gptq" in config.method and config.scale_refit is not False
-
-    def provenance(result, estimate) -> dict:
-        for line in result.notices:
-            notice(line)
-        record.update({
-            "group_size_asked": config.group_size,
-            "group_sizes": _group_size_summary(result.group_sizes),
-            "quantized_modules": len(result.weights),
-            "notices": result.notices,
-            "options": {"act_order": config.act_order, "float_targets": config.float_targets,
-                        "scale_refit": refit, "descent_rounds": DESCENT_ROUNDS if refit else 0, "damp": config.damp, "smooth_alpha": config.alpha,
-                        "clip_search": config.clip_search, "head_fisher_rows": FISHER_ROWS,
-                        "gptq_after_awq": "sequential" if config.method == "awq+gptq" else None},
-            "quantize_seconds": round(result.seconds, 2),
-            "engine_seconds": result.timings.to_dict(), "memory_estimate": estimate.to_dict(),
-        })
-        return finish_record(record, start)
-
+    if not request.method.calibrated:
+        calib = None  # the plan's sensitivities and the scale tuning use them; the method itself takes none
     quantized = output if not config.tune_steps else output.parent / f".{output.name}.untuned-{os.getpid()}"
+    record["group_size_asked"] = config.group_size
     try:
-        quantize_streaming(
-            source, quantized, scheme, config.method, config.group_size, calib, ignore, config.strict_groups,
-            tokenizer=tokenizer, provenance=provenance, overwrite=config.overwrite, announce=_announcer(source),
-            clip_search=config.clip_search, act_order=config.act_order, float_targets=config.float_targets, damp=config.damp,
-            scale_refit=config.scale_refit is not False, smooth_alpha=config.alpha, progress=progress, show_progress=progress is None, device=config.device,
-            **options,
-        )
+        quantize_checkpoint(source, quantized, request, calib, tokenizer=tokenizer, record=record,
+                            overwrite=config.overwrite, progress=progress, started=start)
         if config.tune_steps:
             record["scale_tuning"] = _tune(config, source, quantized, tune_ids)
     except ValueError as exc:
@@ -296,13 +280,69 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     return _evaluated(config, record)
 
 
+def quantize_checkpoint(source: Path, output: Path, request: QuantizeRequest, calibration: torch.Tensor | None = None, *,
+                        tokenizer: Any = None, record: dict | None = None, overwrite: bool = False, progress: Any = None,
+                        max_shard_bytes: int | None = None, started: float | None = None) -> StreamedQuantization:
+    """Stream the checkpoint ``source`` through ``request`` into a compressed-tensors checkpoint at
+    ``output`` (atomically), layer by layer; ``record`` (the provenance so far) is completed and
+    written as llmopt.json. The memory bound is printed for large checkpoints and a job that does
+    not fit the free memory is refused first. ``started``: when the job began (for its wall time)."""
+    from llmopt.calibration import resolve_device
+    from llmopt.checkpoints.estimate import check_fits
+    from llmopt.checkpoints.quantized_writer import QuantizedCheckpointWriter
+    from llmopt.checkpoints.streaming import StreamedModel
+    from llmopt.checkpoints.writer import DEFAULT_SHARD_BYTES
+    from llmopt.core.atomic import atomic_dir
+    from llmopt.core.console import notice
+    from llmopt.quant.streaming import quantize_estimate, quantize_streaming
+
+    start = time.perf_counter() if started is None else started
+    record = {} if record is None else record
+    announce = _announcer(Path(source))
+    estimate = quantize_estimate(Path(source), request, calibration)
+    if announce is not None:
+        announce(estimate.describe())
+    check_fits(estimate, (resolve_device(request.device) or torch.device("cpu")).type)
+    stream = StreamedModel(source)
+    stream.announce = announce
+    try:
+        with atomic_dir(Path(output), overwrite) as tmp:
+            writer = QuantizedCheckpointWriter(stream, tmp, max_shard_bytes or DEFAULT_SHARD_BYTES)
+            done = quantize_streaming(stream, request, calibration, progress=progress)
+            result = done.result
+            for line in result.notices:
+                notice(line)
+            method = request.method
+            record.update({
+                "group_sizes": _group_size_summary(result.group_sizes),
+                "quantized_modules": len(result.weights),
+                "notices": result.notices,
+                "options": {**_flat_options(method), "head_fisher_rows": FISHER_ROWS,
+                            "gptq_after_awq": "sequential" if method.one_pass and method.transform is not None else None},
+                "quantize_seconds": round(result.seconds, 2),
+                "engine_seconds": result.timings.to_dict(), "memory_estimate": estimate.to_dict(),
+            })
+            writer.finish(done.outer, result.weights, list(request.ignore), tokenizer, finish_record(record, start))
+    finally:
+        stream.close()
+    return done
+
+
+def _flat_options(method: QuantMethod) -> dict:
+    """The method's options in one dict (the transform's, then the quantizer's)."""
+    parts = [method.quantizer] if method.transform is None else [method.transform, method.quantizer]
+    return {k: v for part in parts for k, v in part.options().items()}
+
+
 def _tune(config: QuantizeConfig, source: Path, quantized: Path, ids) -> dict:
     """Tune the just-written checkpoint's scales and norms into ``config.output``."""
+    from llmopt.checkpoints.rewrite import rewrite_tensors
     from llmopt.quant.scale_tuning import TuneSettings
     from llmopt.quant.tune_checkpoint import tune_checkpoint
 
     settings = TuneSettings(config.tune_steps, config.tune_lr, per=config.tune_per, seed=config.seed)
-    report = tune_checkpoint(quantized, source, Path(config.output), ids, settings, config.device, overwrite=config.overwrite)
+    replacements, report = tune_checkpoint(quantized, source, ids, settings, config.device)
+    rewrite_tensors(quantized, Path(config.output), replacements, {"scale_tuning": report.to_dict()}, config.overwrite)
     return report.to_dict()
 
 

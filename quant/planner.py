@@ -1,52 +1,81 @@
-"""``--scheme AUTO``: measure per-tensor sensitivities, allocate formats under the budget (or read
-a saved plan), print the plan and turn it into per-Linear schemes plus head/embedding formats."""
+"""The AUTO planner (``--scheme AUTO``): measure per-tensor sensitivities, allocate formats under
+the budget (or read a saved plan), print the plan and turn it into per-Linear schemes plus the
+head / embedding formats."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from llmopt.core.errors import LlmoptError
+from llmopt.quant.method import PRICED_BY_GPTQ, PRICED_BY_RTN, QuantMethod
 from llmopt.quant.outer import EMBED, HEAD
 
 PLAN_VERSION = 1
+OBJECTIVES = ("size", "speed")
 
 
-def plan_for(config: Any, source: Path, calib: torch.Tensor | None) -> tuple[dict, dict]:
-    """(options for ``quantize_streaming``: ``plan``, ``head``, ``embedding``; the plan record)."""
-    from llmopt.quant.allocate import allocate, plan_table, totals
-    from llmopt.quant.sensitivity import Sensitivity, measure_sensitivity
+@dataclass(frozen=True)
+class AutoPlanner:
+    """One budget (exactly one of ``target_bpw``, ``target_kld`` and a saved ``plan``), how bits
+    are counted (``size_of``: checkpoint or gguf), what is minimised under a KLD target
+    (``objective``: size or speed), the sensitivity pass's windows and how it prices the
+    Linears' formats (``price_by``: gptq or rtn)."""
 
-    if config.plan is not None:
-        record = read_plan(Path(config.plan))
-    else:
+    target_bpw: float | None = None
+    target_kld: float | None = None
+    objective: str = "size"
+    size_of: str = "checkpoint"
+    plan: str | None = None
+    sensitivity_samples: int = 4
+    price_by: str = PRICED_BY_RTN
+    seed: int = 0
+
+    def check(self) -> None:
+        """``ValueError`` for a budget that cannot be planned."""
+        if (self.target_bpw is not None and self.target_bpw <= 0) or (self.target_kld is not None and self.target_kld <= 0):
+            raise ValueError("--target-bpw / --target-kld must be positive (e.g. --target-bpw 4.85)")
+        if self.objective == "speed" and self.target_kld is None:
+            raise ValueError("--objective speed finds the fastest plan under a KLD target, not under a bits budget "
+                             "or a saved plan: give --target-kld (e.g. --target-kld 0.05), or drop --objective")
+        if self.plan is not None and not Path(self.plan).is_file():
+            raise ValueError(f"plan file {self.plan} does not exist: give a plan.json or a checkpoint's llmopt.json")
+
+    def make(self, source: Path, calibration: torch.Tensor | None, method: QuantMethod) -> tuple[dict, dict]:
+        """(``plan`` (per-Linear schemes), ``head`` and ``embedding`` formats; the plan record)."""
+        record = read_plan(Path(self.plan)) if self.plan is not None else self._measure(source, calibration, method)
+        _print_table(record)
+        return options_from_plan(record), record
+
+    def _measure(self, source: Path, calibration: torch.Tensor | None, method: QuantMethod) -> dict:
         from llmopt.checkpoints.models import load_model
+        from llmopt.quant.allocate import allocate, plan_table, totals
+        from llmopt.quant.sensitivity import measure_sensitivity
 
         model, _ = load_model(source)
-        sens = measure_sensitivity(model, calib[: config.sensitivity_samples], seed=config.seed,
-                                   head_gptq=config.method != "rtn", linear_gptq=config.linear_pricing == "gptq")
+        sens = measure_sensitivity(model, calibration[: self.sensitivity_samples], seed=self.seed,
+                                   head_gptq=method.calibrated, linear_gptq=self.price_by == PRICED_BY_GPTQ)
         del model
-        seconds = decode_speeds(sens) if config.objective == "speed" else None
+        seconds = decode_speeds(sens) if self.objective == "speed" else None
         try:
-            plan = allocate(sens, config.target_bpw, config.target_kld, config.size_of, seconds)
+            plan = allocate(sens, self.target_bpw, self.target_kld, self.size_of, seconds)
         except ValueError as exc:
             raise LlmoptError(str(exc), "raise the target") from exc
         record = plan.to_dict()
         record["shapes"] = {t.name: list(t.shape) for t in sens.tensors}
         record["kinds"] = {t.name: t.kind for t in sens.tensors}
         record["sensitivity"] = sens.to_dict()
-        record["linears_priced_by"] = config.linear_pricing
+        record["linears_priced_by"] = self.price_by
         record["table"] = plan_table(sens, plan)
         bpw, _ = totals(sens, plan.formats)
         record["bpw"] = round(bpw, 4)
         record["gguf_bpw"] = round(totals(sens, plan.formats, "gguf")[0], 4)
         if seconds is not None:
             record["decode_seconds_per_weight"] = seconds
-    _print_table(record)
-    return options_from_plan(record), record
+        return record
 
 
 def decode_speeds(sens) -> dict[str, float]:

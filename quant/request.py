@@ -1,0 +1,75 @@
+"""One quantization request, built once and passed whole down to the algorithms.
+
+The stage (or a script, through :func:`make_request`) parses the scheme and the method once;
+:func:`~llmopt.quant.apply.quantize_model` and :func:`~llmopt.quant.streaming.quantize_streaming`
+read everything else from the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmopt.formats.schemes import GROUPED_SCHEMES, PRESETS, QuantScheme, get_scheme
+from llmopt.quant.method import QuantMethod
+from llmopt.quant.registry import build_method
+
+DEFAULT_IGNORE = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class QuantizeRequest:
+    """What to quantize and how.
+
+    ``scheme``: the run's scheme (group size resolved; an AUTO ``plan`` gives each Linear its
+    own, and Linears it does not name stay in float). ``ignore``: regexes of Linear names kept
+    in float. ``strict_groups``: refuse Linears the group size does not divide instead of using
+    the largest divisor. ``head`` / ``embedding``: their formats (:mod:`llmopt.quant.outer`;
+    quantized by the streaming path). ``device``: where each layer is calibrated (cpu, cuda,
+    auto). ``batch_size``: calibration windows per forward. ``compute_dtype``: the calibration
+    forwards' autocast dtype (``auto``: bfloat16 where the device computes it natively).
+    """
+
+    scheme: QuantScheme
+    method: QuantMethod
+    ignore: tuple[str, ...] = DEFAULT_IGNORE
+    strict_groups: bool = False
+    plan: Mapping[str, QuantScheme] | None = None
+    head: str = "float"
+    embedding: str = "float"
+    device: str | None = None
+    batch_size: int = 8
+    compute_dtype: torch.dtype | str | None = "auto"
+
+
+def resolve_scheme(name: str, group_size: int | None = None) -> QuantScheme:
+    """The preset ``name`` with ``group_size`` (None: its default; 0: per-channel), or ``ValueError``."""
+    key = name.upper()
+    if key not in PRESETS:
+        raise ValueError(f"unknown scheme {name!r}: choose one of {', '.join(PRESETS)}")
+    if group_size is not None and group_size < 0:
+        raise ValueError(f"group size must be positive (or 0 for per-channel), got {group_size}")
+    if group_size and key not in GROUPED_SCHEMES:
+        raise ValueError(
+            f"scheme {key} is per-channel and takes no group size (got {group_size}); "
+            f"group sizes apply to {', '.join(sorted(GROUPED_SCHEMES))}"
+        )
+    return get_scheme(key, group_size)
+
+
+def make_request(scheme: str | QuantScheme, method: str | QuantMethod = "rtn", *, group_size: int | None = None,
+                 ignore: tuple[str, ...] | list[str] = DEFAULT_IGNORE, strict_groups: bool = False,
+                 plan: Mapping[str, QuantScheme] | None = None, head: str = "float", embedding: str = "float",
+                 device: str | None = None, batch_size: int = 8, compute_dtype: torch.dtype | str | None = "auto",
+                 **method_options: Any) -> QuantizeRequest:
+    """A request from names, as scripts and tests write it: ``make_request("W4A16", "gptq",
+    group_size=32, act_order=False)``; method options by their field names."""
+    parsed = scheme if isinstance(scheme, QuantScheme) else resolve_scheme(scheme, group_size)
+    built = method if isinstance(method, QuantMethod) else build_method(method, method_options)
+    if isinstance(method, QuantMethod) and method_options:
+        raise ValueError("give method options to build_method, not beside a built method")
+    return QuantizeRequest(parsed, built, tuple(ignore), strict_groups, plan, head, embedding, device, batch_size,
+                           compute_dtype)
