@@ -183,8 +183,8 @@ class Hqq(Quantizer):
     p: float = 0.7
 
     def check(self, scheme: QuantScheme) -> None:
-        if scheme.is_float or scheme.grid is not None or scheme.scale_steps is not None or scheme.activations is not None:
-            raise ValueError(f"hqq quantizes integer weight-only schemes (W4A16, W4A16_ASYM, W8A16), not {scheme.name}")
+        if scheme.is_float or scheme.grid is not None or scheme.scale_steps is not None:
+            raise ValueError(f"hqq quantizes plain integer weights (W4A16, W4A16_ASYM, W8A16, W8A8), not {scheme.name}")
 
     @torch.no_grad()
     def quantize(self, mods: Mapping[str, nn.Linear], schemes: Schemes, group_sizes: GroupSizes,

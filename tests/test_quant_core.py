@@ -98,7 +98,7 @@ def test_methods_refuse_schemes_they_cannot_make() -> None:
         make_request("W4A16", "smoothquant").method.check(make_request("W4A16").scheme, True)
     with pytest.raises(ValueError, match="AWQ optimizes weight-only"):
         build_method("awq").check(make_request("W8A8").scheme, True)
-    with pytest.raises(ValueError, match="hqq quantizes integer weight-only"):
+    with pytest.raises(ValueError, match="hqq quantizes plain integer weights"):
         build_method("hqq").check(make_request("FP8").scheme, True)
     with pytest.raises(ValueError, match="needs calibration data"):
         build_method("gptq").check(make_request("W4A16").scheme, False)
