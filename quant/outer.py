@@ -21,20 +21,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from llmopt.formats.schemes import (
-    IQ4_NL_GRID,
-    QuantizedWeight,
-    QuantScheme,
-    get_scheme,
-    grid_scheme,
-    int_weight_scheme,
-    search_qparams,
-)
+from llmopt.formats.registry import OUTER_CANDIDATES
+from llmopt.formats.schemes import QuantizedWeight, QuantScheme, search_qparams
 from llmopt.quant.gptq import gptq_quantize_weight
 from llmopt.quant.head_fisher import HeadFisher
 
-OUTER_CHOICES = ("float", "int8", "int6", "int5a", "int5", "int4a", "nl4", "int4")
-OUTER_GROUP = 32  # the group size of the grouped embedding/head formats
+OUTER_CHOICES = ("float", "int8", "int6", "int5a", "int5", "int4a", "nl4", "int4")  # (the registry's, in the CLI's order)
 HEAD_GPTQ_ROWS = 8192  # rows of the head solved at once (two float32 copies of them at a time)
 HEAD_GPTQ_NOTICE = ("the output head was quantized by GPTQ on its calibration inputs, its most probable rows "
                     "on their own KL-weighted Hessians")
@@ -43,18 +35,14 @@ HEAD = "lm_head"
 
 
 def outer_scheme(kind: str) -> QuantScheme | None:
-    """The scheme of an embedding/head format name (None: float)."""
+    """The scheme of an embedding/head format name (None: float): the registry's candidate of that
+    name (:data:`~llmopt.formats.registry.OUTER_CANDIDATES`)."""
     if kind == "float":
         return None
-    if kind == "int8":
-        return get_scheme("W8A16")
-    if kind in ("int6", "int5", "int4"):
-        return int_weight_scheme(int(kind[3:]), OUTER_GROUP)
-    if kind in ("int5a", "int4a"):
-        return int_weight_scheme(int(kind[3]), OUTER_GROUP, symmetric=False)
-    if kind == "nl4":
-        return grid_scheme(IQ4_NL_GRID, OUTER_GROUP)
-    raise ValueError(f"unknown embedding/head format {kind!r}: choose one of {', '.join(OUTER_CHOICES)}")
+    if kind not in OUTER_CANDIDATES:
+        raise ValueError(f"unknown embedding/head format {kind!r}: choose one of {', '.join(OUTER_CHOICES)}")
+    found = OUTER_CANDIDATES[kind]
+    return found.format.scheme(found.group_size)
 
 
 def quantize_matrix(w: torch.Tensor, scheme: QuantScheme, col_weight: torch.Tensor | None = None) -> QuantizedWeight:

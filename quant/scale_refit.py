@@ -9,7 +9,8 @@ output row: with ``x_a`` the codes of group ``a`` (zero point removed) and ``Ŵ_
 
 ``hessian`` may also hold one Hessian per row (``[rows, in, in]``, :mod:`.row_gptq`).
 Scales tied to a super-block (``k · d``, IQ4_XS / Q6_K) keep their integers ``k`` and re-solve
-``d`` (a float16 value), so the stored layout and the GGUF blocks stay exact. A row keeps its old
+``d`` (a float16 value), so the stored layout and the GGUF blocks stay exact; free scales are
+rounded to their stored 16-bit dtype (:func:`~llmopt.formats.schemes.round_scales`). A row keeps its old
 scales unless the new ones lower its error, so a refit never makes a row worse.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.formats.schemes import SUPERBLOCK, QuantizedWeight
+from llmopt.formats.schemes import SUPERBLOCK, QuantizedWeight, round_scales
 
 BLOCK_ELEMENTS = 1 << 22  # float64 entries of one block's normal matrices (rows × groups²)
 
@@ -104,7 +105,7 @@ def refit_scales(weight: torch.Tensor, qw: QuantizedWeight, hessian: torch.Tenso
             d = torch.where((d == 0) | ~torch.isfinite(d), d_old, d)
             new = (k * d.unsqueeze(-1)).reshape(r1 - r0, ng).float()
         else:
-            new = _solve(g, b, scale[r0:r1].double()).float()
+            new = round_scales(_solve(g, b, scale[r0:r1].double()).float(), qw.scheme)  # as they are stored
         scale[r0:r1] = new
     fitted = QuantizedWeight(qw.codes, scale, qw.zero_point, qw.scheme, qw.group_size)
     return better_rows(weight, hessian, qw, fitted)

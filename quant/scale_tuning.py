@@ -13,7 +13,8 @@ end-to-end step-size training):
   all the scales of an output row);
 - a norm's weight moves additively (RMSNorm, LayerNorm and Gemma's ``1 + w`` alike).
 
-Tuned scales are rounded to float16, as the GGUF blocks store them, so a ``--type auto`` export
+Tuned scales are rounded to their stored 16-bit dtype (float16 when stored in float32, as the
+GGUF blocks store them), so a ``--type auto`` export
 still carries the checkpoint's weights exactly. The codes, zero points and every other tensor
 are unchanged, so the tuned checkpoint has the same format, size and speed.
 """
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from llmopt.formats.schemes import IQ4_XS_STEPS, Q6_K_STEPS, SUPERBLOCK, QuantizedWeight, superblock_factors
+from llmopt.formats.schemes import IQ4_XS_STEPS, Q6_K_STEPS, SUPERBLOCK, QuantizedWeight, round_scales, superblock_factors
 
 CHECK_WINDOWS = 4  # calibration windows held out of the tuning, on which the KLD is reported before and after
 
@@ -110,7 +111,9 @@ class TunableScales:
             scale = k * (d * multiplier).to(torch.float16).float().repeat_interleave(self.per_unit, dim=1)
         else:
             scale = qw.scale.float() * self._expanded(multiplier)
-            if not qw.scheme.is_float:  # integer codes: float16 scales, as their GGUF blocks hold them
+            if qw.scheme.stored_scale_dtype != torch.float32:  # rounded as they are written (16-bit)
+                scale = round_scales(scale, qw.scheme)
+            elif not qw.scheme.is_float:  # float32 integer scales: float16, as their GGUF blocks hold them
                 scale = scale.to(torch.float16).float()
         return QuantizedWeight(qw.codes, scale, qw.zero_point, qw.scheme, qw.group_size)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from llmopt.core.atomic import atomic_file
 from llmopt.core.paths import cache_dir
+from llmopt.formats.registry import format_for
 from llmopt.formats.schemes import QuantScheme
 
 from .backends import choose_backend
@@ -59,7 +60,7 @@ def _random_linear(scheme: QuantScheme | None, rows: int, generator: torch.Gener
         codes = torch.randint(scheme.qmin, scheme.qmax + 1, (rows, k), generator=generator, dtype=torch.int8)
     scale = torch.rand(rows, groups, generator=generator) * 0.01 + 1e-3
     zero = None if scheme.symmetric else torch.randint(-2, 2, (rows, groups), generator=generator, dtype=torch.int32)
-    return QuantLinear(codes, scale, zero, scheme.group_size, None, scheme.name)
+    return QuantLinear(codes, scale, zero, scheme.group_size, None, scheme.name, kernel=format_for(scheme).kernel)
 
 
 def _timed_linear(scheme: QuantScheme | None, backend, min_bytes: int):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from llmopt.formats.registry import format_for, format_of
 from llmopt.formats.schemes import QuantizedWeight, compute_qparams, get_scheme, quantize
 
 
@@ -78,12 +79,15 @@ class QuantLinear(Linear):
     activations: str | None
     scheme_name: str
     bias: torch.Tensor | None = None
+    kernel: str | None = None  # the kernel its weight format runs on (llmopt.formats.registry); None: from the codes
     packed: Any = field(default=None, repr=False, compare=False)  # the backend's layout (then ``codes`` are emptied)
     run: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantLinear:
-        return cls(qw.codes, qw.scale, qw.zero_point, qw.group_size, qw.scheme.activations, qw.scheme.name, bias)
+        """The linear of a quantized weight; its kernel is its registered weight format's."""
+        return cls(qw.codes, qw.scale, qw.zero_point, qw.group_size, qw.scheme.activations, qw.scheme.name, bias,
+                   format_of(qw).kernel)
 
     @property
     def out_features(self) -> int:
@@ -119,7 +123,8 @@ def int8_rows(lin: DenseLinear) -> QuantLinear:
     scheme = get_scheme("W8A16")
     weight = lin.full_weight()
     scale, _ = compute_qparams(weight, scheme)
-    return QuantLinear(quantize(weight, scale, None, scheme), scale, None, None, None, scheme.name, lin.bias)
+    return QuantLinear(quantize(weight, scale, None, scheme), scale, None, None, None, scheme.name, lin.bias,
+                       format_for(scheme).kernel)
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -143,14 +148,15 @@ def merge_linears(parts: list[Linear]) -> Linear:
     if all(isinstance(p, QuantLinear) for p in parts):
         first = parts[0]
         same = all(
-            (p.group_size, p.activations, p.scheme_name, p.codes.dtype, p.zero_point is None, p.scale.shape[1])
-            == (first.group_size, first.activations, first.scheme_name, first.codes.dtype, first.zero_point is None, first.scale.shape[1])
+            (p.group_size, p.activations, p.scheme_name, p.codes.dtype, p.zero_point is None, p.scale.shape[1], p.kernel)
+            == (first.group_size, first.activations, first.scheme_name, first.codes.dtype, first.zero_point is None,
+                first.scale.shape[1], first.kernel)
             for p in parts
         )
         if same:
             zp = None if first.zero_point is None else torch.cat([p.zero_point for p in parts])
             return QuantLinear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zp,
-                               first.group_size, first.activations, first.scheme_name, _cat_bias(parts))
+                               first.group_size, first.activations, first.scheme_name, _cat_bias(parts), first.kernel)
     return ConcatLinear(parts)
 
 

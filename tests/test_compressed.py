@@ -211,7 +211,8 @@ def test_read_back_exact(saved):
 
 
 def test_library_decompress_matches_ours(saved):
-    """compressed-tensors' own decompressor gives exactly our dequantized weights."""
+    """compressed-tensors' own decompressor gives exactly our dequantized weights, in the dtype of
+    the scales it read (bfloat16: the float32 source's scales are stored in 16 bits)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import load_file
@@ -223,18 +224,25 @@ def test_library_decompress_matches_ours(saved):
     tensors = load_file(str(out / "model.safetensors"))
     for name, qw in weights.items():
         local = {k[len(name) + 1:]: v for k, v in tensors.items() if k.rpartition(".")[0] == name}
+        assert local["weight_scale"].dtype == torch.bfloat16, name
         dense = compressor.decompress(local, scheme)["weight"]
-        assert torch.equal(dense.float(), qw.dequantize()), name
+        assert torch.equal(dense, qw.dequantize(dense.dtype)), name
 
 
 def test_transformers_dequantize_load(saved):
-    """``dequantize=True``: plain float Linears, weights dequantized at load, no activation QDQ."""
-    _, model, _, out, _ = saved
+    """``dequantize=True``: plain float Linears, weights dequantized at load (in the stored scales'
+    bfloat16, as compressed-tensors computes them), no activation QDQ."""
+    import copy
+
+    _, model, weights, out, _ = saved
     loaded = AutoModelForCausalLM.from_pretrained(
         out, quantization_config=CompressedTensorsConfig(dequantize=True)
     ).eval()
+    want = copy.deepcopy(model)
+    for name, qw in weights.items():
+        want.get_submodule(name).weight.data = qw.dequantize(torch.bfloat16).float()
     ids = random_ids()
-    torch.testing.assert_close(logits(loaded, ids), logits(model, ids), rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits(loaded, ids), logits(want, ids), rtol=0, atol=1e-5)
 
 
 def test_transformers_compressed_load(saved, request):

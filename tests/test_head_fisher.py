@@ -114,7 +114,9 @@ def test_demo_head_rows_on_their_own_hessians_lower_kl(demo_cache, monkeypatch):
     w = model.get_input_embeddings().weight.detach().float()
     monkeypatch.setattr(head_fisher, "FISHER_ROWS", 64)
     fisher = HeadFisher.measure(calib_x, w)
-    scheme = outer_scheme("nl4")
+    # float16 scales: with the default bfloat16 ones the scales' rounding swamps the gain on these
+    # rows (KL 0.0079 both ways; float16: 0.0068 -> 0.0045, float32: 0.0065 -> 0.0051)
+    scheme = outer_scheme("nl4").with_scale_dtype("float16")
     plain_w, own_w = w.clone(), w.clone()
     for rows, hessians in fisher.hessians(w):
         plain = gptq_quantize_weight(w[rows], input_hessian(calib_x), scheme, 32, clip=True, refit=True)

@@ -29,8 +29,12 @@ def _problem(n: int = 256, rows: int = 12, seed: int = 0) -> tuple[torch.Tensor,
 
 @pytest.mark.parametrize("fmt", ["int5a_g32", "int4_g32", "nl4_g32", "int8_g32"])
 def test_refit_solves_each_rows_least_squares(fmt: str) -> None:
+    """The least-squares scales exactly (float32 scales); by default they are rounded as stored (16 bits)."""
     w, hessian = _problem()
-    scheme = format_scheme(fmt, w.shape[1])
+    stored = format_scheme(fmt, w.shape[1])
+    default = refit_scales(w, gptq_quantize_weight(w, hessian, stored, stored.group_size, act_order=True, clip=True), hessian)
+    assert torch.equal(default.scale.bfloat16().float(), default.scale)
+    scheme = format_scheme(fmt, w.shape[1], scale_dtype="float32")
     qw = gptq_quantize_weight(w, hessian, scheme, scheme.group_size, act_order=True, clip=True)
     fitted = refit_scales(w, qw, hessian)
     assert fitted.scale.shape == qw.scale.shape
@@ -78,7 +82,8 @@ def test_gptq_refit_never_worsens_a_row(fmt: str, act_order: bool) -> None:
     assert refit.codes.shape == plain.codes.shape and refit.scale.shape == plain.scale.shape
     before, after = row_errors(w, plain, hessian), row_errors(w, refit, hessian)
     assert bool((after <= before * (1 + 1e-6)).all())
-    assert float(after.sum()) < 0.99 * float(before.sum())
+    if fmt != "int8":  # int8's least-squares scales move by less than a bfloat16 step: nothing to gain
+        assert float(after.sum()) < 0.99 * float(before.sum())
 
 
 def test_gptq_refit_keeps_pruned_weights_zero() -> None:

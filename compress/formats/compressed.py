@@ -15,9 +15,12 @@ Per Linear ``<name>``, by compression format (chosen by compressed-tensors' ``in
   FP8): ``<name>.weight`` int8 / float8_e4m3fn ``[out, in]`` and ``<name>.weight_scale``
   (plus an int8 ``weight_zero_point`` ``[out, n_groups]`` for asymmetric schemes).
 
-Scales are stored in float32, so reading back gives our scales bit for bit; loaders cast them
-to the compute dtype. Layers with different group sizes go to different config groups, each
-targeting its modules by exact name.
+Scales are stored in 16 bits (the scheme's ``scale_dtype``: the source's bfloat16 / float16,
+bfloat16 for a float32 source), float32 only for super-block scales (``k · d`` products, see
+:mod:`~llmopt.formats.schemes`) or when asked (``scale_dtype``); the quantizers round them to that
+dtype where they choose them, so reading back gives our scales bit for bit. Packing and sizes are
+the weight format's (:mod:`llmopt.formats.registry`). Layers with different group sizes go to
+different config groups, each targeting its modules by exact name.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from typing import Any
 
 import torch
 from compressed_tensors.compressors.format import infer_module_format
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from compressed_tensors.config import CompressionFormat
 from compressed_tensors.quantization import (
     QuantizationArgs,
@@ -47,6 +49,7 @@ from safetensors.torch import save_file
 
 from llmopt.core.atomic import atomic_dir
 
+from llmopt.formats.registry import format_for, format_of
 from llmopt.formats.schemes import PRESETS, QuantizedWeight, QuantScheme
 from llmopt.checkpoints.provenance import write_provenance
 
@@ -197,46 +200,20 @@ def _as_qconfig(quantization_config: dict | QuantizationConfig) -> QuantizationC
 # Tensors: QuantizedWeight <-> compressed-tensors layout
 
 
-def compress_weight(qw: QuantizedWeight, fmt: str) -> dict[str, torch.Tensor]:
-    """The serialized tensors (local names, e.g. ``weight_packed``) of one layer in ``fmt``."""
-    codes = qw.codes.contiguous()
-    out: dict[str, torch.Tensor] = {"weight_scale": qw.scale.to(torch.float32).contiguous()}
-    if fmt == _PACKED:
-        if qw.scheme.is_float:
-            raise ValueError("pack-quantized holds integer codes only")
-        bits = qw.scheme.num_bits
-        out["weight_packed"] = pack_to_int32(codes.to(torch.int8), bits)
-        out["weight_shape"] = torch.tensor(tuple(codes.shape), dtype=torch.int64)
-        if qw.zero_point is not None:
-            out["weight_zero_point"] = pack_to_int32(qw.zero_point.to(torch.int8), bits, packed_dim=0)
-        return out
-    if qw.scheme.is_float:
-        out["weight"] = codes.to(torch.float8_e4m3fn)
-    else:
-        out["weight"] = codes.to(torch.int8)
-    if qw.zero_point is not None:
-        out["weight_zero_point"] = qw.zero_point.to(torch.int8).contiguous()
-    return out
+def compress_weight(qw: QuantizedWeight, fmt: str | None = None, scale_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The serialized tensors (local names, e.g. ``weight_packed``) of one layer, packed by its
+    weight format (``fmt``, the compression format, follows from the scheme); scales in
+    ``scale_dtype`` (None: the scheme's stored dtype)."""
+    if fmt == _PACKED and qw.scheme.is_float:
+        raise ValueError("pack-quantized holds integer codes only")
+    return format_of(qw).pack(qw, scale_dtype)
 
 
 def _decompress_weight(
     tensors: dict[str, torch.Tensor], scheme: QuantScheme, group_size: int | None, fmt: str
 ) -> QuantizedWeight:
     """Inverse of :func:`compress_weight`."""
-    scale = tensors["weight_scale"].to(torch.float32)
-    zp = tensors.get("weight_zero_point")
-    if fmt == _PACKED:
-        shape = torch.Size(tensors["weight_shape"].tolist())
-        codes = unpack_from_int32(tensors["weight_packed"], scheme.num_bits, shape)
-        if zp is not None:
-            zp = unpack_from_int32(zp, scheme.num_bits, torch.Size((shape[0], scale.shape[1])), packed_dim=0)
-    else:
-        codes = tensors["weight"]
-        codes = codes if scheme.is_float else codes.to(torch.int8)
-    if zp is not None and scheme.symmetric:
-        zp = None
-    zp = None if zp is None else zp.to(torch.int32)
-    return QuantizedWeight(codes, scale, zp, scheme, group_size)
+    return format_for(scheme).unpack(tensors, scheme, group_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,11 +307,14 @@ def save_compressed(
     *,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    scale_dtype: torch.dtype | None = None,
 ) -> None:
     """Write a compressed-tensors checkpoint of ``model`` with the Linears in ``weights`` quantized.
 
     ``ignore`` lists modules left in float (names or ``re:`` patterns); Linears that are neither
     quantized nor matched by it are added, so that a ``"Linear"`` target never claims them.
+    ``scale_dtype``: the scales' dtype on disk (None: each weight's scheme says, 16-bit unless
+    its scales are super-block products).
     """
     if not weights:
         raise ValueError("no quantized weights to save")
@@ -343,7 +323,7 @@ def save_compressed(
     _check_layers(model, weights)
     qconfig = final_quantization_config(model, weights, ignore)
     state = _dense_state(model, _quantized_keys(model, weights))
-    state.update(quantized_tensors(weights))
+    state.update(quantized_tensors(weights, scale_dtype))
     with atomic_dir(Path(out_dir), overwrite) as tmp:
         _write_safetensors(state, tmp, max_shard_bytes)
         write_side_files(model, tokenizer, tmp, qconfig, provenance)
@@ -380,13 +360,13 @@ def final_quantization_config(model: Any, weights: dict[str, QuantizedWeight], i
     return build_quantization_config(weights, ignore, _embedding_names(model)).model_dump(mode="json")
 
 
-def quantized_tensors(weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
-    """The serialized tensors (full names) of quantized Linears, each in the compression format
-    its config group gets (which depends on its scheme only)."""
+def quantized_tensors(weights: dict[str, QuantizedWeight], scale_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The serialized tensors (full names) of quantized Linears, each packed by its weight format
+    (:mod:`llmopt.formats.registry`) as compressed-tensors' compressor for its config group packs
+    it; scales in ``scale_dtype`` (None: each scheme's stored dtype, 16-bit unless super-block)."""
     out: dict[str, torch.Tensor] = {}
     for name, qw in weights.items():
-        fmt = _fmt(_ct_scheme(qw.scheme, qw.group_size, ["Linear"]).format)
-        for local, tensor in compress_weight(qw, fmt).items():
+        for local, tensor in compress_weight(qw, scale_dtype=scale_dtype).items():
             out[f"{name}.{local}"] = tensor
     return out
 

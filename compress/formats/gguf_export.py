@@ -47,7 +47,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
 from llmopt.formats import gguf_blocks as blocks
-from llmopt.formats.schemes import IQ4_XS_STEPS, K_GROUP, Q3_K_STEPS, Q6_K_STEPS, SUPERBLOCK, on_grid, superblock_factors
+from llmopt.formats.registry import format_of
 from llmopt.core.atomic import atomic_file, check_output
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.gguf_vocab import Vocab, build_vocab, write_vocab
@@ -68,7 +68,6 @@ from llmopt.formats.gguf_verify import verify_with_transformers
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
 CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q6_K}
-K_TYPES = {T.Q3_K: Q3_K_STEPS, T.Q6_K: Q6_K_STEPS}  # carried k-quants of 16-weight sub-blocks: their scale steps
 FOUR_BIT = {T.Q4_0, T.Q4_1, T.Q4_K, T.IQ4_NL, T.IQ4_XS}
 FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q4_0: T.F16, T.Q4_1: T.F16, T.Q5_0: T.F16, T.Q5_1: T.F16, T.Q8_0: T.F16,
             T.IQ4_NL: T.F16, T.IQ4_XS: T.IQ4_NL}
@@ -191,57 +190,25 @@ def _permute(value: Any, n_head: int) -> Any:
 
 
 def describe_quantized(qw: Any) -> str:
-    """``int4 sym g32``, ``int8 sym per-channel``, ``fp8_e4m3 per-channel`` …"""
-    s = qw.scheme
+    """``int4 sym g32``, ``int8 sym per-channel``, ``nl4 (IQ4_NL grid) g32``, ``fp8_e4m3 per-channel`` …"""
+    fmt = format_of(qw)
     group = f"g{qw.group_size}" if qw.group_size else "per-channel"
-    if s.is_float:
+    if fmt.float_codes:
         return f"fp8_e4m3 {group}"
-    if s.grid is not None or (s.num_bits == 8 and s.symmetric and on_grid(qw.codes)):
+    if fmt.grid is not None:
         return f"nl4 (IQ4_NL grid) {group}"
-    return f"int{s.num_bits} {'sym' if s.symmetric else 'asym'} {group}"
+    return f"int{fmt.bits} {'sym' if fmt.symmetric else 'asym'} {group}"
 
 
 def carry_types(qw: Any) -> list[T]:
-    """GGUF block types that hold ``qw``'s integer codes exactly (best first)."""
-    if qw.scheme.is_float:
-        return []
-    cols = qw.codes.shape[1]
-    group = qw.group_size or cols
-    bits, sym = qw.scheme.num_bits, qw.scheme.symmetric
-    q6_k = [T.Q6_K] if bits == 6 and sym and _k_factors(qw, T.Q6_K) is not None else []
-    if bits == 3 and sym and _k_factors(qw, T.Q3_K) is not None:
-        q6_k = [T.Q3_K]
-    if group % blocks.QK or cols % blocks.QK:
-        return q6_k
-    if bits == 4:
-        return [T.Q4_0, T.Q4_1, T.Q8_0] if sym else [T.Q4_1, T.Q8_0]
-    if bits == 5:
-        return [T.Q5_0, T.Q5_1, T.Q8_0] if sym else [T.Q5_1, T.Q8_0]
-    if bits == 8 and sym and on_grid(qw.codes):
-        return ([T.IQ4_XS] if _iq4_xs_factors(qw) is not None else []) + [T.IQ4_NL, T.Q8_0]
-    if bits < 8 or sym:  # q - z of codes up to 7 bits stays within int8
-        return q6_k + [T.Q8_0]
-    return []
+    """GGUF block types that hold ``qw``'s integer codes exactly (best first): its weight format's
+    (:mod:`llmopt.formats.registry`)."""
+    return format_of(qw).gguf_types(qw)
 
 
-def _iq4_xs_factors(qw: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """IQ4_XS's super-block ``d`` and sub-block multipliers of ``qw``'s scales (per 32 columns),
-    or None when the scales are not of that form or 256 does not divide the rows."""
-    cols = qw.codes.shape[1]
-    group = qw.group_size or cols
-    if cols % SUPERBLOCK or group % blocks.QK:
-        return None
-    return superblock_factors(qw.scale.float().repeat_interleave(group // blocks.QK, dim=1), blocks.QK, IQ4_XS_STEPS)
-
-
-def _k_factors(qw: Any, qtype: T) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Q3_K's / Q6_K's super-block ``d`` and integer sub-block scales of ``qw``'s scales (per 16
-    columns), or None when the scales are not of that form or 256 does not divide the rows."""
-    cols = qw.codes.shape[1]
-    group = qw.group_size or cols
-    if cols % SUPERBLOCK or group % K_GROUP:
-        return None
-    return superblock_factors(qw.scale.float().repeat_interleave(group // K_GROUP, dim=1), K_GROUP, K_TYPES[qtype])
+def _factors(qw: Any, qtype: T) -> tuple[torch.Tensor, torch.Tensor]:
+    """The super-block ``d`` and integer sub-block scales of ``qw``'s scales for ``qtype`` (IQ4_XS, Q3_K, Q6_K)."""
+    return format_of(qw).gguf_carrier_of(qtype).factors(qw)
 
 
 def _fits(qtype: T, cols: int) -> bool:
@@ -312,12 +279,12 @@ def _carry(name: str, source: str, qw: Any, qtype: T, fmt: str, note: str) -> Pl
     """Plan a tensor whose codes go into ``qtype`` blocks unchanged."""
     cols = qw.codes.shape[1]
     group = qw.group_size or cols
-    per_block = group // (K_GROUP if qtype in K_TYPES else blocks.QK)
-    scale = qw.scale.float().repeat_interleave(per_block, dim=1)  # [rows, cols/32] (Q3_K / Q6_K: cols/16)
+    carrier = format_of(qw).gguf_carrier_of(qtype)
+    scale = qw.scale.float().repeat_interleave(group // carrier.sub_block, dim=1)  # [rows, cols/32] (Q3_K / Q6_K: cols/16)
     d16 = scale.to(torch.float16)
     if not torch.isfinite(d16).all():
         raise UnmappableTypeError(f"{source}: a scale exceeds float16's range", "export with --type F32")
-    if qtype in (T.IQ4_XS, *K_TYPES):  # the scales are carried exactly: a float16 d per super-block times an integer
+    if carrier.steps is not None:  # the scales are carried exactly: a float16 d per super-block times an integer
         d16 = scale
     codes = qw.codes.to(torch.int16)
     if qtype == T.Q8_0 and qw.zero_point is not None:
@@ -422,12 +389,9 @@ def encode(p: Planned) -> tuple[np.ndarray, T | None]:
             return blocks.encode_q8_0(codes, p.expected_d), T.Q8_0
         if p.qtype == T.IQ4_NL:
             return blocks.encode_iq4_nl(codes, p.expected_d), T.IQ4_NL
-        if p.qtype == T.IQ4_XS:
-            d, k = _iq4_xs_factors(qw)
-            return blocks.encode_iq4_xs(codes, d.numpy(), k.numpy()), T.IQ4_XS
-        if p.qtype in K_TYPES:
-            d, k = _k_factors(qw, p.qtype)
-            encode = blocks.encode_q6_k if p.qtype == T.Q6_K else blocks.encode_q3_k
+        if p.qtype in (T.IQ4_XS, T.Q3_K, T.Q6_K):
+            d, k = _factors(qw, p.qtype)
+            encode = {T.IQ4_XS: blocks.encode_iq4_xs, T.Q3_K: blocks.encode_q3_k, T.Q6_K: blocks.encode_q6_k}[p.qtype]
             return encode(codes, d.numpy(), k.numpy()), p.qtype
         cols = codes.shape[1]
         group = qw.group_size or cols

@@ -22,6 +22,13 @@ does not divide keep free scales: IQ4_NL). Symmetric integer schemes take ``scal
 6-bit codes in groups of 16 with 8-bit multiples (``Q6_K_STEPS``) are llama.cpp's Q6_K
 (6.5625 bits per weight), 3-bit codes in groups of 16 with 6-bit multiples (``Q3_K_STEPS``) its
 Q3_K (3.4375 bits per weight).
+
+Scales are stored in 16 bits (``QuantScheme.scale_dtype``: bfloat16 by default, the source's
+float16 for a float16 model) and rounded to that dtype where they are chosen
+(:func:`round_scales`, called by :func:`compute_qparams`, :func:`search_qparams`, the scale refit
+and :meth:`QuantizedWeight.from_weight`), so the codes are those of the scales as written.
+Super-block scales (``scale_steps``) are products ``k * d`` that no 16-bit float holds exactly:
+they are stored in float32, so that the GGUF blocks carry them exactly.
 The algorithms (RTN, GPTQ, AWQ …) only choose scales and codes; how they are laid out on
 disk (compressed-tensors, GGUF) is decided by the savers from what is defined here.
 """
@@ -29,7 +36,7 @@ disk (compressed-tensors, GGUF) is decided by the savers from what is defined he
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -51,6 +58,8 @@ class QuantScheme:
     activations: ActType | None = None  # dynamic per-token activation quantization
     grid: tuple[int, ...] | None = None  # allowed integer codes, ascending (None: every code)
     scale_steps: int | None = None  # scales are k * d per super-block, -steps/2 <= k < steps/2 (symmetric only)
+    # dtype the scales are stored (and rounded) in: bfloat16 / float16 / float32 (super-block scales: always float32)
+    scale_dtype: str = field(default="bfloat16", compare=False)
 
     # Integer codes are signed for both symmetric and asymmetric schemes (asymmetric ones add a
     # signed zero point), matching compressed-tensors.
@@ -71,11 +80,18 @@ class QuantScheme:
         return not self.symmetric
 
     @property
+    def stored_scale_dtype(self) -> torch.dtype:
+        """The dtype the scales are written in: ``scale_dtype``, float32 for super-block scales
+        (``k * d`` products, exact only in float32)."""
+        return torch.float32 if self.scale_steps is not None else SCALE_DTYPES[self.scale_dtype]
+
+    @property
     def bits_per_weight(self) -> float:
-        """Average stored bits per weight including scales (16-bit) and zero points."""
+        """Average stored bits per weight including scales (in their stored dtype) and zero points
+        (per-channel: the codes alone; see :mod:`llmopt.formats.registry` for exact sizes)."""
         if self.group_size is None:
             return float(self.num_bits)
-        extra = 16 + (self.num_bits if self.has_zero_point else 0)
+        extra = self.stored_scale_dtype.itemsize * 8 + (self.num_bits if self.has_zero_point else 0)
         return self.num_bits + extra / self.group_size
 
     @property
@@ -85,6 +101,35 @@ class QuantScheme:
 
     def with_group_size(self, group_size: int | None) -> "QuantScheme":
         return replace(self, group_size=group_size)
+
+    def with_scale_dtype(self, dtype: str | torch.dtype) -> "QuantScheme":
+        """This scheme with its scales stored in ``dtype`` (bfloat16, float16 or float32)."""
+        name = str(dtype).replace("torch.", "")
+        if name not in SCALE_DTYPES:
+            raise ValueError(f"scales are stored in {', '.join(SCALE_DTYPES)}, not {name}")
+        return replace(self, scale_dtype=name)
+
+
+SCALE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def scale_dtype_for(source_dtype: torch.dtype | str | None) -> str:
+    """The default scale dtype for a model stored in ``source_dtype``: the source's own 16-bit
+    dtype (bfloat16, float16), bfloat16 for anything else (float32)."""
+    name = str(source_dtype).replace("torch.", "")
+    return name if name in ("bfloat16", "float16") else "bfloat16"
+
+
+def round_scales(scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """``scale`` (float32) rounded to the scheme's stored scale dtype: what is written is what the
+    codes were chosen for. A scale that would round to zero keeps its sign and the dtype's
+    smallest normal magnitude."""
+    dtype = scheme.stored_scale_dtype
+    if dtype == torch.float32:
+        return scale.float()
+    out = scale.to(dtype).float()
+    tiny = torch.finfo(dtype).tiny
+    return torch.where((out == 0) & (scale != 0), torch.where(scale < 0, -tiny, tiny), out)
 
 
 # Presets named as compressed-tensors names them.
@@ -186,25 +231,26 @@ def compute_qparams(
 
     ``clip_ratio`` shrinks the range (scalar or ``[out, n_groups]``); see :func:`search_qparams`.
     Grid schemes search their scales (:func:`grid_scales`, ``grid_tries`` candidates a side).
-    Returns ``scale [out, n_groups]`` (float32) and ``zero_point [out, n_groups]`` (int32) or None.
+    Returns ``scale [out, n_groups]`` (float32 holding values of the stored scale dtype,
+    :func:`round_scales`) and ``zero_point [out, n_groups]`` (int32) or None.
     """
     wg = _grouped(w.float(), group_size)
     if scheme.is_float:
         absmax = wg.abs().amax(dim=-1) * clip_ratio
-        return (absmax / FP8_MAX).clamp(min=1e-12), None
+        return round_scales((absmax / FP8_MAX).clamp(min=1e-12), scheme), None
     if scheme.grid is not None:
         scales = grid_scales(wg, scheme.grid, clip_ratio, tries=GRID_TRIES if grid_tries is None else grid_tries)
-        return superblock_scales(scales, wg.shape[-1], scheme.scale_steps), None
+        return round_scales(superblock_scales(scales, wg.shape[-1], scheme.scale_steps), scheme), None
     if scheme.symmetric:
         absmax = wg.abs().amax(dim=-1) * clip_ratio
         # Below 8 bits use the full negative code as llama.cpp's Q4_0 / Q5_0 do: absmax maps onto
         # qmin's magnitude only when the extreme value is negative; dividing by (qmax + 0.5)
         # balances both signs. 8-bit keeps absmax / 127 (W8A16, Q8_0).
         scale = absmax / (scheme.qmax + 0.5) if scheme.num_bits < 8 else absmax / scheme.qmax
-        return superblock_scales(scale.clamp(min=1e-12), wg.shape[-1], scheme.scale_steps), None
+        return round_scales(superblock_scales(scale.clamp(min=1e-12), wg.shape[-1], scheme.scale_steps), scheme), None
     wmin = (wg.amin(dim=-1) * clip_ratio).clamp(max=0)
     wmax = (wg.amax(dim=-1) * clip_ratio).clamp(min=0)
-    scale = ((wmax - wmin) / (scheme.qmax - scheme.qmin)).clamp(min=1e-12)
+    scale = round_scales(((wmax - wmin) / (scheme.qmax - scheme.qmin)).clamp(min=1e-12), scheme)
     zero_point = torch.round(scheme.qmin - wmin / scale).clamp(scheme.qmin, scheme.qmax).to(torch.int32)
     return scale, zero_point
 
@@ -273,7 +319,8 @@ def search_qparams(
     wg = _grouped(wf, group_size)
     col_w = None if weight is None else _grouped(weight.float().expand_as(wf), group_size)
     if scheme.grid is not None:
-        return superblock_scales(grid_scales(wg, scheme.grid, 1.0, col_w), wg.shape[-1], scheme.scale_steps), None
+        scale = superblock_scales(grid_scales(wg, scheme.grid, 1.0, col_w), wg.shape[-1], scheme.scale_steps)
+        return round_scales(scale, scheme), None
     free = replace(scheme, scale_steps=None)  # super-block scales: searched free, rounded once at the end
     best_err = torch.full(wg.shape[:2], float("inf"))
     best_scale, best_zp = compute_qparams(wf, free, group_size)
@@ -434,7 +481,7 @@ class QuantizedWeight:
     """One Linear's quantized weight: codes plus what is needed to dequantize them."""
 
     codes: torch.Tensor  # int8 codes [out, in] (int4 values in [-8, 7]), or float8_e4m3fn
-    scale: torch.Tensor  # [out, n_groups] float32
+    scale: torch.Tensor  # [out, n_groups] float32 (values of the scheme's stored scale dtype)
     zero_point: torch.Tensor | None  # [out, n_groups] int32, asymmetric schemes only
     scheme: QuantScheme
     group_size: int | None  # the group size actually used for this layer (None: per-channel)
@@ -451,5 +498,7 @@ class QuantizedWeight:
         scale: torch.Tensor,
         zero_point: torch.Tensor | None,
     ) -> "QuantizedWeight":
+        """Codes of ``w`` for the given qparams, the scales first rounded as they are stored."""
+        scale = round_scales(scale, scheme)
         codes = quantize(w, scale, zero_point, scheme, group_size)
-        return cls(codes, scale.float(), zero_point, scheme, group_size)
+        return cls(codes, scale, zero_point, scheme, group_size)

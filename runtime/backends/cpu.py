@@ -43,7 +43,7 @@ class CpuBackend(Backend):
             weight, bias = lin.weight, lin.bias
             lin.run = lambda x: cpu_dense.linear(x, weight, bias)
             return
-        lin.packed = cpu_linear.pack(lin.codes, lin.scale, lin.zero_point, lin.group_size, lin.activations)
+        lin.packed = cpu_linear.pack(lin.codes, lin.scale, lin.zero_point, lin.group_size, lin.activations, lin.kernel)
         if lin.packed is None:
             super().prepare_linear(lin)
             return

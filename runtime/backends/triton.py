@@ -17,6 +17,9 @@ from ..layers import DenseLinear, QuantLinear
 from .base import AttentionMetadata, Backend
 
 
+KERNEL_BITS = {"int4": 4, "int8": 8, "nl4": 8}  # a weight format's kernel → the code width the Triton kernel runs
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     if not triton_available():
         return "triton is not installed (pip install 'llmopt[gpu]', or triton)"
@@ -37,8 +40,8 @@ class TritonBackend(Backend):
             weight, bias = lin.weight, lin.bias
             lin.run = lambda x: F.linear(x, weight.to(x.dtype), bias)
             return
-        try:
-            packed = pack_weight(lin.codes, lin.scale, lin.zero_point, lin.group_size)
+        try:  # the format's kernel (nl4's grid codes run as int8 here); None: from the codes
+            packed = pack_weight(lin.codes, lin.scale, lin.zero_point, lin.group_size, KERNEL_BITS.get(lin.kernel))
         except (TypeError, ValueError):  # a layout the kernel does not cover: dequantized per call
             super().prepare_linear(lin)
             return

@@ -1,7 +1,8 @@
 """C++ CPU kernels for quantized linears (int4, int8, nl4, fp8 weight-only; W8A8 integer).
 
-int8 codes that all lie on llama.cpp's IQ4_NL grid (our nl4 / nl4x formats) are packed as 4-bit
-grid indices (``nl4``): half int8's bytes; the kernels turn an index into its grid value with a
+Each weight runs the kernel its registered weight format names (``WeightFormat.kernel``,
+:mod:`llmopt.formats.registry`). The int8 codes of the nl4 / nl4x formats (on llama.cpp's IQ4_NL
+grid) are packed as 4-bit grid indices (``nl4``): half int8's bytes; the kernels turn an index into its grid value with a
 16-entry table (a byte shuffle in the integer GEMV, a float permute elsewhere).
 
 ``pack`` turns a quantized weight (codes, scales, zero points as stored in checkpoints) into the
@@ -29,7 +30,8 @@ from types import ModuleType
 
 import torch
 from llmopt.core.errors import LlmoptError
-from llmopt.formats.schemes import IQ4_NL_GRID, fake_quantize_activations, on_grid
+from llmopt.formats.registry import kernel_for_codes
+from llmopt.formats.schemes import IQ4_NL_GRID, fake_quantize_activations
 
 from .build import IsaExtension
 
@@ -102,19 +104,19 @@ _GRID_INDEX = torch.zeros(256, dtype=torch.int64)  # int8 code + 128 → its ind
 _GRID_INDEX[torch.tensor(IQ4_NL_GRID) + 128] = torch.arange(len(IQ4_NL_GRID))
 
 
-def _int4_range(codes: torch.Tensor) -> bool:
-    return int(codes.min()) >= -8 and int(codes.max()) <= 7
-
-
 def pack(
     codes: torch.Tensor,
     scale: torch.Tensor,
     zero_point: torch.Tensor | None,
     group_size: int | None,
     activations: str | None,
+    kernel: str | None = None,
 ) -> PackedLinear | None:
     """The kernels' layout of a quantized weight (see ``quant.formats``), or None when the
-    kernels are unavailable or do not cover it (the caller keeps the reference path)."""
+    kernels are unavailable or do not cover it (the caller keeps the reference path).
+    ``kernel``: the one its weight format runs on (int4, int8, nl4, fp8: ``WeightFormat.kernel``;
+    None: the narrowest that holds the codes, :func:`~llmopt.formats.registry.kernel_for_codes`);
+    an int8 per-channel weight with int8 activations (W8A8) runs the integer-activation kernel."""
     if not available():
         return None
     if codes.dim() != 2 or scale.dim() != 2 or codes.device.type != "cpu":
@@ -130,27 +132,27 @@ def pack(
     gs = None if groups == 1 else k // groups
     act_quant = activations
     offset = wsum = None
-    if codes.dtype == torch.float8_e4m3fn:
+    kernel = kernel or kernel_for_codes(codes, zero_point)
+    if (codes.dtype == torch.float8_e4m3fn) != (kernel == "fp8") or codes.dtype not in (torch.int8, torch.float8_e4m3fn):
+        return None
+    if kernel == "fp8":
         if zero_point is not None:
             return None
         fmt, data = "fp8", _lanes(codes.view(torch.uint8), 8)
-    elif codes.dtype == torch.int8:
-        # W8A8 sums whole rows in int32: |sum| <= 255 * 128 * K stays below 2^31 up to K = 65536.
-        if activations == "int8" and zero_point is None and groups == 1 and k <= W8A8_MAX_K:
-            fmt, data, act_quant = "w8a8", _lanes(codes.view(torch.uint8), 8), None
-            sums = torch.zeros(tiles * TILE, dtype=torch.int32)
-            sums[:n] = codes.sum(1, dtype=torch.int32)
-            wsum = sums
-        elif zero_point is None and n * k and not _int4_range(codes) and on_grid(codes):
-            fmt, data = "nl4", _lanes(_GRID_INDEX[codes.to(torch.int64) + 128], 4)  # 4-bit grid indices
-        else:
-            fmt = "int4" if n * k and _int4_range(codes) else "int8"
-            half = 8 if fmt == "int4" else 128
-            data = _lanes(codes.to(torch.int16) + half, 4 if fmt == "int4" else 8)
-            if zero_point is not None:
-                offset = _tiles(-(zero_point.float() + half) * scale, tiles)
+    # W8A8 sums whole rows in int32: |sum| <= 255 * 128 * K stays below 2^31 up to K = 65536.
+    elif activations == "int8" and zero_point is None and groups == 1 and k <= W8A8_MAX_K:
+        fmt, data, act_quant = "w8a8", _lanes(codes.view(torch.uint8), 8), None
+        sums = torch.zeros(tiles * TILE, dtype=torch.int32)
+        sums[:n] = codes.sum(1, dtype=torch.int32)
+        wsum = sums
+    elif kernel == "nl4" and zero_point is None and n * k:
+        fmt, data = "nl4", _lanes(_GRID_INDEX[codes.to(torch.int64) + 128], 4)  # 4-bit grid indices
     else:
-        return None
+        fmt = "int4" if kernel == "int4" and n * k else "int8"
+        half = 8 if fmt == "int4" else 128
+        data = _lanes(codes.to(torch.int16) + half, 4 if fmt == "int4" else 8)
+        if zero_point is not None:
+            offset = _tiles(-(zero_point.float() + half) * scale, tiles)
     return PackedLinear(fmt, n, k, gs, data, _tiles(scale, tiles), offset, wsum, act_quant)
 
 
