@@ -49,6 +49,10 @@ VARIANTS: dict[str, tuple[str, str, int | None, list[str]]] = {
     "W4A16 g32 awq": ("W4A16", "awq", 32, []),
     "W4A16 g128 (mixed 64/128) gptq": ("W4A16", "gptq", 128, []),
     "W8A8 smoothquant+gptq": ("W8A8", "smoothquant+gptq", None, []),
+    "W4A16 g64 hqq": ("W4A16", "hqq", 64, []),
+    "W4A16_ASYM g128 (mixed 64/128) rtn": ("W4A16_ASYM", "rtn", 128, []),
+    "W4A16_ASYM g128 (mixed 64/128) hqq": ("W4A16_ASYM", "hqq", 128, []),
+    "W4A16_ASYM g128 (mixed 64/128) gptq": ("W4A16_ASYM", "gptq", 128, []),
 }
 
 
@@ -114,6 +118,12 @@ def target_lines(results: dict) -> list[str]:
         if rtn64 is not None and other is not None:
             lines.append(f"- W4A16 g64 {method.upper()} ≥ 25% below RTN: {other:.4f} vs {rtn64:.4f} "
                          f"({100 * (1 - other / rtn64):.0f}% lower) — {verdict(other <= 0.75 * rtn64)}")
+    for fmt in ("W4A16 g64", "W4A16_ASYM g128 (mixed 64/128)"):
+        rtn, hqq, gptq_k = kld(f"{fmt} rtn"), kld(f"{fmt} hqq"), kld(f"{fmt} gptq")
+        if rtn is not None and hqq is not None:
+            against = f", GPTQ (calibrated) {gptq_k:.4f}" if gptq_k is not None else ""
+            lines.append(f"- HQQ (calibration-free, issue 43) below RTN at {fmt}: {hqq:.4f} vs RTN {rtn:.4f}{against} — "
+                         + verdict(hqq < rtn))
     g32 = {n: r for n, r in results.items() if n.startswith("W4A16 g32")}
     if g32:
         best = min(g32, key=lambda n: g32[n]["kld_mean"])
@@ -157,7 +167,7 @@ def write_markdown(results: dict, meta: dict) -> None:
             f"{r['weights_bytes'] / 2**20:.1f} | {r['quantize_seconds']:.1f} s | {r['peak_rss_mib']:.0f} | {when} |"
         )
     cpus = sorted({r["cpu"] for r in results.values() if "cpu" in r})
-    lines += ["", "Targets (issue 3):", "", *target_lines(results), "",
+    lines += ["", "Targets (issue 3; HQQ: issue 43):", "", *target_lines(results), "",
               "Quantize times are wall times on a 2-core machine, so they depend on the load beside them (last "
               "column; rows measured before 2026-12-01 have no record of it: those ran on an Intel machine, the "
               f"dated ones on {', '.join(cpus) or 'the machine named above'}). The results themselves do not: GPTQ "
