@@ -3,8 +3,11 @@
 Greedy on each tensor's lower convex hull of (bits, cost): start every tensor at its smallest
 format and repeatedly take the upgrade with the largest cost reduction per added bit, until the
 bits-per-weight budget is spent (``target_bpw``) or the summed cost is at most ``target_kld``.
-Bits are counted as stored in the checkpoint (codes + 16-bit scales) or, with ``size="gguf"``, as
-the ``--type auto`` GGUF file stores them (the block type carrying each format's codes).
+Bits are counted as the checkpoint stores them (codes as packed, 16-bit scales, zero points, float
+tensors in their stored dtype, the safetensors headers) or, with ``size="gguf"``, as the
+``--type auto`` GGUF file stores them (the block type carrying each format's codes, F16 / F32
+floats, the file's metadata and tokenizer), exactly (:class:`~llmopt.quant.sensitivity.FileSizes`):
+a plan's bits per weight are the written file's bytes × 8 over the source's parameter count.
 On convex hulls this greedy is the optimum of the continuous relaxation of the knapsack.
 
 With ``seconds`` (each format's measured decode time per weight in the runtime,

@@ -25,92 +25,63 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from llmopt.formats.schemes import (
-    IQ4_NL_GRID,
-    IQ4_XS_STEPS,
-    K_GROUP,
-    Q3_K_STEPS,
-    Q6_K_STEPS,
-    SUPERBLOCK,
-    QuantScheme,
-    compute_qparams,
-    effective_group_size,
-    fake_quantize,
-    grid_scheme,
-    int_weight_scheme,
-)
 from llmopt.core.console import progress_task
+from llmopt.formats.file_sizes import (
+    SAFETENSORS_FIXED,
+    SourceLayout,
+    gguf_data_bytes,
+    gguf_index_bytes,
+    safetensors_entry_bytes,
+    source_layout,
+)
+from llmopt.formats.registry import GGUF_FLOAT_BITS, LINEAR_CANDIDATES, OUTER_CANDIDATES, Candidate, candidate
+from llmopt.formats.schemes import QuantScheme, compute_qparams, fake_quantize, scale_dtype_for
+from llmopt.formats.weight_format import SHAPE_BYTES
 from llmopt.quant.gptq import gptq_quantize_weight
 from llmopt.quant.head_fisher import HeadFisher
 from llmopt.quant.outer import EMBED, HEAD, input_hessian, outer_scheme, quantize_head
 
-# candidate formats of a decoder Linear: name → (bits, group size (None: one scale per row),
-# symmetric, grid of allowed codes (None: all), super-block scale steps (None: free scales)).
-# The GGUF block type each is exported to without rounding again is in ``gguf_bits``; int4a /
-# int5a are asymmetric (a zero point per group: GGUF Q4_1 / Q5_1); nl4 holds IQ4_NL grid codes in
-# int8 (8.5 bits in a checkpoint, 4.5 as GGUF IQ4_NL); nl4x also quantizes its scales per 256
-# features (GGUF IQ4_XS, 4.25 bits; IQ4_NL on rows 256 does not divide); int6x is int6 in groups of
-# 16 with 8-bit scale multiples per 256 features (GGUF Q6_K, 6.5625 bits; F16 where 256 does not
-# divide the rows, so plans counted in GGUF bits take it only where it applies); int3x likewise
-# with 3-bit codes and 6-bit multiples (GGUF Q3_K, 3.4375 bits).
-LINEAR_FORMATS: dict[str, tuple[int, int | None, bool, tuple[int, ...] | None, int | None]] = {
-    "int4_g128": (4, 128, True, None, None), "int4_g64": (4, 64, True, None, None), "int4_g32": (4, 32, True, None, None),
-    "int4a_g32": (4, 32, False, None, None), "nl4x_g32": (8, 32, True, IQ4_NL_GRID, IQ4_XS_STEPS),
-    "nl4_g32": (8, 32, True, IQ4_NL_GRID, None), "int5_g32": (5, 32, True, None, None),
-    "int5a_g32": (5, 32, False, None, None), "int6_g32": (6, 32, True, None, None),
-    "int6x_g16": (6, 16, True, None, Q6_K_STEPS), "int3x_g16": (3, 16, True, None, Q3_K_STEPS),
-    "int8_g32": (8, 32, True, None, None),
-    "int8": (8, None, True, None, None),
-}
-OUTER_FORMATS = ("int4", "nl4", "int4a", "int5", "int5a", "int6", "int8")
+# The candidate formats are the registry's (:mod:`llmopt.formats.registry`): a decoder Linear's
+# (name → a format in groups of a size: int4 in groups of 128, 64 or 32; int4a / int5a with zero
+# points (GGUF Q4_1 / Q5_1); nl4 (IQ4_NL grid codes in int8: 8.5 bits in a checkpoint, 4.5 as GGUF
+# IQ4_NL); nl4x (its scales k·d per 256 features: GGUF IQ4_XS, float32 scales in a checkpoint);
+# int6x / int3x (GGUF Q6_K / Q3_K, likewise) …) and the embedding's / head's.
+LINEAR_FORMATS: dict[str, Candidate] = LINEAR_CANDIDATES
+OUTER_FORMATS = tuple(OUTER_CANDIDATES)
 FLOAT = "float"
-SIZES = ("checkpoint", "gguf")  # how bits are counted: codes + 16-bit scales, or the GGUF file's blocks
-GGUF_FLOAT_BITS = 16  # float matrices of a quantized checkpoint are written as F16
+SIZES = ("checkpoint", "gguf")  # how bits are counted: as the checkpoint stores them, or the GGUF file's blocks
 
 
-def format_scheme(name: str, in_features: int) -> QuantScheme | None:
+def format_scheme(name: str, in_features: int, scale_dtype: str = "bfloat16") -> QuantScheme | None:
     """The scheme (group size resolved for ``in_features``) of a candidate format name; None: float."""
     if name == FLOAT:
         return None
     if name in LINEAR_FORMATS:
-        bits, group, symmetric, grid, steps = LINEAR_FORMATS[name]
-        if grid is not None:
-            return grid_scheme(grid, effective_group_size(in_features, group), steps)
-        return int_weight_scheme(bits, effective_group_size(in_features, group), symmetric, steps)
+        return LINEAR_FORMATS[name].scheme(in_features, scale_dtype)
     return outer_scheme(name)
 
 
-def format_bits(name: str, in_features: int, float_bits: int) -> float:
-    """Stored bits per weight: codes plus 16-bit scales (as ``QuantScheme.bits_per_weight``)."""
-    scheme = format_scheme(name, in_features)
-    if scheme is None:
+def format_bits(name: str, in_features: int, float_bits: int, out_features: int | None = None) -> float:
+    """Stored bits per weight in a checkpoint: codes as packed, scales in their stored dtype (16
+    bits; float32 for super-block scales), zero points packed; float at ``float_bits``. With
+    ``out_features`` the tensor's exact size, else the per-weight size of a tall matrix."""
+    if name == FLOAT:
         return float(float_bits)
-    if scheme.group_size is None:
-        return scheme.num_bits + 16 / in_features
-    return scheme.bits_per_weight
+    rows = out_features or 32  # 32 rows pack the zero points without a partial word
+    nbytes = candidate(name).checkpoint_bytes((rows, in_features)) - (0 if out_features else SHAPE_BYTES)
+    return nbytes * 8 / (rows * in_features)
 
 
 def gguf_bits(name: str, in_features: int) -> float:
     """Bits per weight of the format in a ``--type auto`` GGUF file: the block type that carries its
     codes (Q3_K 3.4375, IQ4_XS 4.25, Q4_0 / IQ4_NL 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q6_K 6.5625, Q8_0 8.5), F16 when none
     does or for float."""
-    scheme = format_scheme(name, in_features)
-    group = None if scheme is None else (scheme.group_size or in_features)
-    if scheme is not None and scheme.grid is None and scheme.scale_steps in (Q3_K_STEPS, Q6_K_STEPS):
-        k_quant = {(6, Q6_K_STEPS): 6.5625, (3, Q3_K_STEPS): 3.4375}.get((scheme.num_bits, scheme.scale_steps))
-        fits = k_quant is not None and group == K_GROUP and in_features % SUPERBLOCK == 0
-        return k_quant if fits else float(GGUF_FLOAT_BITS)
-    if scheme is None or group % 32 or in_features % 32:
-        return float(GGUF_FLOAT_BITS)
-    if scheme.grid == IQ4_NL_GRID:
-        return 4.25 if scheme.scale_steps == IQ4_XS_STEPS and in_features % SUPERBLOCK == 0 and group == 32 else 4.5
-    if scheme.num_bits in (4, 5):
-        return scheme.num_bits + (0.5 if scheme.symmetric else 1.0)
-    return 8.5
+    return float(GGUF_FLOAT_BITS) if name == FLOAT else candidate(name).gguf_bits(in_features)
 
 
 @dataclass
@@ -139,24 +110,81 @@ class TensorCost:
 @dataclass
 class Sensitivity:
     tensors: list[TensorCost]
-    other_bits: int  # bits of everything else stored (norms …), counted in the average
+    other_bits: int  # bits of everything else in the checkpoint (norms …, the files' headers), counted in the average
     tokens: int
     other_params: int = 0
     notes: list[str] = field(default_factory=list)
+    other_gguf_bits: int | None = None  # the same in a GGUF file (F32 norms, metadata and tokenizer, tensor index)
 
     def other(self, size: str) -> int:
-        """Bits of everything else: as stored, or F32 in a GGUF file (norms, biases)."""
-        return 32 * self.other_params if size == "gguf" else self.other_bits
+        """Bits of everything else: as stored in the checkpoint, or in a GGUF file (F32 norms and
+        biases, plus the file's metadata when measured)."""
+        if size != "gguf":
+            return self.other_bits
+        return 32 * self.other_params if self.other_gguf_bits is None else self.other_gguf_bits
 
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "other_bits": self.other_bits, "other_params": self.other_params,
-                "tensors": {t.name: t.to_dict() for t in self.tensors}}
+                "other_gguf_bits": self.other_gguf_bits, "tensors": {t.name: t.to_dict() for t in self.tensors}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Sensitivity":
         tensors = [TensorCost(n, v["kind"], tuple(v["shape"]), v["costs"], v["bits"], v.get("gguf", {}))
                    for n, v in d["tensors"].items()]
-        return cls(tensors, d["other_bits"], d["tokens"], d.get("other_params", 0))
+        return cls(tensors, d["other_bits"], d["tokens"], d.get("other_params", 0), other_gguf_bits=d.get("other_gguf_bits"))
+
+
+class FileSizes:
+    """Exact bits of each tensor as the written files hold it, per candidate format: in the
+    checkpoint (codes, scales and zero points as packed, float tensors in their stored dtype, each
+    tensor's safetensors header entry) and in the ``--type auto`` GGUF file (the block type
+    carrying the format, F16 float matrices, F32 vectors, alignment and the tensor index)."""
+
+    def __init__(self, layout: SourceLayout, model: nn.Module) -> None:
+        self.layout = layout
+        self.fallback = next(model.parameters()).dtype
+        floats = [d for d in layout.dtypes.values() if d.is_floating_point]
+        self.scale_dtype = scale_dtype_for(max(set(floats), key=floats.count) if floats else self.fallback)
+
+    def _stored(self, key: str) -> torch.dtype:
+        return self.layout.dtypes.get(key, self.fallback)
+
+    def checkpoint(self, module: str, shape: tuple[int, ...], fmt: str) -> float:
+        """Bits per weight of ``module``'s weight in format ``fmt`` (``float``: as the source stores it)."""
+        numel = shape[0] * shape[1]
+        if fmt == FLOAT:
+            key = f"{module}.weight"
+            nbytes = numel * self._stored(key).itemsize + safetensors_entry_bytes(key, self._stored(key), shape)
+            return nbytes * 8 / numel
+        cand = candidate(fmt)
+        nbytes = cand.checkpoint_bytes(shape, self.scale_dtype)
+        nbytes += sum(safetensors_entry_bytes(f"{module}.{local}", torch.int32, shape)
+                      for local in cand.format.checkpoint_tensors())
+        return nbytes * 8 / numel
+
+    def gguf(self, module: str, shape: tuple[int, ...], fmt: str) -> float:
+        """Bits per weight of ``module``'s weight in format ``fmt`` in the GGUF file."""
+        numel = shape[0] * shape[1]
+        carrier = None
+        if fmt != FLOAT:
+            cand = candidate(fmt)
+            carrier = cand.format.gguf_carrier(shape[1], cand.scheme(shape[1]).group_size)
+        data = numel * GGUF_FLOAT_BITS // 8 if carrier is None else shape[0] * (shape[1] // carrier.block) * carrier.type_bytes
+        name = self.layout.gguf_names.get(f"{module}.weight", f"{module}.weight")
+        return (gguf_data_bytes(data) + gguf_index_bytes(name, 2)) * 8 / numel
+
+    def others(self, params: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """(checkpoint bits, GGUF bits) of the tensors outside the candidates (norms, biases), the
+        files' fixed bytes included (GGUF: header, metadata and tokenizer, tensor index)."""
+        checkpoint = 8 * SAFETENSORS_FIXED
+        gguf = 8 * (self.layout.gguf_fixed_bytes or 0)
+        for key, p in params.items():
+            dtype = self._stored(key)
+            checkpoint += 8 * (p.numel() * dtype.itemsize + safetensors_entry_bytes(key, dtype, tuple(p.shape)))
+            element = 4 if p.dim() < 2 else GGUF_FLOAT_BITS // 8  # vectors F32, matrices F16
+            name = self.layout.gguf_names.get(key, key)
+            gguf += 8 * (gguf_data_bytes(p.numel() * element) + gguf_index_bytes(name, p.dim()))
+        return checkpoint, gguf
 
 
 def _decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -179,12 +207,16 @@ def _gptq_error(w: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme) -> 
 
 
 def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0,
-                        head_chunk: int = 256, head_gptq: bool = False, linear_gptq: bool = False) -> Sensitivity:
+                        head_chunk: int = 256, head_gptq: bool = False, linear_gptq: bool = False,
+                        source: Path | str | None = None) -> Sensitivity:
     """Per-tensor costs of every candidate format on ``calib_ids`` ``[n, seq]`` (float model, CPU).
     ``head_gptq``: the head (and a tied embedding) quantized by GPTQ on its inputs' Hessian, as a
     calibrated quantization stores it, instead of RTN with the clipping search; ``linear_gptq``:
-    the decoder Linears' errors likewise GPTQ's on their inputs' second moments."""
+    the decoder Linears' errors likewise GPTQ's on their inputs' second moments. ``source``: the
+    checkpoint directory the model was loaded from (default: the model's ``name_or_path``), whose
+    stored dtypes and tokenizer the sizes are counted with (:class:`FileSizes`)."""
     model.eval()
+    sizes = FileSizes(source_layout(source if source is not None else getattr(model, "name_or_path", None)), model)
     linears = _decoder_linears(model)
     dim = {n: m.in_features for n, m in linears.items()}
     hess = {n: torch.zeros(d, d, dtype=torch.float64) for n, d in dim.items()}
@@ -253,21 +285,21 @@ def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0
         embed.weight.grad = None
         for p, flag in zip(model.parameters(), params):
             p.requires_grad_(flag)
-    float_bits = embed.weight.element_size() * 8
     out: list[TensorCost] = []
     pricing = progress_task("pricing formats by GPTQ", len(linears)) if linear_gptq else nullcontext(lambda: None)
     with torch.no_grad(), pricing as advance:
         for name, m in linears.items():
             h = (hess[shared.get(name, name)] / tokens).float()
             f = (fisher[name] / tokens).float()
-            costs, bits, gbits = {}, {}, {}
+            costs = {}
             for fmt in LINEAR_FORMATS:
                 scheme = format_scheme(fmt, dim[name])
                 dw = _gptq_error(m.weight, h, scheme) if linear_gptq else _weight_error(m.weight, scheme)
                 costs[fmt] = 0.5 * float((f * ((dw @ h) * dw).sum(1)).sum())
-                bits[fmt] = format_bits(fmt, dim[name], float_bits)
-                gbits[fmt] = gguf_bits(fmt, dim[name])
-            costs[FLOAT], bits[FLOAT], gbits[FLOAT] = 0.0, float(float_bits), gguf_bits(FLOAT, dim[name])
+            shape = tuple(m.weight.shape)
+            costs[FLOAT] = 0.0
+            bits = {fmt: sizes.checkpoint(name, shape, fmt) for fmt in costs}
+            gbits = {fmt: sizes.gguf(name, shape, fmt) for fmt in costs}
             out.append(TensorCost(name, "linear", tuple(m.weight.shape), costs, bits, gbits))
             advance()
     with torch.no_grad():
@@ -290,15 +322,15 @@ def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0
                 for fmt, kld in _head_kld(final, w, {f: w + dw for f, dw in errors.items()}, head_chunk).items():
                     costs[fmt] += kld
             del errors
-            bits = {fmt: format_bits(fmt, hidden, float_bits) for fmt in OUTER_FORMATS}
-            gbits = {fmt: gguf_bits(fmt, hidden) for fmt in OUTER_FORMATS}
-            costs[FLOAT], bits[FLOAT], gbits[FLOAT] = 0.0, float(float_bits), gguf_bits(FLOAT, hidden)
+            costs[FLOAT] = 0.0
             name = EMBED if role in ("tied", "embedding") else HEAD
+            bits = {fmt: sizes.checkpoint(name, (vocab, hidden), fmt) for fmt in costs}
+            gbits = {fmt: sizes.gguf(name, (vocab, hidden), fmt) for fmt in costs}
             out.append(TensorCost(name, role, (vocab, hidden), costs, bits, gbits))
     counted = {id(m.weight) for m in linears.values()} | {id(embed.weight), id(head.weight)}
-    rest = [p for p in model.parameters() if id(p) not in counted]
-    other = sum(p.numel() * p.element_size() * 8 for p in rest)
-    return Sensitivity(out, other, tokens, sum(p.numel() for p in rest))
+    rest = {n: p for n, p in model.named_parameters() if id(p) not in counted}
+    other, other_gguf = sizes.others(rest)
+    return Sensitivity(out, other, tokens, sum(p.numel() for p in rest.values()), other_gguf_bits=other_gguf)
 
 
 def _head_kld(final: torch.Tensor, w: torch.Tensor, quantized: dict[str, torch.Tensor], chunk: int) -> dict[str, float]:
