@@ -20,6 +20,12 @@ Rows run in priority order; a row not started by ``--deadline`` (UTC HH:MM) is s
 as such. Results are saved after every row; a rerun with the same settings keeps finished rows.
 
     python bench/mixed_precision.py [--windows 2] [--method gptq] [--deadline 08:12]
+
+Written to bench/results/mixed_precision_gptq_priced/mixed_precision.{json,md,png} (``--results``
+for another folder). The current results there were made with ``--method awq+gptq --calib self
+--windows 8 --sens-gptq`` (the settings are recorded in the JSON); a run with other settings
+replaces them. Earlier experiments (other calibration texts, RTN pricing, code descent …) are in
+git history, listed in docs/results.md.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "bench" / "results" / "mixed_precision_gptq_priced"
 ANCHORS = ROOT.parent / "shared" / "anchors" / "llamacpp_smollm2.json"
 OUT = ROOT / "out" / "mixed"
 DATASETS = ("wikitext2", "heldout")
@@ -49,7 +55,8 @@ SENSITIVITY_VERSION = 9  # candidate formats int4 g128/g64/g32, int4 / int5 asym
 # v8: the head's most probable rows on their own KL-weighted Hessians; v9: int3x)
 ENGINE_VERSION = 5  # calibration engine: v2 float32 Hessian products, bfloat16 forwards only where native; v3 GPTQ scale
 # refit; v5 the head's most probable rows on their own Hessians (llmopt.quant.head_fisher)
-# (engine "4" there, 4 rounds of code descent after the refit: bench/results/mixed_precision_descent; off by default now)
+# (engine "4" there, 4 rounds of code descent after the refit: bench/results/mixed_precision_descent, in git
+# history at 894f7f0; off by default now)
 
 
 def log(message: str) -> None:
