@@ -71,7 +71,7 @@ def load_extension(name: str, sources: list[str]) -> ModuleType | None:
             notice(f"compiling llmopt's {name} kernels (once, about a minute)")
         try:
             module = cpp_extension.load(
-                name=name, sources=[str(p) for p in paths], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                name=name, sources=[str(p) for p in paths], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                 extra_include_paths=[str(SOURCES)], build_directory=str(build_dir), verbose=False,
             )
         except Exception as exc:  # compiler errors, missing headers: fall back, say why
