@@ -174,7 +174,7 @@ def float_target_weight(weight: torch.Tensor, hessian: torch.Tensor, drift: torc
 # Rounds of code descent + least-squares scales after the refit (each: about GPTQ's work). Off: on
 # the undamped calibration objective, 4 rounds cut each Linear's calibration error by a further
 # ~7% but not its error on WikiText-2 inputs, and the demo's Q4_K_M-size plan measured 0.0212
-# against 0.0205 without (bench/results/mixed_precision_descent). On a ridge-damped objective
+# against 0.0205 without (bench/results/mixed_precision_descent, in git history at acf41d6). On a ridge-damped objective
 # (DESCENT_DAMP) its gain per Linear carried over to WikiText-2 inputs (0.877 of plain GPTQ's
 # error against the refit's 0.933, layers 2/14/26 of the demo model).
 DESCENT_ROUNDS = 0
