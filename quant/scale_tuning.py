@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from llmopt.formats.schemes import IQ4_XS_STEPS, Q6_K_STEPS, SUPERBLOCK, QuantizedWeight, round_scales, superblock_factors
+from llmopt.formats.registry import format_of
+from llmopt.formats.schemes import SUPERBLOCK, QuantizedWeight, round_scales, superblock_factors
 
 CHECK_WINDOWS = 4  # calibration windows held out of the tuning, on which the KLD is reported before and after
 
@@ -66,14 +67,11 @@ class TuneReport:
 
 
 def _superblock_structure(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(d, k)`` when ``qw``'s scales are ``k · d`` per super-block (IQ4_XS / Q6_K). A checkpoint
-    read back does not name it (compressed-tensors has no such scales), so the values are tested,
-    as the GGUF exporter does."""
-    for steps in ([qw.scheme.scale_steps] if qw.scheme.scale_steps else [IQ4_XS_STEPS, Q6_K_STEPS]):
-        factors = superblock_factors(qw.scale.float(), qw.group_size or qw.codes.shape[1], steps)
-        if factors is not None:
-            return factors
-    return None
+    """``(d, k)`` when ``qw``'s scales are ``k · d`` per super-block (IQ4_XS / Q6_K / Q3_K): its
+    registered weight format says (for a checkpoint read back, which names no such scales, from
+    the values, as the GGUF exporter recognizes them)."""
+    steps = format_of(qw).scale_steps
+    return None if steps is None else superblock_factors(qw.scale.float(), qw.group_size or qw.codes.shape[1], steps)
 
 
 class TunableScales:

@@ -44,7 +44,7 @@ def cpu_model() -> str:
 
 
 def _stored_bits(scheme: QuantScheme | None) -> float:
-    return 32.0 if scheme is None else float(scheme.info_bits)  # grid codes run as 4-bit indices
+    return 32.0 if scheme is None else float(format_for(scheme).info_bits)  # grid codes run as 4-bit indices
 
 
 def _random_linear(scheme: QuantScheme | None, rows: int, generator: torch.Generator) -> DenseLinear | QuantLinear:
@@ -53,14 +53,11 @@ def _random_linear(scheme: QuantScheme | None, rows: int, generator: torch.Gener
     if scheme is None:
         return DenseLinear.from_weight(torch.randn(rows, k, generator=generator) * 0.02)
     groups = k // (scheme.group_size or k)
-    if scheme.grid is not None:
-        grid = torch.tensor(scheme.grid, dtype=torch.int8)
-        codes = grid[torch.randint(len(grid), (rows, k), generator=generator)]
-    else:
-        codes = torch.randint(scheme.qmin, scheme.qmax + 1, (rows, k), generator=generator, dtype=torch.int8)
+    fmt = format_for(scheme)
+    codes = fmt.random_codes(rows, k, generator)
     scale = torch.rand(rows, groups, generator=generator) * 0.01 + 1e-3
     zero = None if scheme.symmetric else torch.randint(-2, 2, (rows, groups), generator=generator, dtype=torch.int32)
-    return QuantLinear(codes, scale, zero, scheme.group_size, None, scheme.name, kernel=format_for(scheme).kernel)
+    return QuantLinear(codes, scale, zero, scheme.group_size, None, scheme.name, kernel=fmt.kernel)
 
 
 def _timed_linear(scheme: QuantScheme | None, backend, min_bytes: int):
@@ -93,8 +90,9 @@ def signature(scheme: QuantScheme | None) -> str:
     if scheme is None:
         return "float32"
     group = f"g{scheme.group_size}" if scheme.group_size else "row"
-    if scheme.grid is not None:  # nl4 / nl4x: the kernels run grid indices (super-block scales cost nothing extra)
-        return f"grid{len(scheme.grid)}_{group}"
+    fmt = format_for(scheme)
+    if fmt.grid is not None:  # nl4 / nl4x: the kernels run grid indices (super-block scales cost nothing extra)
+        return f"grid{len(fmt.grid)}_{group}"
     return f"{scheme.weight_type}{scheme.num_bits}_{group}_{'sym' if scheme.symmetric else 'asym'}"
 
 

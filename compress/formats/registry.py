@@ -102,18 +102,6 @@ def kernel_for_codes(codes: torch.Tensor, zero_point: torch.Tensor | None) -> st
     return "int8"
 
 
-KERNELS_WIDER = {"int4": "int8", "nl4": "int8", "int8": "int8", "fp8": "fp8"}
-
-
-def common_kernel(kernels: list[str]) -> str | None:
-    """One kernel running several weights concatenated along their rows (merged q/k/v): theirs
-    when they agree, int8 for mixed integer kernels, None when float and integer codes mix."""
-    if len(set(kernels)) == 1:
-        return kernels[0]
-    wider = {KERNELS_WIDER[k] for k in kernels}
-    return wider.pop() if len(wider) == 1 else None
-
-
 # ---------------------------------------------------------------------------------------------
 # The planner's candidates: a format and a group size under one name
 

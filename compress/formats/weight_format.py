@@ -138,6 +138,21 @@ class WeightFormat:
             return False
         return self.scale_steps is None or self.gguf[0].factors(qw) is not None
 
+    @property
+    def info_bits(self) -> int:
+        """Bits of information per code (what a kernel reads: grid codes run as indices into the grid)."""
+        return self.bits if self.grid is None else (len(self.grid) - 1).bit_length()
+
+    def random_codes(self, rows: int, cols: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Codes of this format drawn uniformly (int8; benchmarks and tests)."""
+        if self.grid is not None:
+            grid = torch.tensor(self.grid, dtype=torch.int8)
+            return grid[torch.randint(len(grid), (rows, cols), generator=generator)]
+        if self.float_codes:
+            return (torch.randn(rows, cols, generator=generator) * 64).to(torch.float8_e4m3fn)
+        low = -(2 ** (self.bits - 1))
+        return torch.randint(low, -low, (rows, cols), generator=generator, dtype=torch.int8)
+
     # ----- sizes
 
     def stored_scale_dtype(self, scale_dtype: str = "bfloat16") -> torch.dtype:
