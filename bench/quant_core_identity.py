@@ -56,24 +56,31 @@ def compare(before: Path, after: Path) -> dict:
             differ.append({"tensor": key, "fraction_changed": changed})
     record.update({"identical": len(identical), "differ": differ, "dtype_changed": dtype_changed})
     wa, wb = load_dequantized(before, torch.float32).state_dict(), load_dequantized(after, torch.float32).state_dict()
-    worst, worst_name = 0.0, None
+    worst, worst_name, worst_fro = 0.0, None, 0.0
     for key in sorted(set(wa) & set(wb)):
         if wa[key].is_floating_point() and wa[key].shape == wb[key].shape and wa[key].numel():
-            rel = float((wa[key] - wb[key]).abs().max() / wa[key].abs().max().clamp(min=1e-30))
+            diff = (wa[key].double() - wb[key].double())
+            rel = float(diff.abs().max() / wa[key].double().abs().max().clamp(min=1e-30))
+            worst_fro = max(worst_fro, float(diff.norm() / wa[key].double().norm().clamp(min=1e-30)))
             if rel > worst:
                 worst, worst_name = rel, key
+    codes_changed = [d["fraction_changed"] for d in differ]
     record.update({"dequantized_max_rel_diff": worst, "dequantized_worst": worst_name,
+                   "dequantized_max_rel_frobenius": worst_fro,
+                   "mean_fraction_changed_of_differing": sum(codes_changed) / len(codes_changed) if codes_changed else 0.0,
                    "byte_identical": not differ and not dtype_changed and not record["only_before"] and not record["only_after"]})
     return record
 
 
 def markdown(rows: dict[str, dict], title: str) -> str:
     lines = [f"# {title}", "", "Written by bench/quant_core_identity.py from the checkpoints it compared.", "",
-             "| checkpoint | tensors | bit-identical | differing | dtype changed | dequantized max rel. diff |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| checkpoint | tensors | bit-identical | differing (mean share of elements) | dtype changed | "
+             "dequantized: max rel. element diff | dequantized: worst rel. Frobenius diff |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['tensors_before']} / {r['tensors_after']} | {r['identical']} | {len(r['differ'])} | "
-                     f"{len(r['dtype_changed'])} | {r['dequantized_max_rel_diff']:.3g} |")
+        lines.append(f"| {name} | {r['tensors_before']} / {r['tensors_after']} | {r['identical']} | "
+                     f"{len(r['differ'])} ({r['mean_fraction_changed_of_differing']:.2%}) | {len(r['dtype_changed'])} | "
+                     f"{r['dequantized_max_rel_diff']:.3g} | {r['dequantized_max_rel_frobenius']:.3g} |")
     lines.append("")
     for name, r in rows.items():
         for d in r["differ"][:5]:
