@@ -49,12 +49,13 @@ def output_errors(layers: int, samples: int) -> list[dict]:
     from llmopt.linear_stats import LinearStats
     from llmopt.checkpoints.models import load_model, resolve_model
     from llmopt.core.data import calibration_ids
-    from llmopt.quant.apply import validate_request
     from llmopt.quant.gptq import gptq_quantize_weight
+    from llmopt.quant.registry import build_method
+    from llmopt.quant.request import resolve_scheme
 
     model, tokenizer = load_model(resolve_model("demo"))
     calib, _ = calibration_ids(tokenizer, "austen", samples, 512, 0)
-    scheme = validate_request("W4A16", "gptq", 32, True, True)
+    scheme = build_method("gptq", {"act_order": True}).check(resolve_scheme("W4A16", 32), True)
     inputs = capture_layer_inputs(model, calib, 8)
     hidden = inputs.hidden
     rows = []

@@ -172,7 +172,7 @@ def write_markdown(results: dict, meta: dict) -> None:
               "column; rows measured before 2026-12-01 have no record of it: those ran on an Intel machine, the "
               f"dated ones on {', '.join(cpus) or 'the machine named above'}). The results themselves do not: GPTQ "
               "is deterministic. GPTQ-only rows measured from 2026-12-01 on ran the one-pass (true-sequential) GPTQ "
-              "of llmopt.quant.apply._gptq_one_pass; AWQ+GPTQ keeps the observe-then-re-run passes.",
+              "of llmopt.quant.apply._one_pass; AWQ+GPTQ keeps the observe-then-re-run passes.",
               "",
               "W4A16_ASYM g32 is reported but excluded from the method comparisons above: the demo model was "
               "shipped as llama.cpp Q4_1 (asymmetric groups of 32 with a float offset), a grid close to this "

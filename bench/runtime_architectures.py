@@ -95,10 +95,11 @@ def build(kind: str, root: Path) -> dict[str, Path]:
     model.save_pretrained(out["float32"])
     byte_tokenizer().save_pretrained(out["float32"])
     if hasattr(getattr(model, "model", None), "layers"):  # llmopt's quantizer walks model.model.layers
-        from llmopt.quant.streaming import quantize_streaming
+        from llmopt.pipeline.stages.quantize import quantize_checkpoint
+        from llmopt.quant.request import make_request
 
-        quantize_streaming(out["float32"], out["W4A16"], "W4A16", "rtn", 32, tokenizer=byte_tokenizer(),
-                           check_memory=False, show_progress=False)
+        quantize_checkpoint(out["float32"], out["W4A16"], make_request("W4A16", "rtn", group_size=32),
+                            tokenizer=byte_tokenizer(), progress=False)
     else:  # round-to-nearest of every Linear but the head, written as compressed-tensors
         from llmopt.formats.compressed import save_compressed
         from llmopt.formats.schemes import QuantizedWeight, compute_qparams, get_scheme

@@ -161,7 +161,8 @@ def child(source: str, method: str, out: str) -> None:
     import torch
 
     from llmopt.checkpoints.lazy import LazyCheckpoint
-    from llmopt.quant.streaming import quantize_streaming
+    from llmopt.pipeline.stages.quantize import quantize_checkpoint
+    from llmopt.quant.request import make_request
 
     scheme, algo, group = METHODS[method]
     with LazyCheckpoint(source) as ckpt:
@@ -174,17 +175,17 @@ def child(source: str, method: str, out: str) -> None:
     load = round(os.getloadavg()[0], 1)
     start = time.perf_counter()
     _log_layers(Path(f"{out}.progress.jsonl"), start)
-    result = quantize_streaming(Path(source), Path(out), scheme, algo, group, calib, show_progress=False,
-                                overwrite=True, device=DEVICE, provenance=lambda r, e: {"estimate": e.to_dict()})
+    request = make_request(scheme, algo, group_size=group, device=DEVICE)
+    result = quantize_checkpoint(Path(source), Path(out), request, calib, overwrite=True, progress=False).result
     wall = time.perf_counter() - start
-    record = json.loads((Path(out) / "llmopt.json").read_text())
+    estimate = json.loads((Path(out) / "llmopt.json").read_text())["memory_estimate"]
     shutil.rmtree(out, ignore_errors=True)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     print(json.dumps({
         "load": load, "load_end": round(os.getloadavg()[0], 1), "wall_s": round(wall, 2),
         "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
         "peak_rss_mib": peak_rss_mib(), "params": params, "stored_bytes": stored,
-        "bound_mib": round(record["estimate"]["peak"] / 1024**2, 1), "estimate": record["estimate"],
+        "bound_mib": round(estimate["peak"] / 1024**2, 1), "estimate": estimate,
         "phases_s": result.timings.to_dict(), "quantized_modules": len(result.weights),
     }))
 
@@ -215,10 +216,11 @@ def cost_child(name: str, out: str) -> None:
                                  show_progress=False, device=DEVICE)
         passes = record["engine_seconds"]
     else:
-        from llmopt.quant.streaming import quantize_streaming
+        from llmopt.pipeline.stages.quantize import quantize_checkpoint
+        from llmopt.quant.request import make_request
 
-        result = quantize_streaming(source, Path(out), "W4A16", "gptq", 32, calib, overwrite=True, show_progress=False,
-                                    device=DEVICE)
+        request = make_request("W4A16", "gptq", group_size=32, device=DEVICE)
+        result = quantize_checkpoint(source, Path(out), request, calib, overwrite=True, progress=False).result
         passes = {"quantize": result.timings.to_dict()}
     shutil.rmtree(out, ignore_errors=True)
     print(json.dumps({"name": name, "passes": passes, **_usage(start), "load": load, "load_end": round(os.getloadavg()[0], 1)}))

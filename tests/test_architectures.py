@@ -24,7 +24,8 @@ from test_compressed import ct_fake_quant
 from llmopt.checkpoints.models import load_model
 from llmopt.formats.compressed import nf4_dequantized_state, read_compressed, save_nf4
 from llmopt.formats.schemes import fake_quantize_activations
-from llmopt.quant.streaming import quantize_streaming
+from llmopt.pipeline.stages.quantize import quantize_checkpoint
+from llmopt.quant.request import make_request
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -118,8 +119,8 @@ def quantize(source: Path, out: Path, scheme: str) -> None:
         save_nf4(AutoModelForCausalLM.from_pretrained(source), byte_tokenizer(), out, [], {"method": "nf4"})
     else:
         group = 32 if scheme.startswith("W4") else None
-        quantize_streaming(source, out, scheme, "rtn", group, tokenizer=byte_tokenizer(), check_memory=False,
-                           show_progress=False)
+        quantize_checkpoint(source, out, make_request(scheme, "rtn", group_size=group), tokenizer=byte_tokenizer(),
+                            progress=False)
 
 
 def reference(kind: str, out: Path, scheme: str, ct_int8: bool = False):

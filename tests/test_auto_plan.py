@@ -275,14 +275,14 @@ def test_auto_checkpoint_loads_and_plan_is_reused(tmp_path, calib_text, method):
     (["--scheme", "W4A16", "--target-bpw", "5"], "only apply to --scheme AUTO"),
     (["--scheme", "W4A16", "--size-of", "gguf"], "only apply to --scheme AUTO"),
     (["--scheme", "AUTO", "--plan", "missing.json", "--size-of", "gguf"], "--plan reuses a plan"),
-    (["--scheme", "AUTO", "--target-bpw", "5", "--method", "smoothquant"], "not smoothquant"),
+    (["--scheme", "AUTO", "--target-bpw", "5", "--method", "smoothquant"], "method smoothquant quantizes one scheme for all"),
     (["--scheme", "AUTO", "--target-bpw", "5", "--head", "int8"], "chooses the head"),
     (["--scheme", "AUTO", "--plan", "missing.json"], "does not exist"),
     (["--scheme", "W4A16", "--objective", "speed"], "only apply to --scheme AUTO"),
     (["--scheme", "AUTO", "--target-bpw", "5", "--objective", "speed"], "fastest plan under a KLD target"),
     (["--scheme", "W4A16", "--price-by", "rtn"], "only apply to --scheme AUTO"),
     (["--scheme", "AUTO", "--plan", "missing.json", "--price-by", "rtn"], "--plan reuses a plan"),
-    (["--scheme", "AUTO", "--target-bpw", "5", "--method", "rtn", "--price-by", "gptq"], "does not use GPTQ"),
+    (["--scheme", "AUTO", "--target-bpw", "5", "--method", "rtn", "--price-by", "gptq"], "method rtn prices its formats by rtn only"),
 ])
 def test_bad_auto_options(tmp_path, args, message):
     src = save_model(tiny_llama(seed=9), tmp_path / "src")

@@ -78,7 +78,7 @@ CASES = [
     (Q + ["--scheme", "NF4", "--group-size", "64"], "NF4 (bitsandbytes) takes no --group-size"),
     (Q + ["--scheme", "W4A16", "--calib-samples", "8"], "only apply to calibrated methods"),
     (Q + ["--scheme", "W4A16", "--act-order"], "act-order"),
-    (Q + ["--scheme", "W4A16", "--method", "awq", "--float-targets"], "float-targets is a GPTQ option"),
+    (Q + ["--scheme", "W4A16", "--method", "awq", "--float-targets"], "--float-targets does not apply to method awq: it is an option of gptq"),
     (Q + ["--scheme", "W4A16", "--ignore", "("], "invalid ignore pattern"),
     (Q + ["--scheme", "W4A16", "--ignore", ".*"], "no Linear layers left"),
     (Q + ["--scheme", "W4A16", "--device", "tpu"], "unknown --device 'tpu'"),

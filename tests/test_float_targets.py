@@ -17,6 +17,7 @@ from llmopt.float_reference import FloatReference
 from llmopt.formats.schemes import get_scheme
 from llmopt.quant.apply import quantize_model
 from llmopt.quant.gptq import float_target_weight, gptq_quantize_weight
+from llmopt.quant.request import make_request
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -143,7 +144,7 @@ def test_float_targets_reduce_the_error_against_the_float_model(method: str) -> 
     kld, codes = {}, {}
     for on in (False, True):
         model = copy.deepcopy(base)
-        res = quantize_model(model, "W4A16", method, 32, ids, float_targets=on, show_progress=False)
+        res = quantize_model(model, make_request("W4A16", method, group_size=32, float_targets=on), ids, progress=False)
         assert len(res.weights) == 4 * 7
         out = torch.log_softmax(logits(model, test_ids), -1)
         kld[on] = float((ref.exp() * (ref - out)).sum(-1).mean())
@@ -153,8 +154,9 @@ def test_float_targets_reduce_the_error_against_the_float_model(method: str) -> 
 
 
 def test_float_targets_only_with_gptq() -> None:
-    with pytest.raises(ValueError, match="float targets are part of GPTQ"):
-        quantize_model(tiny_model(1), "W4A16", "awq", 32, calib_ids(), float_targets=True, show_progress=False)
+    with pytest.raises(ValueError, match="--float-targets does not apply to method awq: it is an option of gptq"):
+        quantize_model(tiny_model(1), make_request("W4A16", "awq", group_size=32, float_targets=True), calib_ids(),
+                       progress=False)
 
 
 @pytest.mark.parametrize("float_targets", [False, True])
@@ -164,22 +166,23 @@ def test_gptq_after_awq_sees_the_quantized_linears_before_it(monkeypatch, float_
     quantized q/k/v, down_proj after the quantized gate/up). Solving every Linear of a layer on
     one pass through its float weights instead made float targets correct the same drift twice
     per layer, which compounded over the layers of a real model."""
-    import llmopt.quant.apply as apply
+    from llmopt.quant.gptq import Gptq
 
     torch.manual_seed(5)
     model = tiny_model(3)
     ids = calib_ids(8, 24)
     seen: dict[str, torch.Tensor] = {}
-    solve = apply._gptq_layer
+    solve = Gptq.quantize
 
-    def recording(mods, stats, group_sizes, opts):
+    def recording(self, mods, schemes, group_sizes, stats):
         for name in mods:
             seen[name] = stats.hessian(name)
-        return solve(mods, stats, group_sizes, opts)
+        return solve(self, mods, schemes, group_sizes, stats)
 
-    monkeypatch.setattr(apply, "_gptq_layer", recording)
-    res = quantize_model(model, "W4A16", "awq+gptq", 32, ids, float_targets=float_targets, show_progress=False,
-                         compute_dtype=None)  # float32 forwards: the same products as the check below
+    monkeypatch.setattr(Gptq, "quantize", recording)
+    request = make_request("W4A16", "awq+gptq", group_size=32, float_targets=float_targets,
+                           compute_dtype=None)  # float32 forwards: the same products as the check below
+    res = quantize_model(model, request, ids, progress=False)
     assert len(res.weights) == 3 * 7 and sorted(seen) == sorted(res.weights)
     inputs: dict[str, list[torch.Tensor]] = {}
     hooks = [m.register_forward_pre_hook(lambda _m, args, n=n: inputs.setdefault(n, []).append(args[0].reshape(-1, args[0].shape[-1])))

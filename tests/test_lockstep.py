@@ -13,6 +13,7 @@ from llmopt.formats.schemes import get_scheme
 from llmopt.core.lockstep import Lockstep
 from llmopt.quant.apply import quantize_model
 from llmopt.quant.gptq import gptq_quantize_weight, split_rows
+from llmopt.quant.request import make_request
 from test_quant_algorithms import calib_ids, logits, tiny_model
 
 
@@ -92,7 +93,8 @@ def test_one_pass_gptq_equals_true_sequential_reference(family: str, compute_dty
     base = tiny_model(2, family)
     ids = calib_ids(6, 16)  # three batches of two
     model = copy.deepcopy(base)
-    result = quantize_model(model, "W4A16", "gptq", 16, ids, batch_size=2, compute_dtype=compute_dtype, show_progress=False)
+    request = make_request("W4A16", "gptq", group_size=16, batch_size=2, compute_dtype=compute_dtype)
+    result = quantize_model(model, request, ids, progress=False)
     reference_model = copy.deepcopy(base)
     reference = _true_sequential_gptq(reference_model, ids, "W4A16", 16, compute_dtype)
     assert len(result.weights) == len(reference) == 14

@@ -16,8 +16,9 @@ from test_runtime_architectures import reference, tiny, unfused_names
 
 from llmopt.checkpoints.moe import is_expert, unfuse_experts
 from llmopt.formats.compressed import read_compressed
+from llmopt.pipeline.stages.quantize import quantize_checkpoint
 from llmopt.quant.apply import MIN_EXPERT_TOKENS
-from llmopt.quant.streaming import quantize_streaming
+from llmopt.quant.request import make_request
 from llmopt.runtime import LLM
 from llmopt.runtime.layers import DenseLinear, QuantLinear
 
@@ -58,8 +59,8 @@ def test_gptq_w4a16_moe_with_a_starved_expert(tmp_path, kind):
     model = starved_model(kind)
     source = save_model(model, tmp_path / "float")
     calib = torch.randint(3, 259, (4, 32), generator=torch.Generator().manual_seed(0))
-    result = quantize_streaming(source, tmp_path / "w4", "W4A16", "gptq", 32, calib_ids=calib, tokenizer=byte_tokenizer(),
-                                check_memory=False, show_progress=False, batch_size=2)
+    request = make_request("W4A16", "gptq", group_size=32, batch_size=2)
+    result = quantize_checkpoint(source, tmp_path / "w4", request, calib, tokenizer=byte_tokenizer(), progress=False).result
     # every expert Linear of every layer quantized, the dead ones from their weights alone
     experts = [n for n, m in _unfused(model).named_modules() if isinstance(m, torch.nn.Linear) and is_expert(n)]
     assert len(experts) == 2 * 5 * 3

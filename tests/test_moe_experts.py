@@ -179,13 +179,14 @@ def test_awq_and_smoothquant_on_moe_with_a_starved_expert(tmp_path, method, sche
     calibrated expert's up → down), routers stay in float; the checkpoint runs in the runtime
     (W4A16: token for token like transformers on the dequantized weights)."""
     from llmopt.checkpoints.moe import is_expert
-    from llmopt.quant.streaming import quantize_streaming
+    from llmopt.pipeline.stages.quantize import quantize_checkpoint
+    from llmopt.quant.request import make_request
     from llmopt.runtime.layers import DenseLinear, QuantLinear
     from conftest import byte_tokenizer
 
     source = save_model(starved_model("mixtral"), tmp_path / "float")
-    result = quantize_streaming(source, tmp_path / "q", scheme, method, 32 if scheme == "W4A16" else None, calib_ids=CALIB,
-                                tokenizer=byte_tokenizer(), check_memory=False, show_progress=False, batch_size=2)
+    request = make_request(scheme, method, group_size=32 if scheme == "W4A16" else None, batch_size=2)
+    result = quantize_checkpoint(source, tmp_path / "q", request, CALIB, tokenizer=byte_tokenizer(), progress=False).result
     ref, weights = dequantized_reference("mixtral", tmp_path / "q")
     experts = [n for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear) and is_expert(n)]
     assert len(experts) == 2 * 5 * 3 and set(experts) <= set(weights)
@@ -266,12 +267,13 @@ def test_quantized_mixtral_loads_in_transformers(tmp_path):
     the dequantized checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    from llmopt.quant.streaming import quantize_streaming
+    from llmopt.pipeline.stages.quantize import quantize_checkpoint
+    from llmopt.quant.request import make_request
     from conftest import byte_tokenizer
 
     source = save_model(starved_model("mixtral"), tmp_path / "float")
-    quantize_streaming(source, tmp_path / "q", "W4A16", "awq", 32, calib_ids=CALIB, tokenizer=byte_tokenizer(),
-                       check_memory=False, show_progress=False, batch_size=2)
+    quantize_checkpoint(source, tmp_path / "q", make_request("W4A16", "awq", group_size=32, batch_size=2), CALIB,
+                        tokenizer=byte_tokenizer(), progress=False)
     with LazyCheckpoint(tmp_path / "q") as ckpt:
         keys = list(ckpt.keys())
     assert sum(k.endswith("weight_packed") and ".block_sparse_moe.experts." in k for k in keys) == 2 * 5 * 3

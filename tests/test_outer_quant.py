@@ -177,24 +177,27 @@ def test_calibrated_head_is_gptq_on_its_input_hessian(tmp_path, tied):
     inputs, the final norm's outputs on the calibration text after the quantized layers: the
     saved codes equal that computation done in memory, and its output error on those inputs is
     below the uncalibrated (RTN + clipping search) head's."""
+    from llmopt.pipeline.stages.quantize import quantize_checkpoint
     from llmopt.quant.apply import quantize_model
     from llmopt.quant.head_fisher import HeadFisher
     from llmopt.quant.outer import HEAD_GPTQ_NOTICE, gptq_matrix, head_input_hessian, head_inputs
-    from llmopt.quant.streaming import quantize_streaming
+    from llmopt.quant.request import make_request
     from conftest import byte_tokenizer
 
     model = tiny_llama(seed=4, tie_word_embeddings=tied)
     src = save_model(model, tmp_path / "src")
     calib = torch.randint(3, 259, (4, 48), generator=torch.Generator().manual_seed(2))
-    options = dict(calib_ids=calib, compute_dtype=None, batch_size=2, show_progress=False)
-    result = quantize_streaming(src, tmp_path / "q", "W4A16", "gptq", 32, ignore=(), tokenizer=byte_tokenizer(), check_memory=False,
-                                head="int4", embedding="int4" if tied else "float", **options)
+    options = dict(compute_dtype=None, batch_size=2)
+    request = make_request("W4A16", "gptq", group_size=32, ignore=(), head="int4", embedding="int4" if tied else "float",
+                           **options)
+    result = quantize_checkpoint(src, tmp_path / "q", request, calib, tokenizer=byte_tokenizer(), progress=False).result
     assert HEAD_GPTQ_NOTICE in result.notices
     weights, _ = read_compressed(tmp_path / "q")
     name = EMBED if tied else HEAD
     saved = weights[name]
     in_memory = copy.deepcopy(model)
-    done = quantize_model(in_memory, "W4A16", "gptq", 32, keep_final_hidden=True, **options)
+    # a quantized head keeps the last layer's calibration outputs (lm_head itself stays float in memory)
+    done = quantize_model(in_memory, make_request("W4A16", "gptq", group_size=32, head="int4", **options), calib, progress=False)
     assert done.final_hidden is not None and done.final_hidden.shape == (4, 48, 64)
     hessian = head_input_hessian(in_memory, in_memory.state_dict(), done.final_hidden)
     assert hessian.shape == (64, 64) and hessian.dtype == torch.float64

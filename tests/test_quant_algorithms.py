@@ -15,6 +15,7 @@ from llmopt.quant.awq import awq_apply_layer, awq_search_scale
 from llmopt.formats.schemes import FP8_MAX, compute_qparams, get_scheme
 from llmopt.quant.gptq import gptq_quantize_weight
 from llmopt.quant.mappings import layer_mappings
+from llmopt.quant.request import make_request
 from llmopt.quant.rtn import rtn_quantize_modules, rtn_quantize_weight
 from llmopt.quant.smoothquant import smoothquant_apply_layer
 from transformers import (
@@ -557,7 +558,7 @@ def test_quantize_model_methods(method: str, scheme: str, gs: int | None) -> Non
     ids = calib_ids(6, 16)
     ref = logits(model, ids)
     embed = model.model.embed_tokens.weight.detach().clone()
-    res = quantize_model(model, scheme, method, gs, ids if method != "rtn" else None, show_progress=False)
+    res = quantize_model(model, make_request(scheme, method, group_size=gs), ids if method != "rtn" else None, progress=False)
     targets = linear_modules(model.model, "model.")
     assert set(res.weights) == set(targets) and len(targets) == 14
     for name, qw in res.weights.items():
@@ -579,7 +580,7 @@ def test_quantize_model_gptq_deterministic_and_better_than_rtn() -> None:
     errs, codes = {}, []
     for method in ("rtn", "gptq", "gptq"):
         model = copy.deepcopy(base)
-        res = quantize_model(model, "W4A16", method, 16, ids, show_progress=False)
+        res = quantize_model(model, make_request("W4A16", method, group_size=16), ids, progress=False)
         errs[method] = float((logits(model, test_ids) - ref).pow(2).mean())
         if method == "gptq":
             codes.append(torch.cat([q.codes.flatten().float() for q in res.weights.values()]))
@@ -590,7 +591,7 @@ def test_quantize_model_gptq_deterministic_and_better_than_rtn() -> None:
 def test_quantize_model_ignore_and_group_fallback() -> None:
     model = tiny_model(1)
     down = model.model.layers[0].mlp.down_proj.weight.detach().clone()
-    res = quantize_model(model, "W4A16", "rtn", 48, ignore=["lm_head", r"down_proj$"], show_progress=False)
+    res = quantize_model(model, make_request("W4A16", "rtn", group_size=48, ignore=["lm_head", r"down_proj$"]), progress=False)
     assert not any(n.endswith("down_proj") for n in res.weights)
     assert torch.equal(model.model.layers[0].mlp.down_proj.weight, down)
     assert set(res.group_sizes.values()) == {32}  # 48 divides neither 64 nor 128 → 32
@@ -598,7 +599,7 @@ def test_quantize_model_ignore_and_group_fallback() -> None:
     assert "use group size 32: 48 does not divide 64 input features" in res.notices[0]
     assert "q_proj" in res.notices[0]
     with pytest.raises(ValueError, match=r"group size 48 does not divide .*q_proj"):
-        quantize_model(tiny_model(1), "W4A16", "rtn", 48, strict_groups=True, show_progress=False)
+        quantize_model(tiny_model(1), make_request("W4A16", "rtn", group_size=48, strict_groups=True), progress=False)
 
 
 @pytest.mark.parametrize(
@@ -617,12 +618,12 @@ def test_quantize_model_refuses_bad_requests(scheme, method, gs, calib, pattern)
     model = tiny_model(1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=pattern):
-        quantize_model(model, scheme, method, gs, calib_ids() if calib else None, show_progress=False)
+        quantize_model(model, make_request(scheme, method, group_size=gs), calib_ids() if calib else None, progress=False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_quantize_model_act_order_only_with_gptq() -> None:
     with pytest.raises(ValueError, match="act-order"):
-        quantize_model(tiny_model(1), "W4A16", "awq", 32, calib_ids(), act_order=True, show_progress=False)
-    res = quantize_model(tiny_model(1), "W4A16", "gptq", 32, calib_ids(), act_order=True, show_progress=False)
+        quantize_model(tiny_model(1), make_request("W4A16", "awq", group_size=32, act_order=True), calib_ids(), progress=False)
+    res = quantize_model(tiny_model(1), make_request("W4A16", "gptq", group_size=32, act_order=True), calib_ids(), progress=False)
     assert all(q.scale.shape[1] == q.codes.shape[1] // 32 for q in res.weights.values())

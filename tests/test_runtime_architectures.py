@@ -12,7 +12,8 @@ from test_runtime import assert_greedy_match, greedy, random_prompts
 
 from llmopt.checkpoints.moe import canonical_key, unfuse_experts
 from llmopt.formats.compressed import read_compressed
-from llmopt.quant.streaming import quantize_streaming
+from llmopt.pipeline.stages.quantize import quantize_checkpoint
+from llmopt.quant.request import make_request
 from llmopt.runtime import LLM
 from llmopt.runtime.layers import QuantLinear, SparseMoE
 
@@ -113,8 +114,8 @@ def test_w4a16_greedy_matches_transformers(built, kind, tmp_path):
 
 def w4a16_parity(built, kind: str, tmp_path, **settings) -> LLM:
     _, path = built(kind)
-    quantize_streaming(path, tmp_path / "w4", "W4A16", "rtn", 32, tokenizer=byte_tokenizer(), check_memory=False,
-                       show_progress=False)
+    quantize_checkpoint(path, tmp_path / "w4", make_request("W4A16", "rtn", group_size=32), tokenizer=byte_tokenizer(),
+                        progress=False)
     stored, _ = read_compressed(tmp_path / "w4")
     assert any(".block_sparse_moe.experts." in n for n in stored) == (kind == "mixtral")  # Mixtral's own names
     weights = unfused_names(stored)

@@ -13,6 +13,7 @@ from test_quant_algorithms import calib_ids, logits, tiny_model
 from llmopt.formats.schemes import SUPERBLOCK, QuantizedWeight, superblock_factors
 from llmopt.quant.apply import quantize_model
 from llmopt.quant.gptq import gptq_quantize_weight
+from llmopt.quant.request import make_request
 from llmopt.quant.scale_refit import refit_scales, row_errors
 from llmopt.quant.sensitivity import format_scheme
 
@@ -117,7 +118,7 @@ def test_scale_refit_lowers_a_tiny_models_kld() -> None:
     results = {}
     for refit in (False, True):
         m = copy.deepcopy(model)
-        quantize_model(m, "W4A16", "gptq", 32, ids, scale_refit=refit, show_progress=False)
+        quantize_model(m, make_request("W4A16", "gptq", group_size=32, scale_refit=refit), ids, progress=False)
         results[refit] = torch.nn.functional.kl_div(
             torch.log_softmax(logits(m, ids), -1), torch.log_softmax(reference, -1),
             log_target=True, reduction="batchmean").item()

@@ -14,8 +14,9 @@ from llmopt.checkpoints.models import load_model
 from llmopt.checkpoints.writer import ShardedWriter
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.compressed import save_compressed
+from llmopt.pipeline.stages.quantize import quantize_checkpoint
 from llmopt.quant.apply import quantize_model
-from llmopt.quant.streaming import quantize_streaming
+from llmopt.quant.request import make_request
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,7 +28,7 @@ def _calib() -> torch.Tensor:
 def _in_memory(src, out, scheme, method, group):
     model, tok = load_model(src)
     calib = None if method == "rtn" else _calib()
-    result = quantize_model(model, scheme, method, group, calib, show_progress=False)
+    result = quantize_model(model, make_request(scheme, method, group_size=group), calib, progress=False)
     save_compressed(model, tok, out, result.weights, ["lm_head"], {})
     return tok
 
@@ -48,7 +49,8 @@ def test_streamed_quantize_is_identical_to_in_memory(tmp_path, scheme, method, g
     src = save_model(tiny_llama(seed=0, tie_word_embeddings=method != "rtn"), tmp_path / "src")
     tok = _in_memory(src, tmp_path / "a", scheme, method, group)
     calib = None if method == "rtn" else _calib()
-    result = quantize_streaming(src, tmp_path / "b", scheme, method, group, calib, tokenizer=tok, show_progress=False)
+    request = make_request(scheme, method, group_size=group)
+    result = quantize_checkpoint(src, tmp_path / "b", request, calib, tokenizer=tok, progress=False).result
     assert len(result.weights) == 14  # 7 Linears × 2 layers, kept as schemes only
     assert all(qw.codes.numel() == 0 for qw in result.weights.values())
     _assert_same(tmp_path / "a", tmp_path / "b")
@@ -61,7 +63,8 @@ def test_streamed_quantize_keeps_bf16_and_shards(tmp_path):
         assert ckpt.floating_dtype() == torch.bfloat16
         assert ckpt.dtype("lm_head.weight") == torch.bfloat16 and ckpt.shape("lm_head.weight") == (259, 64)
     _in_memory(src, tmp_path / "a", "W4A16", "gptq", 32)  # loads in float32, writes float32
-    quantize_streaming(src, tmp_path / "b", "W4A16", "gptq", 32, _calib(), show_progress=False, max_shard_bytes=20_000)
+    quantize_checkpoint(src, tmp_path / "b", make_request("W4A16", "gptq", group_size=32), _calib(), progress=False,
+                        max_shard_bytes=20_000)
     a, b = read_tensors(tmp_path / "a"), read_tensors(tmp_path / "b")
     assert sorted(a) == sorted(b)
     index = json.loads((tmp_path / "b" / "model.safetensors.index.json").read_text())
@@ -93,7 +96,7 @@ def test_memory_estimate_refuses_before_writing(tmp_path, monkeypatch):
     src = save_model(tiny_llama(seed=0), tmp_path / "src")
     monkeypatch.setattr("llmopt.checkpoints.estimate.available_bytes", lambda device="cpu": -10**12)
     with pytest.raises(LlmoptError, match="GiB is free") as err:
-        quantize_streaming(src, tmp_path / "b", "W4A16", "gptq", 32, _calib(), show_progress=False)
+        quantize_checkpoint(src, tmp_path / "b", make_request("W4A16", "gptq", group_size=32), _calib(), progress=False)
     assert "calib-samples" in err.value.fix
     assert not (tmp_path / "b").exists()
 
