@@ -3,8 +3,11 @@ events), models, health, Prometheus metrics; bearer-token auth, admission contro
 
 Admission: a request needs one engine sequence per choice (``n``); while ``max_num_seqs +
 max_waiting`` sequences are already admitted and unfinished, new requests get 429 at once
-instead of queueing without bound. While the model loads or the server drains (SIGTERM) they
-get 503. Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+instead of queueing without bound. A sequence's slot is released when the engine finishes it,
+not when the client reads its last chunk. While the model loads, the server drains (SIGTERM)
+or after the engine died they get 503. Requests beyond :class:`~.settings.ServeLimits` get 400
+(413 for the body size). Prompts are tokenized and chat-templated in a worker thread, not on the
+engine thread. Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -20,15 +23,18 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from llmopt.core.errors import LlmoptError
 from llmopt.runtime import LLMEngine, SamplingParams
 
-from .engine_loop import Chunk, EngineLoop
+from .engine_loop import Chunk, EngineDead, EngineLoop
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage
+from .settings import ServeLimits
 
 log = logging.getLogger("llmopt.serve")
+DISCONNECT_CHECK_S = 1.0  # how often a non-streaming request checks that its client is still there
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -38,7 +44,19 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.status, self.message, self.param, self.code), status_code=self.status)
+        return _AsciiJSON(error_body(self.status, self.message, self.param, self.code), status_code=self.status)
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request went away; its run is aborted (logged as 499)."""
+
+
+class _AsciiJSON(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote the request, and a lone surrogate
+    from a JSON ``\\ud800`` escape cannot be encoded as UTF-8."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 @dataclass
@@ -47,6 +65,8 @@ class ServeSettings:
     api_key: str | None = None
     max_waiting: int = 128
     chat_template: str | None = None  # overrides the tokenizer's
+    limits: ServeLimits = field(default_factory=ServeLimits)
+    exit_on_engine_death: bool = True  # stop serving (the process exits non-zero) once the engine is dead
 
 
 @dataclass
@@ -58,10 +78,18 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0  # engine sequences admitted and not finished (event-loop thread only)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    on_fatal: Callable[[], None] | None = None  # set by the server: stop serving
 
     @property
     def ready(self) -> bool:
-        return self.loop is not None and not self.draining
+        return self.loop is not None and not self.draining and self.loop.healthy
+
+    @property
+    def engine_failure(self) -> str | None:
+        """Why the engine stopped for good, or None."""
+        if self.loop is None or self.draining or self.loop.healthy:
+            return None
+        return self.loop.dead or "the engine thread has stopped"
 
     @property
     def capacity(self) -> int:
@@ -73,12 +101,19 @@ class ServerState:
             if self.settings.chat_template:
                 engine.tokenizer.chat_template = self.settings.chat_template
             _touch_kv_cache(engine)
-            loop = EngineLoop(engine)
+            loop = EngineLoop(engine, error_limit=self.settings.limits.engine_error_limit, on_dead=self._engine_dead)
             loop.start()
             self.loop = loop
         except Exception as exc:  # noqa: BLE001 - reported by /health
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("loading the model failed: %s", self.load_error)
+
+    def _engine_dead(self, message: str) -> None:
+        """(engine thread) The engine died: stop serving, so a supervisor restarts the process."""
+        log.critical("the engine is dead (%s): %s", message,
+                     "the server stops" if self.settings.exit_on_engine_death else "/health answers 503")
+        if self.settings.exit_on_engine_death and self.on_fatal is not None:
+            self.on_fatal()
 
 
 def _touch_kv_cache(engine: LLMEngine) -> None:
@@ -93,8 +128,8 @@ def _touch_kv_cache(engine: LLMEngine) -> None:
 
 
 class Gate:
-    """ASGI middleware: bearer-token check (every path but /health), 503 while draining, and
-    request counting by endpoint and status."""
+    """ASGI middleware: bearer-token check (every path but /health), 503 while draining, 413 for
+    a body over ``limits.max_body_bytes``, and request counting by endpoint and status."""
 
     def __init__(self, app, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -124,9 +159,61 @@ class Gate:
             if self.state.draining and path not in ("/health", "/metrics"):
                 await ApiError(503, "the server is shutting down", code="shutting_down").response()(scope, receive, counting_send)
                 return
+            receive, refusal = await _bounded_body(scope, receive, self.state.settings.limits.max_body_bytes)
+            if refusal is not None:
+                await refusal.response()(scope, receive, counting_send)
+                return
             await self.app(scope, receive, counting_send)
         finally:
             self.state.metrics.count_request(endpoint, status["code"])
+
+
+async def _bounded_body(scope, receive, limit: int):
+    """``(receive, None)``, or ``(receive, 413 error)`` for a body over ``limit`` bytes: by its
+    Content-Length at once, else (chunked) once that much has arrived; the body is then read to
+    the end (up to a bound) and dropped, so the client gets the answer rather than a reset."""
+    if scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+        return receive, None
+    declared = dict(scope["headers"]).get(b"content-length")
+    size = int(declared) if declared is not None and declared.isdigit() else None
+    if size is not None and size <= limit:
+        return receive, None
+    chunks, total, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return _replay([], message, receive), None  # the client left: the app sees the disconnect
+        body = message.get("body", b"")
+        total += len(body)
+        more = message.get("more_body", False)
+        if total > limit:
+            break
+        chunks.append(body)
+    else:
+        if size is None:
+            return _replay(chunks, None, receive), None
+    drained = total
+    while more and drained <= 4 * limit + 2**20:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        drained += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    shown = size if size is not None else total
+    return receive, ApiError(413, f"the request body has {'more than ' if size is None else ''}{shown} bytes but this server "
+                                  f"accepts at most {limit}: send a smaller request", None, "request_too_large")
+
+
+def _replay(chunks: list[bytes], pending, receive):
+    """A ``receive`` that first hands out the body already read (or the message already taken)."""
+    first = [pending] if pending is not None else [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+    async def replay():
+        if first:
+            return first.pop()
+        return await receive()
+
+    return replay
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -149,6 +236,19 @@ def create_app(state: ServerState) -> FastAPI:
     async def _api_error(request: Request, exc: ApiError):
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # unknown route (404), wrong method (405), a body that cannot be parsed (400): OpenAI's shape too
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        response = ApiError(exc.status_code, str(exc.detail), None, code).response()
+        for name, value in (exc.headers or {}).items():
+            response.headers[name] = value
+        return response
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -158,10 +258,15 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.loop is not None and not state.draining:
+        if state.ready:
             return {"status": "ok"}
-        status = "draining" if state.draining else ("failed: " + state.load_error if state.load_error else "loading")
-        return JSONResponse({"status": status}, status_code=503)
+        if state.draining:
+            status = "draining"
+        elif state.engine_failure:
+            status = "engine failed: " + state.engine_failure
+        else:
+            status = "failed: " + state.load_error if state.load_error else "loading"
+        return _AsciiJSON({"status": status}, status_code=503)
 
     @app.get("/metrics")
     async def metrics():
@@ -208,7 +313,9 @@ class Run:
     queue: asyncio.Queue
     ids: list[str]
     num_prompt_tokens: int
-    open: set[str] = field(default_factory=set)
+    open: set[str] = field(default_factory=set)  # sequences whose last chunk the handler has not read
+    admitted: set[str] = field(default_factory=set)  # sequences holding an admission slot
+    checked: float = 0.0  # when the client's connection was last checked (event-loop clock)
 
 
 def _require_loop(state: ServerState) -> EngineLoop:
@@ -217,43 +324,49 @@ def _require_loop(state: ServerState) -> EngineLoop:
         raise ApiError(503, message, code="not_ready")
     if state.draining:
         raise ApiError(503, "the server is shutting down", code="shutting_down")
+    if state.engine_failure:
+        raise ApiError(503, f"the engine failed ({state.engine_failure}): the server must be restarted", code="engine_dead")
     return state.loop
 
 
 async def _admit(state: ServerState, body, prompt_fn, logprobs: int | None, prompt_param: str) -> Run:
-    """Check the request, reserve ``n`` sequences (429 when full) and queue them in the engine."""
+    """Check the request, tokenize its prompt (in a worker thread), reserve ``n`` sequences
+    (429 when full) and queue them in the engine."""
     loop = _require_loop(state)
+    limits = state.settings.limits
     if body.model != state.settings.model_name:
         raise ApiError(404, f"the model '{body.model}' does not exist: this server serves '{state.settings.model_name}'",
                        "model", "model_not_found")
+    _check_limits(state, body)
+    temperature = 0.0 if body.temperature < limits.greedy_below else body.temperature
     params = []
     for i in range(body.n):
         try:
             params.append(SamplingParams(
-                max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                max_tokens=body.max_tokens, temperature=temperature, top_p=body.top_p, top_k=body.top_k,
                 min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, seed=None if body.seed is None else body.seed + i,
                 stop=list(body.stop or []), ignore_eos=body.ignore_eos, logprobs=logprobs))
         except LlmoptError as exc:
             raise ApiError(400, exc.problem, code="invalid_request") from exc
+    engine = loop.engine
+    try:
+        ids = await asyncio.to_thread(prompt_fn, engine)
+    except (ApiError, LlmoptError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - text the tokenizer cannot take (e.g. a lone surrogate)
+        raise ApiError(400, f"the prompt could not be tokenized: {type(exc).__name__}: {exc}", prompt_param,
+                       "invalid_request") from exc
+    _check_length(state, engine.max_model_len, len(ids), body.max_tokens, prompt_param)
     if state.in_flight + body.n > state.capacity:
         raise ApiError(429, f"the server is at capacity ({state.in_flight} sequences admitted, limit {state.capacity} = "
                             f"max_num_seqs + max_waiting): retry later", code="queue_full")
     state.in_flight += body.n
-    run = Run(new_id("cmpl"), asyncio.Queue(), [], 0)
+    run = Run(new_id("cmpl"), asyncio.Queue(), [], len(ids))
     run.ids = [f"{run.request_id}-{i}" for i in range(body.n)]
-    engine_max = loop.engine.max_model_len
+    run.admitted = set(run.ids)
 
     def add(engine: LLMEngine) -> int:
-        ids = prompt_fn(engine)
-        n = len(ids)
-        if n >= engine_max:
-            raise ApiError(400, f"this model's maximum context length is {engine_max} tokens, but the prompt has {n} tokens: "
-                                "shorten the prompt", prompt_param, "context_length_exceeded")
-        if body.max_tokens is not None and n + body.max_tokens > engine_max:
-            raise ApiError(400, f"this model's maximum context length is {engine_max} tokens, but the prompt ({n}) plus "
-                                f"max_tokens ({body.max_tokens}) need {n + body.max_tokens}: lower max_tokens or shorten the prompt",
-                           "max_tokens", "context_length_exceeded")
         added = []
         try:
             for rid, p in zip(run.ids, params):
@@ -263,21 +376,66 @@ async def _admit(state: ServerState, body, prompt_fn, logprobs: int | None, prom
             for rid in added:
                 engine.abort(rid, report=False)
             raise
-        return n
+        return len(ids)
 
     try:
-        run.num_prompt_tokens = await loop.submit_many(add, run.ids, run.queue, params)
-    except ApiError:
-        state.in_flight -= body.n
-        raise
-    except LlmoptError as exc:
-        state.in_flight -= body.n
-        raise ApiError(400, exc.problem, prompt_param, "invalid_request") from exc
-    except BaseException:
-        state.in_flight -= body.n
+        await loop.submit_many(add, run.ids, run.queue, params, lambda rid, chunk: _finished(state, run, rid, chunk))
+    except BaseException as exc:
+        for rid in run.ids:  # if the engine took them after all (this handler was cancelled), they stop
+            loop.abort(rid)
+        state.in_flight -= len(run.admitted)
+        run.admitted.clear()
+        if isinstance(exc, LlmoptError):
+            raise ApiError(400, exc.problem, prompt_param, "invalid_request") from exc
+        if isinstance(exc, EngineDead):
+            raise ApiError(503, f"the engine failed ({exc}): the server must be restarted", code="engine_dead") from exc
         raise
     run.open = set(run.ids)
     return run
+
+
+def _check_limits(state: ServerState, body) -> None:
+    """``n`` and the stop strings against the server's limits (400 naming the limit)."""
+    limits = state.settings.limits
+    most = min(limits.max_n, state.capacity)
+    if body.n > most:
+        why = (f"max_n is {limits.max_n}" if limits.max_n <= state.capacity else
+               f"the server admits {state.capacity} sequences at once (max_num_seqs + max_waiting)")
+        raise ApiError(400, f"n is {body.n} but this server allows at most {most} choices per request ({why})", "n", "invalid_request")
+    stops = body.stop or []
+    if len(stops) > limits.max_stop_sequences:
+        raise ApiError(400, f"{len(stops)} stop sequences but this server allows at most {limits.max_stop_sequences}",
+                       "stop", "invalid_request")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > limits.max_stop_chars:
+        raise ApiError(400, f"a stop sequence has {longest} characters but this server allows at most {limits.max_stop_chars}",
+                       "stop", "invalid_request")
+
+
+def _check_length(state: ServerState, engine_max: int, n: int, max_tokens: int | None, prompt_param: str) -> None:
+    """The prompt, and the prompt plus ``max_tokens``, within the model's context (400 otherwise)."""
+    configured = state.settings.limits.max_prompt_tokens
+    if configured is not None and n > configured and configured < engine_max - 1:
+        raise ApiError(400, f"this server accepts prompts of at most {configured} tokens, but the prompt has {n} tokens: "
+                            "shorten the prompt", prompt_param, "context_length_exceeded")
+    if n >= engine_max:
+        raise ApiError(400, f"this model's maximum context length is {engine_max} tokens, but the prompt has {n} tokens: "
+                            "shorten the prompt", prompt_param, "context_length_exceeded")
+    if max_tokens is not None and n + max_tokens > engine_max:
+        raise ApiError(400, f"this model's maximum context length is {engine_max} tokens, but the prompt ({n}) plus "
+                            f"max_tokens ({max_tokens}) need {n + max_tokens}: lower max_tokens or shorten the prompt",
+                       "max_tokens", "context_length_exceeded")
+
+
+def _finished(state: ServerState, run: Run, rid: str, chunk: Chunk) -> None:
+    """(event loop, called by the engine loop) The engine is done with ``rid``: release its slot."""
+    if rid not in run.admitted:
+        return
+    run.admitted.discard(rid)
+    state.in_flight -= 1
+    m = chunk.metrics
+    state.metrics.record_finished(chunk.finish_reason or "error", chunk.num_prompt_tokens, chunk.num_output_tokens,
+                                  m.ttft if m else None, m.tpot if m else None, m.e2e if m else None)
 
 
 def _prompt_ids(engine: LLMEngine, prompt) -> list[int]:
@@ -302,30 +460,34 @@ def _chat_ids(engine: LLMEngine, messages: list[dict]) -> list[int]:
 
 async def _next(state: ServerState, run: Run, request: Request | None) -> tuple[int, Chunk]:
     """The next chunk of any of the run's sequences; for non-streaming requests a client that
-    went away aborts the run (streaming ones are cancelled by the server)."""
+    went away aborts the run, noticed within about a second, while chunks keep coming too
+    (streaming ones are cancelled by the server)."""
     while True:
+        if request is not None:
+            clock = asyncio.get_running_loop().time()
+            if clock - run.checked >= DISCONNECT_CHECK_S:
+                run.checked = clock
+                if await request.is_disconnected():
+                    raise ClientGone()
         try:
-            rid, chunk = await asyncio.wait_for(run.queue.get(), timeout=1.0 if request is not None else None)
+            rid, chunk = await asyncio.wait_for(run.queue.get(), timeout=DISCONNECT_CHECK_S if request is not None else None)
         except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                raise asyncio.CancelledError("client disconnected") from None
             continue
         if chunk.finished:
             run.open.discard(rid)
-            state.in_flight -= 1
-            m = chunk.metrics
-            state.metrics.record_finished(chunk.finish_reason or "error", chunk.num_prompt_tokens, chunk.num_output_tokens,
-                                          m.ttft if m else None, m.tpot if m else None, m.e2e if m else None)
         return run.ids.index(rid), chunk
 
 
 def _release(state: ServerState, run: Run) -> None:
-    """Abort what is still running (client gone, error, shutdown) and return its admission."""
+    """The handler is done (client gone, error, shutdown): abort what is still running and
+    return the slots the engine has not released yet."""
     for rid in run.open:
         state.loop.abort(rid)
+    run.open.clear()
+    for rid in run.admitted:
         state.in_flight -= 1
         state.metrics.record_finished("abort", run.num_prompt_tokens, 0, None, None, None)
-    run.open.clear()
+    run.admitted.clear()
 
 
 # -- responses ------------------------------------------------------------------------------------

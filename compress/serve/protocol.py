@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # torch.long, as vLLM; the n choices use seed, seed + 1, … (a generator takes < 2**64)
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -16,7 +18,9 @@ class StreamOptions(BaseModel):
 
 class _Sampling(BaseModel):
     """Fields shared by both endpoints. Unknown fields are refused (a typo must not be ignored);
-    ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` are extensions (vLLM's names)."""
+    ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` are extensions (vLLM's names).
+    ``seed`` is a 64-bit signed integer, as vLLM takes it; ``n`` and the stop strings are further
+    limited by the server's :class:`~llmopt.serve.settings.ServeLimits` (checked by the app)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -26,12 +30,12 @@ class _Sampling(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0)
+    repetition_penalty: float = Field(default=1.0, ge=1e-3, le=1e3)  # beyond: float32 logits overflow (NaN sampling)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -41,8 +45,6 @@ class _Sampling(BaseModel):
     @classmethod
     def _stop(cls, value):
         items = [value] if isinstance(value, str) else list(value or [])
-        if len(items) > 4:
-            raise ValueError("at most 4 stop sequences")
         if any(not s for s in items):
             raise ValueError("stop sequences must be non-empty")
         return items
@@ -80,10 +82,21 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, value):
+        if isinstance(value, list):
+            for part in value:
+                if part.get("type") != "text":
+                    raise ValueError("only text content parts are supported")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError("a text content part needs 'text': a string")
+        return value
+
     def text(self) -> str:
-        """The message's text; content parts other than text are refused by the caller."""
+        """The message's text (its text parts joined)."""
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
 
 
@@ -92,14 +105,6 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-
-    @field_validator("messages")
-    @classmethod
-    def _parts(cls, value):
-        for m in value:
-            if isinstance(m.content, list) and any(p.get("type") != "text" for p in m.content):
-                raise ValueError("only text content parts are supported")
-        return value
 
 
 def new_id(prefix: str) -> str:
@@ -116,7 +121,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               429: "rate_limit_exceeded", 500: "internal_server_error", 503: "service_unavailable"}
+               413: "invalid_request_error", 429: "rate_limit_exceeded", 500: "internal_server_error",
+               503: "service_unavailable"}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

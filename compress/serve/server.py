@@ -1,14 +1,23 @@
 """Run the app under uvicorn with a graceful SIGTERM: stop admitting (503), let in-flight
-requests finish for up to ``shutdown_timeout`` seconds, abort the rest, exit normally."""
+requests finish for up to ``shutdown_timeout`` seconds, abort the rest, exit normally. When the
+engine dies (``ServeSettings.exit_on_engine_death``) the server stops and ``run()`` raises
+:class:`EngineFailed` (the CLI exits 1), so a supervisor restarts it."""
 
 from __future__ import annotations
 
 import signal
 from collections.abc import Callable
 
+from llmopt.core.errors import LlmoptError
 from llmopt.runtime import LLMEngine
 
 from .app import ServerState, ServeSettings, create_app
+
+
+class EngineFailed(LlmoptError):
+    """The engine died while serving; the process should exit non-zero and be restarted."""
+
+    exit_code = 1
 
 
 class _Server:
@@ -26,7 +35,15 @@ class _Server:
                 else:
                     self.should_exit = True
 
-        return Server(config)
+            def run(self, *args, **kwargs) -> None:
+                super().run(*args, **kwargs)
+                failure = state.loop.dead if state.loop is not None else None
+                if failure is not None and state.settings.exit_on_engine_death:
+                    raise EngineFailed(f"the engine failed while serving: {failure}", "see the log above and restart the server")
+
+        server = Server(config)
+        state.on_fatal = lambda: setattr(server, "should_exit", True)
+        return server
 
 
 def build(loader: Callable[[], LLMEngine], settings: ServeSettings, host: str, port: int,

@@ -1,5 +1,6 @@
 """Engine defaults saved with a model: a checkpoint's ``llmopt.json`` ``runtime`` block, or the
-``runtime`` section of the recipe whose output folder is served."""
+``runtime`` section of the recipe whose output folder is served; and the server's request limits
+(:class:`ServeLimits`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,42 @@ from llmopt.runtime.config import EngineConfig
 
 RECIPE_FILE = "recipe.resolved.json"
 RUN_FILE = "run.json"
+
+
+@dataclasses.dataclass
+class ServeLimits:
+    """What one request may ask for; beyond these it gets a 4xx at once (OpenAI's error shape),
+    never a 5xx or an unbounded amount of work on the engine thread.
+
+    ``max_body_bytes``: a larger request body gets 413 before it is parsed. ``max_prompt_tokens``:
+    a longer prompt gets 400 (always at most the model's context, ``max_model_len`` less one
+    token to generate; ``None``: just that). ``max_n``: choices per request (also capped by the
+    admission capacity, so a request that could never be admitted gets 400, not a permanent 429).
+    ``max_stop_sequences`` / ``max_stop_chars``: the number and length of stop strings (the text
+    held back while it could still become a stop string grows with their length).
+    ``greedy_below``: a ``temperature`` below it samples greedily, as 0 does (dividing logits by
+    1e-30 gives infinities and NaN probabilities; vLLM's rule, same threshold).
+    ``engine_error_limit``: that many engine-loop errors in a row, with no good step between,
+    mark the engine dead (``/health`` 503, everything in flight fails, the server exits non-zero).
+    """
+
+    max_body_bytes: int = 8 * 2**20
+    max_prompt_tokens: int | None = None
+    max_n: int = 16
+    max_stop_sequences: int = 4
+    max_stop_chars: int = 256
+    greedy_below: float = 1e-5
+    engine_error_limit: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_n", "max_stop_sequences", "max_stop_chars", "engine_error_limit"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise LlmoptError(f"server limit {name} must be an integer >= 1, got {getattr(self, name)!r}", f"fix {name}")
+        if self.max_prompt_tokens is not None and (not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1):
+            raise LlmoptError(f"server limit max_prompt_tokens must be None or an integer >= 1, got {self.max_prompt_tokens!r}",
+                              "fix max_prompt_tokens")
+        if not 0 <= self.greedy_below < 1:
+            raise LlmoptError(f"server limit greedy_below must be in [0, 1), got {self.greedy_below!r}", "fix greedy_below")
 
 
 def resolve_served_model(model: str) -> tuple[str, dict, str | None]:
