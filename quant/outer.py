@@ -34,15 +34,15 @@ EMBED = "model.embed_tokens"
 HEAD = "lm_head"
 
 
-def outer_scheme(kind: str) -> QuantScheme | None:
+def outer_scheme(kind: str, scale_dtype: str = "bfloat16") -> QuantScheme | None:
     """The scheme of an embedding/head format name (None: float): the registry's candidate of that
-    name (:data:`~llmopt.formats.registry.OUTER_CANDIDATES`)."""
+    name (:data:`~llmopt.formats.registry.OUTER_CANDIDATES`), scales stored in ``scale_dtype``."""
     if kind == "float":
         return None
     if kind not in OUTER_CANDIDATES:
         raise ValueError(f"unknown embedding/head format {kind!r}: choose one of {', '.join(OUTER_CHOICES)}")
     found = OUTER_CANDIDATES[kind]
-    return found.format.scheme(found.group_size)
+    return found.format.scheme(found.group_size).with_scale_dtype(scale_dtype)
 
 
 def quantize_matrix(w: torch.Tensor, scheme: QuantScheme, col_weight: torch.Tensor | None = None) -> QuantizedWeight:
@@ -136,13 +136,13 @@ class OuterResult:
 
 def quantize_outer(tensors: dict[str, torch.Tensor], tied: bool, head: str = "float", embedding: str = "float",
                    head_hessian_diag: torch.Tensor | None = None, head_inputs: torch.Tensor | None = None,
-                   refit: bool = True) -> OuterResult:
+                   refit: bool = True, scale_dtype: str = "bfloat16") -> OuterResult:
     """Quantize ``model.embed_tokens.weight`` / ``lm_head.weight`` of ``tensors`` (a tied model has
     only the former) as asked; the head by GPTQ when its calibration ``head_inputs`` are given
     (its most probable rows on their own KL-weighted Hessians, :mod:`.head_fisher`).
     Keys of ``tensors`` not returned in ``weights``/``floats`` stay as they are."""
     result = OuterResult()
-    head_s, embed_s = outer_scheme(head), outer_scheme(embedding)
+    head_s, embed_s = outer_scheme(head, scale_dtype), outer_scheme(embedding, scale_dtype)
     embed_w = tensors[f"{EMBED}.weight"]
     head_w = embed_w if tied else tensors.get(f"{HEAD}.weight")
     if head_w is None:

@@ -8,7 +8,7 @@ read everything else from the request.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,6 +31,8 @@ class QuantizeRequest:
     quantized by the streaming path). ``device``: where each layer is calibrated (cpu, cuda,
     auto). ``batch_size``: calibration windows per forward. ``compute_dtype``: the calibration
     forwards' autocast dtype (``auto``: bfloat16 where the device computes it natively).
+    ``scale_dtype``: the 16-bit dtype scales are written in (bfloat16, float16; float32 if asked),
+    carried by ``scheme``, the ``plan``'s schemes and the head / embedding formats alike.
     """
 
     scheme: QuantScheme
@@ -43,6 +45,12 @@ class QuantizeRequest:
     device: str | None = None
     batch_size: int = 8
     compute_dtype: torch.dtype | str | None = "auto"
+    scale_dtype: str = "bfloat16"
+
+    def with_scale_dtype(self, dtype: str) -> "QuantizeRequest":
+        """This request with every scale stored in ``dtype`` (super-block scales stay float32)."""
+        plan = None if self.plan is None else {n: s.with_scale_dtype(dtype) for n, s in self.plan.items()}
+        return replace(self, scheme=self.scheme.with_scale_dtype(dtype), plan=plan, scale_dtype=dtype)
 
 
 def resolve_scheme(name: str, group_size: int | None = None) -> QuantScheme:
@@ -64,12 +72,13 @@ def make_request(scheme: str | QuantScheme, method: str | QuantMethod = "rtn", *
                  ignore: tuple[str, ...] | list[str] = DEFAULT_IGNORE, strict_groups: bool = False,
                  plan: Mapping[str, QuantScheme] | None = None, head: str = "float", embedding: str = "float",
                  device: str | None = None, batch_size: int = 8, compute_dtype: torch.dtype | str | None = "auto",
-                 **method_options: Any) -> QuantizeRequest:
+                 scale_dtype: str = "bfloat16", **method_options: Any) -> QuantizeRequest:
     """A request from names, as scripts and tests write it: ``make_request("W4A16", "gptq",
     group_size=32, act_order=False)``; method options by their field names."""
     parsed = scheme if isinstance(scheme, QuantScheme) else resolve_scheme(scheme, group_size)
     built = method if isinstance(method, QuantMethod) else build_method(method, method_options)
     if isinstance(method, QuantMethod) and method_options:
         raise ValueError("give method options to build_method, not beside a built method")
-    return QuantizeRequest(parsed, built, tuple(ignore), strict_groups, plan, head, embedding, device, batch_size,
-                           compute_dtype)
+    request = QuantizeRequest(parsed, built, tuple(ignore), strict_groups, plan, head, embedding, device, batch_size,
+                              compute_dtype)
+    return request.with_scale_dtype(scale_dtype)

@@ -72,7 +72,7 @@ def quantize_streaming(stream: StreamedModel, request: QuantizeRequest, calibrat
         result.notices.append(HEAD_GPTQ_NOTICE if inputs is not None
                               else "no final norm found: the output head was quantized without calibration (RTN)")
     quantized = quantize_outer(outer, stream.tied_head(), request.head, request.embedding, head_inputs=inputs,
-                               refit=request.method.quantizer.head_refit)
+                               refit=request.method.quantizer.head_refit, scale_dtype=request.scale_dtype)
     for name in quantized.weights:
         outer.pop(f"{name}.weight", None)
     outer.update(quantized.floats)

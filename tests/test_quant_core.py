@@ -129,3 +129,26 @@ def test_hqq_through_the_engine_equals_the_algorithm() -> None:
         assert torch.equal(qw.zero_point, expected.zero_point)
         module = dict(model.named_modules())[name]
         torch.testing.assert_close(module.weight, expected.dequantize(module.weight.dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype, expected", [(torch.float32, "BF16"), (torch.bfloat16, "BF16"), (torch.float16, "F16")],
+                         ids=["float32", "bfloat16", "float16"])
+def test_scales_are_written_in_the_sources_16_bit_dtype(tmp_path, dtype, expected) -> None:
+    import json
+
+    from click.testing import CliRunner
+    from conftest import save_model, tiny_llama
+
+    from llmopt.cli.main import main
+
+    source = save_model(tiny_llama(seed=0).to(dtype), tmp_path / "source")
+    out = tmp_path / "w4"
+    result = CliRunner().invoke(main, ["quantize", str(source), "--scheme", "W4A16", "--group-size", "32", "--head", "int8",
+                                       "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    raw = (out / "model.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    scales = {k: v["dtype"] for k, v in header.items() if k.endswith("weight_scale")}
+    assert len(scales) == 2 * 7 + 1  # every Linear of both layers, and the tied embedding/head
+    assert set(scales.values()) == {expected}
+    assert json.loads((out / "llmopt.json").read_text())["scale_dtype"] == expected.replace("BF16", "bfloat16").replace("F16", "float16")

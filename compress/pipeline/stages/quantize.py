@@ -262,6 +262,8 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
         request = replace(request, plan=options["plan"], head=options["head"], embedding=options["embedding"], ignore=ignore)
         record["head"], record["embedding"] = request.head, request.embedding
     record["ignore"] = list(request.ignore)
+    request = request.with_scale_dtype(_scale_dtype(source))
+    record["scale_dtype"] = request.scale_dtype
     tune_ids = calib
     if not request.method.calibrated:
         calib = None  # the plan's sensitivities and the scale tuning use them; the method itself takes none
@@ -326,6 +328,15 @@ def quantize_checkpoint(source: Path, output: Path, request: QuantizeRequest, ca
     finally:
         stream.close()
     return done
+
+
+def _scale_dtype(source: Path) -> str:
+    """Scales in the source's own 16-bit dtype (bfloat16 / float16), bfloat16 for a float32 source."""
+    from llmopt.checkpoints.lazy import LazyCheckpoint
+    from llmopt.formats.schemes import scale_dtype_for
+
+    with LazyCheckpoint(source) as ckpt:
+        return scale_dtype_for(ckpt.floating_dtype())
 
 
 def _flat_options(method: QuantMethod) -> dict:
