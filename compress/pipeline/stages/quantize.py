@@ -66,14 +66,15 @@ class QuantizeConfig:
                        "a tied head shares the embedding's.", choices=OUTER_CHOICES)
     embedding: str = option("float", "Token embedding: float, int8 (per row) or int6 / int5a / int5 / int4a / int4 / nl4 "
                             "(groups of 32).", choices=OUTER_CHOICES)
-    target_bpw: float | None = option(None, "AUTO: average stored bits per weight (codes and 16-bit scales) to fill.")
+    target_bpw: float | None = option(None, "AUTO: bits per weight to fill, as written: every file's bytes × 8 over the "
+                                      "source's parameter count (codes, 16-bit scales, zero points, float tensors).")
     target_kld: float | None = option(None, "AUTO: predicted mean KL divergence to stay under, with the fewest bits "
                                       "(or, with --objective speed, the fastest decode).")
     objective: str = option("size", "AUTO with --target-kld: spend as few bits as possible (size) or as little decode time "
                             "as possible, each format's time measured once on this machine in the runtime (speed).",
                             choices=("size", "speed"))
-    size_of: str = option("checkpoint", "AUTO: count bits as stored in the checkpoint (codes + 16-bit scales) or in the "
-                          "exported --type auto GGUF file (Q4_0 4.5, Q5_0 5.5, Q8_0 8.5 … bits per weight).",
+    size_of: str = option("checkpoint", "AUTO: count bits as the checkpoint's safetensors hold them or as the "
+                          "exported --type auto GGUF file does (Q4_0 4.5, Q5_0 5.5, Q8_0 8.5 … bits per weight, metadata included).",
                           choices=("checkpoint", "gguf"))
     plan: str | None = option(None, "AUTO: reuse a plan (a plan.json, or a checkpoint's llmopt.json) instead of measuring.",
                               metavar="PATH")
