@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from llmopt.formats.schemes import QuantizedWeight, QuantScheme, _grouped
+from llmopt.formats.schemes import QuantizedWeight, QuantScheme, _grouped, compute_qparams, round_scales
 from llmopt.linear_stats import LinearStats
 from llmopt.quant.method import GroupSizes, Quantizer, Schemes
 
@@ -147,8 +147,14 @@ def hqq_quantize_weight(
             break
         total = now
 
-    # --- integer zero point: least-squares scale refits, least squared error per group
-    fin_s, fin_z = torch.ones_like(step), z0.round().clamp(qmin, qmax)  # RTN min-max
+    # --- integer zero point: least-squares scale refits, least squared error per group, each
+    # candidate judged with its scale as stored (rounded to the scheme's 16-bit dtype)
+    def stored(s_units: torch.Tensor) -> torch.Tensor:
+        return round_scales((s_units * step).clamp(min=_TINY), scheme) / step
+
+    rtn_scale, rtn_zero = compute_qparams(weight.detach().float(), scheme, group_size)  # RTN min-max, as stored
+    fin_s = rtn_scale.reshape(step.shape).float() / step
+    fin_z = rtn_zero.reshape(step.shape).float() if asym else torch.zeros_like(step)
     fin_err = _error(x, fin_s, fin_z, qmin, qmax).square().sum(-1)
     starts = [best_z.floor(), best_z.ceil()] if asym else [best_z]
     for zi in starts:
@@ -162,6 +168,7 @@ def hqq_quantize_weight(
                 c = q - ci_z.unsqueeze(-1)
                 num, den = (c * x).sum(-1), c.square().sum(-1)
                 ci_s = torch.where((num > 0) & (den > 0), num / den.clamp_min(1e-30), ci_s)
+            ci_s = stored(ci_s)
             err = _error(x, ci_s, ci_z, qmin, qmax).square().sum(-1)
             better = err < fin_err
             fin_err = torch.where(better, err, fin_err)
