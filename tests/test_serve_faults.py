@@ -20,6 +20,7 @@ from llmopt.serve import ServeSettings, build, create_app
 from llmopt.serve.metrics import parse
 from llmopt.serve.server import EngineFailed
 from llmopt.serve.settings import ServeLimits
+from test_serve import free_port, wait_until
 
 KEY = "sk-faults"
 NAME = "tiny"
@@ -31,23 +32,6 @@ MAX_WAITING = 4
 CAPACITY = ENGINE["max_num_seqs"] + MAX_WAITING
 LIMITS = ServeLimits(max_body_bytes=2 * 2**20)  # the 200,000-word prompt (400 kB) fits; 3 MB does not
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _get(url: str) -> httpx.Response:
