@@ -75,10 +75,10 @@ def make_request(scheme: str | QuantScheme, method: str | QuantMethod = "rtn", *
                  scale_dtype: str = "bfloat16", **method_options: Any) -> QuantizeRequest:
     """A request from names, as scripts and tests write it: ``make_request("W4A16", "gptq",
     group_size=32, act_order=False)``; method options by their field names."""
-    parsed = scheme if isinstance(scheme, QuantScheme) else resolve_scheme(scheme, group_size)
-    built = method if isinstance(method, QuantMethod) else build_method(method, method_options)
     if isinstance(method, QuantMethod) and method_options:
         raise ValueError("give method options to build_method, not beside a built method")
+    parsed = scheme if isinstance(scheme, QuantScheme) else resolve_scheme(scheme, group_size)
+    built = method if isinstance(method, QuantMethod) else build_method(method, method_options)
     request = QuantizeRequest(parsed, built, tuple(ignore), strict_groups, plan, head, embedding, device, batch_size,
                               compute_dtype)
     return request.with_scale_dtype(scale_dtype)

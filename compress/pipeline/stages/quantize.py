@@ -117,7 +117,7 @@ class QuantizeConfig:
         try:
             return build_method(self.method, given)
         except ValueError as exc:
-            raise LlmoptError(str(exc), "drop that option, or choose a method that takes it (llmopt quantize --help)") from exc
+            raise LlmoptError(str(exc), "check --method and its options: llmopt quantize --help") from exc
 
     @property
     def needs_calibration(self) -> bool:
