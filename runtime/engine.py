@@ -14,6 +14,7 @@ from llmopt.core.errors import LlmoptError
 
 from .backends import choose_backend
 from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer, held_back
 from .config import GIB, EngineConfig, saved_settings, read_arch, resolve_max_model_len
 from .metrics import RunStats, request_metrics
 from .kv_cache import KVCache
@@ -122,6 +123,8 @@ class LLMEngine:
             raise LlmoptError(f"request id '{request_id}' is already in use", "pass a unique request_id")
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, ids, params, text, arrival_time, generator)
+        if params.stop or params.stream_text:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -199,8 +202,10 @@ class LLMEngine:
         if not batch:
             return outputs
         started = time.perf_counter()
+        prompt_rows: list = []
         try:
-            logits, sampled = self.runner.run(batch.items)
+            logits, sampled = self.runner.run(batch.items, prompt_rows)
+            self._record_prompt_logprobs(prompt_rows)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
             for seq, _ in batch.items:
                 seq.error = f"forward failed: {type(exc).__name__}: {exc}"
@@ -237,6 +242,22 @@ class LLMEngine:
             outputs.append(self._output(seq, new))
         return outputs
 
+    def _record_prompt_logprobs(self, rows: list) -> None:
+        """Store, for each ``(seq, positions, logits)`` the runner computed, the log-probability of
+        the prompt token after each position and the top ``prompt_logprobs`` tokens there."""
+        for seq, positions, logits in rows:
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            targets = torch.tensor([seq.token_ids[q + 1] for q in positions], dtype=torch.long, device=logprobs.device)
+            chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+            k = seq.params.prompt_logprobs
+            top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+            top_lp = top_lp.tolist() if k else None
+            top_ids = top_ids.tolist() if k else None
+            for j, q in enumerate(positions):
+                entry = dict(zip(top_ids[j], top_lp[j])) if k else {}
+                entry[int(targets[j])] = chosen[j]
+                seq.prompt_logprobs[q + 1] = entry
+
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None, now: float) -> list[int]:
         """Append the step's tokens to ``seq`` until one stops it; each token after the first
         is an accepted proposal whose KV the step computed. Returns the tokens appended."""
@@ -265,8 +286,10 @@ class LLMEngine:
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             reason, seq.stop_reason = "stop", token
         elif params.stop:
-            text = self._decode(seq, cut=False)
-            hits = [(text.find(s), s) for s in params.stop if s in text]
+            shown = len(seq.detokenizer.text)
+            text = seq.detokenizer.text + seq.detokenizer.push(seq.output_token_ids)
+            start = max(0, shown - max(len(s) for s in params.stop) + 1)  # a match must end in the new text
+            hits = [(at, s) for s in params.stop if (at := text.find(s, start)) >= 0]
             if hits:
                 at, stop = min(hits)
                 seq.text_end = at + len(stop) if params.include_stop_str_in_output else at
@@ -286,9 +309,6 @@ class LLMEngine:
         seq.times.finished = time.perf_counter()
         self.stats.finished_requests += 1
 
-    def _decode(self, seq: Sequence, cut: bool = True) -> str:
-        return self._decode_ids(seq.output_token_ids, seq.params, seq.text_end if cut else None)
-
     def _decode_ids(self, ids: list[int], params: SamplingParams, end: int | None) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
         return text if end is None else text[:end]
@@ -298,6 +318,7 @@ class LLMEngine:
         if finished:
             self._requests.pop(seq.request_id, None)
         ids, end = seq.output_token_ids, seq.text_end
+        text, delta = self._grown_text(seq, ids, finished) if seq.detokenizer is not None else (None, "")
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
@@ -312,8 +333,25 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             metrics=request_metrics(seq),
             error=seq.error,
+            prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs),
+            delta_text=delta,
             _decode=lambda: self._decode_ids(ids, seq.params, end),
+            _text=text,
         )
+
+    def _grown_text(self, seq: Sequence, ids: list[int], finished: bool) -> tuple[str, str]:
+        """``(text so far, new text to hand out)`` of a sequence decoded as it grows: a few
+        tokens' work per step. Text that could still become a stop string is held back."""
+        detok = seq.detokenizer
+        if finished:
+            detok.flush(ids)
+        elif not seq.params.stop:  # with stop strings every token was decoded when it was checked
+            detok.push(ids)
+        text = detok.text if seq.text_end is None else detok.text[:seq.text_end]
+        ready = len(text) if finished else len(text) - held_back(text, seq.params.stop)
+        delta = text[seq.num_text_sent:ready] if ready > seq.num_text_sent else ""
+        seq.num_text_sent = max(seq.num_text_sent, ready)
+        return text, delta
 
 
 def _load_tokenizer(path: Path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from collections.abc import Sequence as Seq
 
 from llmopt.core.errors import LlmoptError
@@ -70,17 +71,13 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that adds to it; ``delta_text`` is the new text."""
-        rid = self.engine.add_request(prompt, sampling_params)
-        shown = ""
+        params = replace(sampling_params or SamplingParams(), stream_text=True)
+        rid = self.engine.add_request(prompt, params)
         try:
             while True:
                 for out in self.engine.step():
                     if out.request_id != rid:
                         continue
-                    text = out.text if out.finished else out.text.rstrip("\ufffd")  # wait for whole characters
-                    common = len(os.path.commonprefix([shown, text]))
-                    out.delta_text = text[common:]
-                    shown = text
                     yield out
                     if out.finished:
                         return

@@ -25,8 +25,11 @@ class ModelRunner:
         self.rope = RotaryEmbedding(arch, max_model_len, dtype)
         self.device = cache.data.device
 
-    def prepare(self, items: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
-        """The forward inputs for ``items`` and the sequences that get a new token (in row order)."""
+    def prepare(self, items: list[tuple[Sequence, int]], prompt_rows: list | None = None) -> tuple[ForwardBatch, list[Sequence]]:
+        """The forward inputs for ``items`` and the sequences that get a new token (in row order).
+        With ``prompt_rows``, the rows of prompt positions whose next prompt token's log-probability
+        a sequence asked for are computed too (after the sampled rows): ``(seq, positions)`` pairs
+        are appended to it, in that row order."""
         bs = self.block_size
         # decode rows (sequence, position), ascending context: one per decoding sequence, and one
         # per token being verified for a sequence with proposed tokens (speculative decoding:
@@ -39,6 +42,7 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
+        extra: list[int] = []  # prompt rows scored for prompt log-probabilities (after the sampled ones)
         for seq, p in decodes:
             ids.append(seq.token_at(p))
             positions.append(p)
@@ -46,6 +50,9 @@ class ModelRunner:
             if p + 1 >= seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
+            elif prompt_rows is not None and seq.prompt_logprobs is not None and p + 1 < seq.num_prompt_tokens:
+                extra.append(len(ids) - 1)  # a one-token prompt chunk
+                prompt_rows.append((seq, [p]))
         prefills = []
         for seq, n in chunks:
             start, p = len(ids), seq.num_computed
@@ -64,6 +71,11 @@ class ModelRunner:
             if p + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
+            if prompt_rows is not None and seq.prompt_logprobs is not None and p + 1 < seq.num_prompt_tokens:
+                scored = range(p, min(p + n, seq.num_prompt_tokens - 1))  # each predicts a prompt token
+                extra.extend(start + q - p for q in scored)
+                prompt_rows.append((seq, list(scored)))
+        sample_rows += extra
         pos_t = torch.tensor(positions, dtype=torch.long)
         cos, sin = self._rope_rows([(p + 1, 1) for _, p in decodes] + [(s.num_computed + n, n) for s, n in chunks], pos_t)
         attn = AttentionMetadata(torch.tensor(slots, dtype=torch.long), len(decodes), prefills=prefills)
@@ -99,9 +111,21 @@ class ModelRunner:
             row += n
         return cos, sin
 
-    def run(self, items: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+    def run(self, items: list[tuple[Sequence, int]], prompt_rows: list | None = None) -> tuple[torch.Tensor, list[Sequence]]:
         """Compute the step; returns logits ``[len(sampled), vocab]`` and the sampled sequences (a
-        sequence with proposed tokens once per verified row, in position order)."""
-        batch, sampled = self.prepare(items)
-        logits = self.model.forward(batch, self.cache)
-        return logits, sampled
+        sequence with proposed tokens once per verified row, in position order). With
+        ``prompt_rows`` (a list), ``(seq, positions, logits [len(positions), vocab])`` is appended
+        for each sequence whose prompt log-probabilities this step scores."""
+        scored: list | None = [] if prompt_rows is not None else None
+        batch, sampled = self.prepare(items, scored)
+        if not scored:
+            return self.model.forward(batch, self.cache), sampled
+        rows, order = batch.sample_rows.sort()  # the models take rows in ascending order
+        batch.sample_rows = rows
+        logits = torch.empty_like(computed := self.model.forward(batch, self.cache))
+        logits[order] = computed
+        row = len(sampled)
+        for seq, positions in scored or ():
+            prompt_rows.append((seq, positions, logits[row:row + len(positions)]))
+            row += len(positions)
+        return logits[:len(sampled)], sampled

@@ -21,7 +21,8 @@ class RequestFailedError(LlmoptError):
 class RequestOutput:
     """A request's state after a step. ``token_ids`` are the generated tokens only; ``text`` is
     their decoded text (computed on first access), cut before a matched stop string.
-    ``new_token_ids`` are the tokens added by this step; ``delta_text`` is filled by streaming."""
+    ``new_token_ids`` are the tokens added by this step; ``delta_text`` is the text they added
+    when the request asked for ``stream_text`` (or has stop strings)."""
 
     request_id: str
     prompt: str | None
@@ -36,6 +37,7 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (None for the first)
     delta_text: str = ""
     _decode: Any = field(default=None, repr=False)
     _text: str | None = field(default=None, repr=False)

@@ -20,6 +20,10 @@ class SamplingParams:
     token, the log-probabilities (of the model's raw distribution) of the sampled token and the
     N most likely ones. ``presence_penalty`` / ``frequency_penalty`` (OpenAI's rule, -2..2)
     subtract, from the logits of tokens already generated, the penalty once / once per occurrence.
+    ``prompt_logprobs`` N returns, per prompt token after the first, its log-probability given the
+    tokens before it and the N most likely ones (such a request bypasses the prefix cache).
+    ``stream_text`` decodes the text as it grows: every step's output carries its ``delta_text``
+    (text that may still become a stop string is held back until it cannot).
     """
 
     max_tokens: int | None = 16
@@ -37,6 +41,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    prompt_logprobs: int | None = None
+    stream_text: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +74,8 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs must be None or an integer >= 0"),
+            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+             "prompt_logprobs must be None or an integer >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
@@ -77,6 +85,7 @@ class SamplingParams:
         values = {
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty, "logprobs": self.logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
             "stop": self.stop, "stop_token_ids": self.stop_token_ids, "seed": self.seed,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
         }

@@ -81,7 +81,7 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
-            prefix = self.blocks.cached_prefix(seq)
+            prefix = self.blocks.cached_prefix(seq) if seq.prompt_logprobs is None else []  # scoring needs every row
             cached = len(prefix) * self.blocks.block_size
             n = min(seq.num_tokens - cached, budget)
             if not self.blocks.allocate(seq, cached + n, prefix):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 
 
@@ -56,6 +57,11 @@ class Sequence:
         self.error: str | None = None
         self.text_end: int | None = None  # cut position of the text when a stop string matched
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # per prompt token: its log-probability and the top-N given the tokens before (None for the first)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
+        self.detokenizer: IncrementalDetokenizer | None = None  # text decoded as it grows (stop strings, streaming)
+        self.num_text_sent = 0  # characters of that text already handed out as ``delta_text``
         self.cumulative_logprob = 0.0
         self.times = RequestTimes(arrival if arrival is not None else time.perf_counter())
         # speculative decoding: tokens proposed after the last one, verified by the next step

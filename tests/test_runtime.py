@@ -612,7 +612,7 @@ def test_cli_generate_and_bench(models):
 def _failing_forward(monkeypatch):
     from llmopt.runtime.model_runner import ModelRunner
 
-    def broken(self, items):
+    def broken(self, items, *rest):
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(ModelRunner, "run", broken)

@@ -83,7 +83,7 @@ def test_compare_fails_when_a_request_errors(tmp_path, monkeypatch):
 
     base = save_model(tiny_llama(seed=0, max_position_embeddings=1024), tmp_path / "base")
 
-    def broken(self, items):
+    def broken(self, items, *rest):
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(ModelRunner, "run", broken)
