@@ -228,11 +228,11 @@ def measure(label: str, cmd: list[str], extra: dict, phases: list[tuple[str, lis
         result["rss_after_run_mib"] = rss_mib(proc.pid)
         result["rss_ratio"] = result["rss_after_run_mib"] / result["rss_after_warmup_mib"]
         if kv_metrics:
-            from llmopt.serve.metrics import parse
+            from llmopt.serve.metrics import parse, total
 
-            values = parse(httpx.get(f"{base}/metrics", timeout=10).text)
-            result["kv_blocks_used_after"] = int(values["llmopt_kv_blocks_used"])
-            result["requests_in_flight_after"] = int(values["llmopt_requests_in_flight"])
+            samples = parse(httpx.get(f"{base}/metrics", timeout=10).text)
+            result["kv_blocks_used_after"] = int(total(samples, "llmopt:kv_blocks_used"))
+            result["requests_in_flight_after"] = int(total(samples, "llmopt:requests_in_flight"))
     finally:
         proc.terminate()
         try:

@@ -171,6 +171,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device | None:
         raise LlmoptError(f"--device {text!r} is not supported", "use cpu, cuda, cuda:N or auto")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise LlmoptError("--device cuda was asked for but torch sees no CUDA GPU", "use --device cpu or auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise LlmoptError(f"--device {text} was asked for but torch sees {count} CUDA GPU{'s' if count != 1 else ''}",
+                          f"use cuda:0 to cuda:{count - 1}, or auto")
     return dev
 
 

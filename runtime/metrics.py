@@ -11,7 +11,8 @@ import numpy as np
 
 @dataclass
 class RequestMetrics:
-    """Seconds. ``tpot`` is the mean time per output token after the first (None with one token)."""
+    """Seconds. ``tpot`` is the mean time per output token after the first (None with one token);
+    ``queue_time`` is arrival to first scheduled (None if never scheduled)."""
 
     ttft: float | None
     tpot: float | None
@@ -19,6 +20,7 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    queue_time: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -31,7 +33,8 @@ def request_metrics(seq) -> RequestMetrics:
     tpot = None
     if t.first_token is not None and t.finished is not None and seq.num_output_tokens > 1:
         tpot = (t.finished - t.first_token) / (seq.num_output_tokens - 1)
-    return RequestMetrics(ttft, tpot, e2e, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+    queue = None if t.first_scheduled is None else t.first_scheduled - t.arrival
+    return RequestMetrics(ttft, tpot, e2e, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens, queue)
 
 
 class RunStats:
@@ -64,6 +67,7 @@ class RunStats:
             "preemptions": scheduler.num_preemptions,
             "prefix_cache_hit_rate": scheduler.prefix_hit_tokens / queried if queried else 0.0,
             "prefix_cache_hit_tokens": scheduler.prefix_hit_tokens,
+            "prefix_cache_queried_tokens": queried,
             "kv_blocks_total": block_manager.num_blocks,
             "kv_blocks_used": block_manager.num_used_blocks,
             "kv_blocks_peak": block_manager.peak_used,

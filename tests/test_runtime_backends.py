@@ -79,7 +79,7 @@ def test_cuda_device_without_cuda_is_one_clear_line(tmp_path):
     with pytest.raises(LlmoptError, match="device must be cpu, cuda or cuda:N"):
         LLM(path, device="tpu")
     result = CliRunner().invoke(main, ["generate", str(path), "hi", "--device", "cuda"])
-    assert result.exit_code == 2 and "no CUDA device" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 2 and "no CUDA GPU" in result.output and "Traceback" not in result.output
 
 
 # ---------------------------------------------------------------------------------------------

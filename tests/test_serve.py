@@ -24,7 +24,7 @@ from llmopt.cli.main import main
 from llmopt.runtime import LLM, SamplingParams
 from llmopt.runtime.sampler import apply_openai_penalties
 from llmopt.serve import ServeSettings, build, resolve_served_model
-from llmopt.serve.metrics import parse
+from llmopt.serve.metrics import Sample, parse, total
 
 KEY = "sk-test-key"
 NAME = "tiny"
@@ -88,7 +88,7 @@ def client(base: str, key: str = KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def metrics(base: str) -> dict[str, float]:
+def metrics(base: str) -> list[Sample]:
     return parse(_get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
 
 
@@ -201,14 +201,14 @@ def test_errors_have_openai_shape_and_auth(server):
         api.completions.create(model=NAME, prompt="y" * 200, max_tokens=100)
     with pytest.raises(openai.NotFoundError):
         api.completions.create(model="other", prompt="x", max_tokens=2)
-    with pytest.raises(openai.BadRequestError):  # unknown fields are refused, not ignored
+    with pytest.raises(openai.BadRequestError, match="did you mean 'temperature'"):  # a near-miss of a known field: a typo
         api.completions.create(model=NAME, prompt="x", extra_body={"temprature": 0})
     with pytest.raises(openai.AuthenticationError):
         client(base, "wrong").completions.create(model=NAME, prompt="x", max_tokens=2)
     assert httpx.get(f"{base}/metrics").status_code == 401
     assert httpx.get(f"{base}/v1/models").json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{base}/health").status_code == 200  # health needs no key
-    assert metrics(base)['llmopt_requests_total{endpoint="/v1/completions",status="400"}'] >= 3
+    assert total(metrics(base), "llmopt:http_requests_total", endpoint="/v1/completions", status="400") >= 3
 
 
 def test_concurrent_clients_get_the_tokens_of_llm_generate(server, reference):
@@ -233,7 +233,7 @@ def test_concurrent_clients_get_the_tokens_of_llm_generate(server, reference):
 def test_abort_mid_stream_frees_every_block(server):
     base, state = server
     before = metrics(base)
-    aborted_before = before.get('llmopt_request_finished_total{finish_reason="abort"}', 0)
+    aborted_before = total(before, "vllm:request_success_total", finished_reason="abort")
     stream = client(base).completions.create(model=NAME, prompt="Abort me", max_tokens=240, temperature=0, stream=True,
                                              extra_body={"ignore_eos": True})
     received = 0
@@ -248,8 +248,8 @@ def test_abort_mid_stream_frees_every_block(server):
     bm = state.loop.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     after = metrics(base)
-    assert after["llmopt_kv_blocks_used"] == 0
-    assert after['llmopt_request_finished_total{finish_reason="abort"}'] == aborted_before + 1
+    assert total(after, "vllm:kv_cache_usage_perc") == 0
+    assert total(after, "vllm:request_success_total", finished_reason="abort") == aborted_before + 1
 
 
 def test_admission_control_429_and_503(server):
@@ -266,7 +266,7 @@ def test_admission_control_429_and_503(server):
         with pytest.raises(openai.RateLimitError) as full:
             api.completions.create(model=NAME, prompt="one more", max_tokens=2)
         assert full.value.response.json()["error"]["code"] == "queue_full"
-        assert metrics(base)["llmopt_num_requests_waiting"] == capacity
+        assert total(metrics(base), "vllm:num_requests_waiting", model_name=NAME) == capacity
         state.draining = True
         try:
             with pytest.raises(openai.APIStatusError) as draining:

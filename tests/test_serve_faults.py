@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 from conftest import byte_tokenizer, save_model, tiny_llama
 from llmopt.runtime import LLM, SamplingParams
 from llmopt.serve import ServeSettings, build, create_app
-from llmopt.serve.metrics import parse
+from llmopt.serve.metrics import Sample, parse, total
 from llmopt.serve.server import EngineFailed
 from llmopt.serve.settings import ServeLimits
 from test_serve import free_port, wait_until
@@ -41,7 +42,7 @@ def _get(url: str) -> httpx.Response:
         return httpx.Response(599)
 
 
-def metrics_of(served) -> dict[str, float]:
+def metrics_of(served) -> list[Sample]:
     return parse(httpx.get(f"{served.base}/metrics", headers=AUTH, timeout=5).text)
 
 
@@ -53,23 +54,24 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 class Served:
-    """A server in a thread: ``base`` URL, ``state``; ``error`` is what ``run()`` raised."""
+    """A server in a thread: ``base`` URL, ``state``; ``error`` is what ``run()`` raised;
+    ``listener``: a listening socket to serve on (default: a free port)."""
 
-    def __init__(self, model_dir: Path, **settings) -> None:
+    def __init__(self, model_dir: Path, listener: socket.socket | None = None, **settings) -> None:
         from llmopt.runtime import LLMEngine
 
-        port = free_port()
+        port = listener.getsockname()[1] if listener is not None else free_port()
         self.srv, self.state = build(lambda: LLMEngine(model_dir, **ENGINE),
                                      ServeSettings(NAME, KEY, MAX_WAITING, **settings), "127.0.0.1", port)
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(listener,), daemon=True)
         self.thread.start()
         self.base = f"http://127.0.0.1:{port}"
         wait_until(lambda: _get(f"{self.base}/health").status_code == 200, 900, "the server to be ready")
 
-    def _run(self) -> None:
+    def _run(self, listener: socket.socket | None) -> None:
         try:
-            self.srv.run()
+            self.srv.run(sockets=[listener] if listener is not None else None)
         except BaseException as exc:  # noqa: BLE001 - inspected by the test
             self.error = exc
 
@@ -152,7 +154,7 @@ BAD = {
     "image content part": ("/v1/chat/completions", chat([{"type": "image_url", "image_url": {"url": "x"}}]), 400, "messages.0.content"),
     "chat of 200,000 words": ("/v1/chat/completions", chat("a " * 200_000), 400, "messages"),
     "temperature above 2": ("/v1/completions", completion(temperature=2.5), 400, "temperature"),
-    "unknown field": ("/v1/completions", completion(temprature=0), 400, "temprature"),
+    "near-miss of a known field": ("/v1/completions", completion(temprature=0), 400, "temprature"),
     "wrong model": ("/v1/completions", completion(model="other"), 404, "model"),
 }
 
@@ -398,6 +400,41 @@ def test_a_stalled_reader_does_not_pin_its_slot(server):
     server.assert_no_leaks()
 
 
+def test_a_reader_that_stops_reading_is_aborted_after_the_send_timeout(model_dir):
+    """A raw client asks for a long stream and never reads: once the socket buffers are full, an
+    event that cannot be sent within ``send_timeout_s`` aborts the request (long before the engine
+    would have finished it), frees its slots and KV blocks and ends the handler."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted connections inherit it (no autotuning)
+    listener.bind(("127.0.0.1", 0))
+    served = Served(model_dir, listener, limits=ServeLimits(send_timeout_s=0.3))
+    engine, n = served.loop.engine, ENGINE["max_num_seqs"]
+    real = engine.step
+
+    def slow_step():  # 200 tokens would take more than 4 s
+        time.sleep(0.02)
+        return real()
+
+    engine.step = slow_step
+    reader = socket.socket()
+    try:
+        body = json.dumps(chat("stall", max_tokens=200, n=n, stream=True, logprobs=True, top_logprobs=20, temperature=0)).encode()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.connect(listener.getsockname())
+        reader.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_until(lambda: total(metrics_of(served), "vllm:request_success_total", finished_reason="abort") == n, 30,
+                   "the stalled stream to be aborted")
+        served.assert_no_leaks()
+        samples = metrics_of(served)
+        assert total(samples, "vllm:request_success_total", finished_reason="length") == 0  # aborted, not finished
+        assert total(samples, "llmopt:http_requests_total", endpoint="/v1/chat/completions") == 1  # the handler returned
+    finally:
+        reader.close()
+        del engine.step
+        served.stop()
+
+
 def test_disconnects_release_slots_and_blocks(server):
     loop = server.loop
     # mid-stream
@@ -437,8 +474,9 @@ def test_disconnects_release_slots_and_blocks(server):
         server.assert_no_leaks()
     finally:
         del engine.step
-    gone = 'llmopt_requests_total{endpoint="/v1/completions",status="499"}'  # counted, not logged as a server error
-    wait_until(lambda: metrics_of(server).get(gone, 0) >= 2, 10, "both non-streaming disconnects to be counted as 499")
+    gone = dict(endpoint="/v1/completions", status="499")  # counted, not logged as a server error
+    wait_until(lambda: total(metrics_of(server), "llmopt:http_requests_total", **gone) >= 2, 10,
+               "both non-streaming disconnects to be counted as 499")
 
 
 # -- an engine that keeps failing is dead: /health 503, the server stops ------------------------------

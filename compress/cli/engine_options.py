@@ -20,8 +20,10 @@ KERNELS_HELP = ("The kernel backend, chosen once: auto is triton on a CUDA devic
 MODEL_IMPL_HELP = ("Model code: auto runs an architecture's native model when the runtime has one, else transformers' "
                    "modeling code with the runtime's paged attention and linears; native refuses the latter; "
                    "transformers forces it (vLLM's --model-impl).")
+PLACED = " [default: the checkpoint's saved runtime settings, else auto]"
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 NAMES = ("threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "prefix_caching",
-         "kv_cache_dtype", "kernels", "device", "lm_head", "model_impl")
+         "kv_cache_dtype", "kernels", "device", "dtype", "lm_head", "model_impl")
 
 
 def engine_options(batching: bool = True):
@@ -42,7 +44,10 @@ def engine_options(batching: bool = True):
                      help="KV cache storage: the model's dtype (auto), or fp8 e4m3 / int8 with per-token scales "
                           "(about half / a quarter of bf16 / fp32 memory)." + SAVED),
         click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), help=KERNELS_HELP + SAVED),
-        click.option("--device", help="Where weights and KV cache live: cpu, cuda or cuda:N." + SAVED),
+        click.option("--device", help="Where weights and KV cache live: auto (the GPU when torch sees one, else the CPU), "
+                                      "cpu, cuda or cuda:N." + PLACED),
+        click.option("--dtype", type=click.Choice(DTYPE_CHOICES),
+                     help="Activation and unquantized-weight dtype: auto is bfloat16 on a GPU, float32 on the CPU." + PLACED),
         click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), help=LM_HEAD_HELP + SAVED),
         click.option("--model-impl", type=click.Choice(list(MODEL_IMPL_CHOICES)), help=MODEL_IMPL_HELP + SAVED),
         click.option("--speculative-method", type=click.Choice(["ngram", "draft"]),
@@ -62,13 +67,36 @@ def engine_options(batching: bool = True):
     return decorate
 
 
-def engine_settings(params: dict[str, Any]) -> dict[str, Any]:
-    """Remove the engine options from a command's parameters; the ones given, as EngineConfig fields."""
+def engine_placement(device: str | None, dtype: str | None) -> dict[str, str]:
+    """``{"device", "dtype"}`` for an engine: device ``auto`` (or None) is the GPU when torch sees
+    one, else the CPU; dtype ``auto`` (or None) is bfloat16 on a GPU, float32 on the CPU."""
+    from llmopt.calibration import resolve_device
+
+    where = resolve_device(device or "auto")  # a bad name, or cuda without a GPU: one LlmoptError line
+    if dtype in (None, "auto"):
+        dtype = "bfloat16" if where.type == "cuda" else "float32"
+    return {"device": str(where), "dtype": dtype}
+
+
+def saved_with(model: str) -> dict[str, Any]:
+    """The engine settings saved with ``model`` (its ``llmopt.json`` ``runtime`` block)."""
+    from llmopt.checkpoints.models import resolve_model
+    from llmopt.runtime.config import saved_settings
+
+    return saved_settings(resolve_model(model))
+
+
+def engine_settings(params: dict[str, Any], saved: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Remove the engine options from a command's parameters; the ones given, as EngineConfig
+    fields, with device and dtype always set (given, else ``saved`` with the model, else auto)."""
     settings = {}
     for name in NAMES:
         value = params.pop(name, None)
         if value is not None:
             settings["enable_prefix_caching" if name == "prefix_caching" else name] = value
+    saved = saved or {}
+    device, dtype = (settings.get(name) or saved.get(name) for name in ("device", "dtype"))
+    settings.update(engine_placement(device, dtype))
     spec = {key: value for key, value in (("method", params.pop("speculative_method", None)),
                                           ("model", params.pop("draft_model", None)),
                                           ("num_speculative_tokens", params.pop("spec_tokens", None))) if value is not None}

@@ -10,7 +10,7 @@ import click
 
 from llmopt.cli.common import MODEL_HELP, emit_json, user_errors
 from llmopt.core.errors import LlmoptError
-from llmopt.cli.engine_options import engine_options, engine_settings
+from llmopt.cli.engine_options import engine_options, engine_settings, saved_with
 
 
 def _range(text: str, what: str) -> tuple[int, int]:
@@ -57,7 +57,7 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos)
-    llm = LLM(model, **engine_settings(engine), max_num_seqs=1)
+    llm = LLM(model, **engine_settings(engine, saved_with(model)), max_num_seqs=1)
     request = llm.chat_prompt(prompt) if chat else prompt
     if stream and not as_json:
         final = None
@@ -116,7 +116,7 @@ def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_l
     from llmopt.core.console import make_progress, out
 
     prompt_range, output_range = _range(prompt_len, "prompt-len"), _range(output_len, "output-len")
-    settings = engine_settings(engine)
+    settings = engine_settings(engine, saved_with(model))
     engine = LLMEngine(model, **settings)
     config = engine.config
     result = {"model": model, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),

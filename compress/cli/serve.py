@@ -38,14 +38,20 @@ def _check_port(host: str, port: int) -> None:
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
               help="On SIGTERM, seconds in-flight requests get to finish before they are aborted.")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), help="A Jinja chat template file (default: the tokenizer's).")
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1),
+              help="Open connections at most; beyond it uvicorn answers 503 at once.")
+@click.option("--send-timeout", default=30.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds one streamed event may take to send; a client that stops reading longer is aborted "
+                   "(its KV blocks freed).")
 @engine_options()
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]),
               help="uvicorn's log level (info shows every request).")
 @user_errors
 def serve_command(model, host, port, api_key, served_model_name, max_waiting, shutdown_timeout, chat_template,
-                  log_level, **engine):
+                  max_connections, send_timeout, log_level, **engine):
     """Serve MODEL over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions (streaming
-    with server-sent events), /v1/models, /health and /metrics (Prometheus).
+    with server-sent events), /v1/models, /tokenize, /detokenize, /version, /health and /metrics
+    (Prometheus, vLLM's metric names).
 
     Engine settings saved with the model (a checkpoint's llmopt.json 'runtime' block, or the
     runtime section of the recipe whose output folder is served) apply unless an option overrides them.
@@ -61,6 +67,7 @@ def serve_command(model, host, port, api_key, served_model_name, max_waiting, sh
     from llmopt.core.console import err
     from llmopt.runtime import LLMEngine
     from llmopt.serve import ServeSettings, build, resolve_served_model
+    from llmopt.serve.settings import ServeLimits
 
     if api_key is not None and not api_key.strip():
         raise LlmoptError("--api-key is empty", "pass a non-empty key or leave it out")
@@ -68,14 +75,16 @@ def serve_command(model, host, port, api_key, served_model_name, max_waiting, sh
     _check_port(host, port)
     path, saved, source = resolve_served_model(model)
     settings = dict(saved)
-    settings.update(engine_settings(engine))
+    settings.update(engine_settings(engine, saved))
     if source:
         err.print(f"[dim]engine settings from {source}: {saved}[/dim]", highlight=False)
     engine = LLMEngine(path, **settings)
-    server, state = build(lambda: engine, ServeSettings(served_model_name or model, api_key, max_waiting, template),
-                          host, port, shutdown_timeout, log_level)
+    limits = ServeLimits(send_timeout_s=send_timeout)
+    server, state = build(lambda: engine, ServeSettings(served_model_name or model, api_key, max_waiting, template, limits),
+                          host, port, shutdown_timeout, log_level, max_connections)
     where = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
-    err.print(f"serving {path} as '{state.settings.model_name}' on {where}/v1 "
+    err.print(f"serving {path} ({engine.config.device}, {engine.config.dtype}) as '{state.settings.model_name}' "
+              f"on {where}/v1 "
               f"({engine.config.max_num_seqs} sequences at once, {max_waiting} more may wait"
               f"{', API key required' if api_key else ''}); Ctrl-C or SIGTERM stops it", highlight=False)
     server.run()

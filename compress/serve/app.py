@@ -1,5 +1,7 @@
 """The FastAPI app: OpenAI-compatible completions and chat completions (JSON or server-sent
-events), models, health, Prometheus metrics; bearer-token auth, admission control and draining.
+events), models, vLLM's tokenize / detokenize / version, health, Prometheus metrics; bearer-token
+auth, admission control and draining. A streaming client that stops reading is aborted after
+``ServeLimits.send_timeout_s``.
 
 Admission: a request needs one engine sequence per choice (``n``); while ``max_num_seqs +
 max_waiting`` sequences are already admitted and unfinished, new requests get 429 at once
@@ -20,22 +22,25 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from llmopt.core.errors import LlmoptError
 from llmopt.runtime import LLMEngine, SamplingParams
 
 from .engine_loop import Chunk, EngineDead, EngineLoop
-from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, new_id, now,
+                       usage)
 from .settings import ServeLimits
 
 log = logging.getLogger("llmopt.serve")
 DISCONNECT_CHECK_S = 1.0  # how often a non-streaming request checks that its client is still there
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",
+             "/version")
 
 
 class ApiError(Exception):
@@ -77,8 +82,12 @@ class ServerState:
     load_error: str | None = None
     draining: bool = False
     in_flight: int = 0  # engine sequences admitted and not finished (event-loop thread only)
-    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    metrics: ServerMetrics = field(init=False)
     on_fatal: Callable[[], None] | None = None  # set by the server: stop serving
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.settings.model_name, lambda: self.loop.snapshot if self.loop is not None else {},
+                                     lambda: self.in_flight)
 
     @property
     def ready(self) -> bool:
@@ -128,13 +137,18 @@ def _touch_kv_cache(engine: LLMEngine) -> None:
 
 
 class Gate:
-    """ASGI middleware: bearer-token check (every path but /health), 503 while draining, 413 for
-    a body over ``limits.max_body_bytes``, and request counting by endpoint and status."""
+    """ASGI middleware: bearer-token check (every path but /health; the scheme's case does not
+    matter), 503 while draining, 413 for a body over ``limits.max_body_bytes``, and request
+    counting by endpoint and status."""
 
     def __init__(self, app, state: ServerState) -> None:
         self.app, self.state = app, state
         key = state.settings.api_key
-        self.expected = f"Bearer {key}".encode() if key else None
+        self.key = key.encode() if key else None
+
+    def authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -150,9 +164,8 @@ class Gate:
             await send(message)
 
         try:
-            if path != "/health" and self.expected is not None:
-                given = dict(scope["headers"]).get(b"authorization", b"")
-                if not hmac.compare_digest(given, self.expected):
+            if path != "/health" and self.key is not None:
+                if not self.authorized(dict(scope["headers"]).get(b"authorization", b"")):
                     await ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                    code="invalid_api_key").response()(scope, receive, counting_send)
                     return
@@ -254,7 +267,8 @@ def create_app(state: ServerState) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         message = first.get("msg", "invalid request")
-        return ApiError(400, f"{where}: {message}" if where else message, where, "invalid_request").response()
+        param = (first.get("ctx") or {}).get("param") or where  # a request-level check names its field
+        return ApiError(400, f"{where}: {message}" if where else message, param, "invalid_request").response()
 
     @app.get("/health")
     async def health():
@@ -270,8 +284,34 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        snapshot = state.loop.snapshot if state.loop is not None else {}
-        return PlainTextResponse(state.metrics.render(snapshot, state.in_flight), media_type="text/plain; version=0.0.4")
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version():
+        from llmopt import __version__
+
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        engine = _check_model(state, body.model, _require_loop(state)).engine
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = await _in_worker(lambda: _chat_ids(engine, messages, body.add_generation_prompt),
+                                   "the messages could not be tokenized", "messages")
+        else:
+            ids = await _in_worker(lambda: _prompt_ids(engine, body.prompt), "the prompt could not be tokenized", "prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        engine = _check_model(state, body.model, _require_loop(state)).engine
+        size = len(engine.tokenizer)
+        bad = next((t for t in body.tokens if not 0 <= t < size), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary (0..{size - 1})", "tokens", "invalid_request")
+        text = await _in_worker(lambda: engine.tokenizer.decode(body.tokens), "the tokens could not be decoded", "tokens")
+        return {"prompt": text}
 
     @app.get("/v1/models")
     async def models():
@@ -327,6 +367,25 @@ def _require_loop(state: ServerState) -> EngineLoop:
     if state.engine_failure:
         raise ApiError(503, f"the engine failed ({state.engine_failure}): the server must be restarted", code="engine_dead")
     return state.loop
+
+
+def _check_model(state: ServerState, model: str | None, loop: EngineLoop) -> EngineLoop:
+    """``loop``, when ``model`` is the served one (or not given); 404 otherwise."""
+    if model is not None and model != state.settings.model_name:
+        raise ApiError(404, f"the model '{model}' does not exist: this server serves '{state.settings.model_name}'",
+                       "model", "model_not_found")
+    return loop
+
+
+async def _in_worker(fn: Callable[[], Any], failure: str, param: str) -> Any:
+    """``fn()`` in a worker thread (tokenizer work stays off the engine thread and the event loop);
+    an exception is a 400 starting with ``failure`` (text the tokenizer cannot take)."""
+    try:
+        return await asyncio.to_thread(fn)
+    except (ApiError, LlmoptError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate
+        raise ApiError(400, f"{failure}: {type(exc).__name__}: {exc}", param, "invalid_request") from exc
 
 
 async def _admit(state: ServerState, body, prompt_fn, logprobs: int | None, prompt_param: str) -> Run:
@@ -433,9 +492,7 @@ def _finished(state: ServerState, run: Run, rid: str, chunk: Chunk) -> None:
         return
     run.admitted.discard(rid)
     state.in_flight -= 1
-    m = chunk.metrics
-    state.metrics.record_finished(chunk.finish_reason or "error", chunk.num_prompt_tokens, chunk.num_output_tokens,
-                                  m.ttft if m else None, m.tpot if m else None, m.e2e if m else None)
+    state.metrics.record_finished(chunk.finish_reason or "error", chunk.num_prompt_tokens, chunk.num_output_tokens, chunk.metrics)
 
 
 def _prompt_ids(engine: LLMEngine, prompt) -> list[int]:
@@ -444,13 +501,13 @@ def _prompt_ids(engine: LLMEngine, prompt) -> list[int]:
     return list(prompt)
 
 
-def _chat_ids(engine: LLMEngine, messages: list[dict]) -> list[int]:
+def _chat_ids(engine: LLMEngine, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     tokenizer = engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template: use /v1/completions, or start the server with --chat-template FILE",
                        "messages", "no_chat_template")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     except Exception as exc:  # noqa: BLE001 - a template that rejects these messages
         raise ApiError(400, f"the chat template rejected the messages: {exc}", "messages", "invalid_request") from exc
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -486,7 +543,7 @@ def _release(state: ServerState, run: Run) -> None:
     run.open.clear()
     for rid in run.admitted:
         state.in_flight -= 1
-        state.metrics.record_finished("abort", run.num_prompt_tokens, 0, None, None, None)
+        state.metrics.record_finished("abort", run.num_prompt_tokens, 0)
     run.admitted.clear()
 
 
@@ -546,28 +603,44 @@ async def _chat_json(state: ServerState, body: ChatCompletionRequest, run: Run, 
             "model": state.settings.model_name, "choices": choices, "usage": usage(run.num_prompt_tokens, completion)}
 
 
+class _SendTimeout(Exception):
+    """One server-sent event could not be sent in time: the client stopped reading."""
+
+
 class _EventStream(StreamingResponse):
     """Server-sent events whose run is released however the response ends, even when the
-    client leaves before the first event (the body generator then never starts)."""
+    client leaves before the first event (the body generator then never starts); an event that
+    cannot be sent within ``send_timeout`` seconds (a client that stopped reading) ends it too."""
 
-    def __init__(self, events: AsyncIterator[dict], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncIterator[dict], on_close: Callable[[], None], send_timeout: float) -> None:
         async def body():
             async for event in events:
                 yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
             yield "data: [DONE]\n\n"
 
         super().__init__(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.on_close = on_close
+        self.on_close, self.send_timeout, self.stalled = on_close, send_timeout, False
 
     async def __call__(self, scope, receive, send) -> None:
+        async def timed_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout)
+            except asyncio.TimeoutError:
+                self.stalled = True
+                raise _SendTimeout() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
+        except Exception:
+            if not self.stalled:
+                raise
+            log.warning("a streaming client read nothing for %g s: its request is aborted", self.send_timeout)
         finally:
             self.on_close()
 
 
 def _sse(state: ServerState, run: Run, events: AsyncIterator[dict]) -> StreamingResponse:
-    return _EventStream(events, lambda: _release(state, run))
+    return _EventStream(events, lambda: _release(state, run), state.settings.limits.send_timeout_s)
 
 
 async def _stream(state: ServerState, body, run: Run, make_choice, head: dict) -> AsyncIterator[dict]:

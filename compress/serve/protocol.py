@@ -3,26 +3,66 @@ the OpenAI error body."""
 
 from __future__ import annotations
 
+import difflib
+import logging
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # torch.long, as vLLM; the n choices use seed, seed + 1, … (a generator takes < 2**64)
+
+
+log = logging.getLogger("llmopt.serve")
+NEAR_MISS_CUTOFF = 0.8  # difflib ratio from which an unknown field is taken for a typo of a known one
+# fields of OpenAI's and vLLM's requests that llmopt ignores: never taken for a typo of a known one
+FOREIGN_FIELDS = frozenset("""
+    add_generation_prompt add_special_tokens allowed_token_ids audio bad_words best_of chat_template chat_template_kwargs
+    continue_final_message echo function_call functions guided_choice guided_grammar guided_json guided_regex
+    include_stop_str_in_output length_penalty logit_bias max_completion_tokens messages metadata min_tokens modalities
+    parallel_tool_calls prediction priority prompt prompt_logprobs reasoning_effort request_id response_format
+    service_tier skip_special_tokens spaces_between_special_tokens stop_token_ids store structured_outputs suffix
+    tool_choice tools top_logprobs truncate_prompt_tokens use_beam_search""".split())
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are refused (a typo must not be ignored);
-    ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` are extensions (vLLM's names).
-    ``seed`` is a 64-bit signed integer, as vLLM takes it; ``n`` and the stop strings are further
-    limited by the server's :class:`~llmopt.serve.settings.ServeLimits` (checked by the app)."""
+class _Request(BaseModel):
+    """A request body. Unknown top-level fields are ignored with a warning (vLLM's behaviour),
+    unless one is a near-miss of a known field (``max_token``, ``temprature``): that is a 400."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields)
+        unknown = [name for name in data if name not in known]
+        for name in unknown:
+            if name in FOREIGN_FIELDS:
+                continue
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=NEAR_MISS_CUTOFF)
+            if close:
+                raise PydanticCustomError("unknown_field", "unknown field '{param}': did you mean '{suggestion}'?",
+                                          {"param": name, "suggestion": close[0]})
+        if unknown:
+            shown = ", ".join(ascii(name[:64]) for name in unknown[:10])  # ascii: a lone surrogate cannot be logged
+            more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+            log.warning("%s: ignoring unknown field%s %s%s", cls.__name__, "s" if len(unknown) > 1 else "", shown, more)
+        return data
+
+
+class _Sampling(_Request):
+    """Fields shared by both endpoints; ``top_k``, ``min_p``, ``repetition_penalty`` and
+    ``ignore_eos`` are extensions (vLLM's names). ``seed`` is a 64-bit signed integer, as vLLM
+    takes it; ``n`` and the stop strings are further limited by the server's
+    :class:`~llmopt.serve.settings.ServeLimits` (checked by the app)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -105,6 +145,28 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class TokenizeRequest(_Request):
+    """``/tokenize``: a ``prompt``, or chat ``messages`` put through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("invalid_request", "send either 'prompt' or 'messages'", {"param": "prompt"})
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """``/detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def new_id(prefix: str) -> str:

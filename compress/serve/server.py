@@ -47,11 +47,12 @@ class _Server:
 
 
 def build(loader: Callable[[], LLMEngine], settings: ServeSettings, host: str, port: int,
-          shutdown_timeout: float = 30.0, log_level: str = "warning"):
-    """``(uvicorn server, state)``; ``server.run()`` serves until SIGTERM / SIGINT or ``should_exit``."""
+          shutdown_timeout: float = 30.0, log_level: str = "warning", max_connections: int | None = 1024):
+    """``(uvicorn server, state)``; ``server.run()`` serves until SIGTERM / SIGINT or ``should_exit``.
+    Beyond ``max_connections`` open connections (or tasks) uvicorn answers 503 at once."""
     import uvicorn
 
     state = ServerState(settings, loader)
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
+                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on", limit_concurrency=max_connections)
     return _Server(config, state), state

@@ -30,6 +30,8 @@ class ServeLimits:
     1e-30 gives infinities and NaN probabilities; vLLM's rule, same threshold).
     ``engine_error_limit``: that many engine-loop errors in a row, with no good step between,
     mark the engine dead (``/health`` 503, everything in flight fails, the server exits non-zero).
+    ``send_timeout_s``: a streamed event that cannot be sent within that many seconds (a client
+    that stopped reading) aborts its request: the engine sequences stop, slots and KV blocks are freed.
     """
 
     max_body_bytes: int = 8 * 2**20
@@ -39,6 +41,7 @@ class ServeLimits:
     max_stop_chars: int = 256
     greedy_below: float = 1e-5
     engine_error_limit: int = 3
+    send_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_n", "max_stop_sequences", "max_stop_chars", "engine_error_limit"):
@@ -47,6 +50,9 @@ class ServeLimits:
         if self.max_prompt_tokens is not None and (not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1):
             raise LlmoptError(f"server limit max_prompt_tokens must be None or an integer >= 1, got {self.max_prompt_tokens!r}",
                               "fix max_prompt_tokens")
+        if not isinstance(self.send_timeout_s, (int, float)) or not self.send_timeout_s > 0:
+            raise LlmoptError(f"server limit send_timeout_s must be a positive number of seconds, got {self.send_timeout_s!r}",
+                              "fix send_timeout_s")
         if not 0 <= self.greedy_below < 1:
             raise LlmoptError(f"server limit greedy_below must be in [0, 1), got {self.greedy_below!r}", "fix greedy_below")
 

@@ -131,6 +131,7 @@ class Speculator:
         return {
             "spec_method": self.config.method,
             "spec_num_speculative_tokens": self.config.num_speculative_tokens,
+            "spec_num_drafts": self.verified_seqs,
             "spec_proposed_tokens": self.proposed,
             "spec_accepted_tokens": self.accepted,
             "spec_acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
