@@ -327,3 +327,41 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
             proc.wait()
     with pytest.raises(httpx.TransportError):  # and nothing listens any more
         httpx.get(f"{base}/health")
+
+
+def test_batched_prompts_and_echo_with_prompt_logprobs(server, reference):
+    """A batch of prompts gets n choices each (index = prompt * n + choice); ``echo`` puts the
+    prompt before each text and, with ``logprobs``, its tokens' log-probabilities (the first None)
+    before the generated ones, as lm-evaluation-harness's ``local-completions`` reads them."""
+    base, state = server
+    api = client(base)
+    prompts = ["Alpha beta", "The capital of France is", "x"]
+    refs = reference.generate(prompts, greedy(5, ignore_eos=True, logprobs=2, prompt_logprobs=2))
+    out = api.completions.create(model=NAME, prompt=prompts, max_tokens=5, temperature=0, n=2, extra_body={"ignore_eos": True})
+    assert len(out.choices) == 6 and [c.index for c in out.choices] == list(range(6))
+    assert [c.text for c in out.choices] == [r.text for r in refs for _ in range(2)]
+    assert out.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs) and out.usage.completion_tokens == 30
+
+    ids = [r.prompt_token_ids for r in refs]
+    echoed = api.completions.create(model=NAME, prompt=ids, max_tokens=5, temperature=0, logprobs=2, echo=True,
+                                    extra_body={"ignore_eos": True})
+    assert len(echoed.choices) == 3
+    for choice, ref in zip(echoed.choices, refs):
+        lp = choice.logprobs
+        n_prompt = len(ref.prompt_token_ids)
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + 5
+        assert choice.text == reference.engine.tokenizer.decode(ref.prompt_token_ids) + ref.text
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i in range(1, n_prompt):
+            assert lp.token_logprobs[i] == pytest.approx(ref.prompt_logprobs[i][ref.prompt_token_ids[i]], abs=1e-4)
+            assert max(lp.top_logprobs[i].values()) == pytest.approx(max(ref.prompt_logprobs[i].values()), abs=1e-4)
+        for got, want, token in zip(lp.token_logprobs[n_prompt:], ref.logprobs, ref.token_ids):
+            assert got == pytest.approx(want[token], abs=1e-4)
+
+    text = "".join(e.choices[0].text for e in api.completions.create(
+        model=NAME, prompt=prompts[1], max_tokens=5, temperature=0, echo=True, stream=True, extra_body={"ignore_eos": True}))
+    assert text == prompts[1] + refs[1].text  # a text prompt is echoed as sent
+    too_many = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                          json={"model": NAME, "prompt": ["a"] * 7, "n": 2, "max_tokens": 2})
+    assert too_many.status_code == 400 and "prompts" in too_many.json()["error"]["message"]
+    wait_until(lambda: state.in_flight == 0, 30, "every slot to be released")

@@ -267,3 +267,40 @@ def test_cli_eval_tasks_equals_run_tasks(checkpoints):
         argv = [*args[:2], *extra, *(["--tasks", "llmopt_tiny_mc"] if extra else ["--limit", "3"])]
         bad = CliRunner().invoke(main, argv)
         assert bad.exit_code == 2 and message in bad.stderr, bad.output
+
+
+def test_lm_eval_local_completions_scores_the_served_model_as_eval_does(checkpoints):
+    """lm-evaluation-harness's own ``local-completions`` client (batched token prompts, echo with
+    prompt log-probabilities) against ``llmopt serve`` gives the scores ``llmopt eval --tasks`` gives."""
+    import threading
+
+    import lm_eval
+    from llmopt.runtime import LLMEngine
+    from llmopt.serve import ServeSettings, build
+    from llmopt.tasks.scores import run_tasks, task_manager
+
+    from test_serve import free_port, wait_until
+
+    path = checkpoints["w4a16"]
+    port = free_port()
+    server, state = build(lambda: LLMEngine(path, max_num_seqs=8, max_model_len=512, threads=1),
+                          ServeSettings("tiny"), "127.0.0.1", port)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: state.ready, 600, "the server to be ready")
+        served = lm_eval.simple_evaluate(
+            model="local-completions", tasks=["llmopt_tiny_mc"], num_fewshot=0, task_manager=task_manager(),
+            model_args=f"base_url=http://127.0.0.1:{port}/v1/completions,model=tiny,tokenizer={path},"
+                       "tokenizer_backend=huggingface,tokenized_requests=True,batch_size=4,max_retries=1",
+            log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+        assert state.in_flight == 0
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    direct = run_tasks(path, "llmopt_tiny_mc", num_fewshot=0, batch_size=5, use_cache=False)["tasks"]["llmopt_tiny_mc"]
+    samples = sorted(served["samples"]["llmopt_tiny_mc"], key=lambda s: s["doc_id"])
+    assert len(samples) == direct["n"] == 40
+    for metric in ("acc", "acc_norm"):
+        assert {str(s["doc_id"]): float(s[metric]) for s in samples} == direct["items"][metric]
+        assert served["results"]["llmopt_tiny_mc"][f"{metric},none"] == pytest.approx(direct["metrics"][metric]["value"], abs=1e-12)

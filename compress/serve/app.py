@@ -321,8 +321,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) else body.prompt
-        run = await _admit(state, body, lambda engine: _prompt_ids(engine, prompt), body.logprobs, "prompt")
+        prompts = body.prompts()
+        run = await _admit(state, body, lambda engine: [_prompt_ids(engine, p) for p in prompts], body.logprobs, "prompt",
+                           echo=body.echo)
+        if body.echo:
+            run.prompt_texts = [p if isinstance(p, str) else None for p in prompts]
         if body.stream:
             return _sse(state, run, _completion_stream(state, body, run, request))
         return await _completion_json(state, body, run, request)
@@ -335,7 +338,7 @@ def create_app(state: ServerState) -> FastAPI:
         top = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_request")
-        run = await _admit(state, body, lambda engine: _chat_ids(engine, messages), top, "messages")
+        run = await _admit(state, body, lambda engine: [_chat_ids(engine, messages)], top, "messages")
         if body.stream:
             return _sse(state, run, _chat_stream(state, body, run, request))
         return await _chat_json(state, body, run, request)
@@ -351,8 +354,9 @@ class Run:
 
     request_id: str
     queue: asyncio.Queue
-    ids: list[str]
-    num_prompt_tokens: int
+    ids: list[str]  # engine request ids, in choice order: prompt k's n choices are k * n … k * n + n - 1
+    num_prompt_tokens: int  # all prompts together, each once
+    prompt_texts: list[str | None] = field(default_factory=list)  # echo: each prompt's text (None: decode its ids)
     open: set[str] = field(default_factory=set)  # sequences whose last chunk the handler has not read
     admitted: set[str] = field(default_factory=set)  # sequences holding an admission slot
     checked: float = 0.0  # when the client's connection was last checked (event-loop clock)
@@ -388,14 +392,12 @@ async def _in_worker(fn: Callable[[], Any], failure: str, param: str) -> Any:
         raise ApiError(400, f"{failure}: {type(exc).__name__}: {exc}", param, "invalid_request") from exc
 
 
-async def _admit(state: ServerState, body, prompt_fn, logprobs: int | None, prompt_param: str) -> Run:
-    """Check the request, tokenize its prompt (in a worker thread), reserve ``n`` sequences
-    (429 when full) and queue them in the engine."""
-    loop = _require_loop(state)
+async def _admit(state: ServerState, body, prompts_fn, logprobs: int | None, prompt_param: str, echo: bool = False) -> Run:
+    """Check the request, tokenize its prompts (in a worker thread), reserve ``n`` sequences per
+    prompt (429 when full) and queue them in the engine. With ``echo`` each sequence also scores
+    its prompt (``logprobs`` top tokens per prompt token)."""
+    loop = _check_model(state, body.model, _require_loop(state))
     limits = state.settings.limits
-    if body.model != state.settings.model_name:
-        raise ApiError(404, f"the model '{body.model}' does not exist: this server serves '{state.settings.model_name}'",
-                       "model", "model_not_found")
     _check_limits(state, body)
     temperature = 0.0 if body.temperature < limits.greedy_below else body.temperature
     params = []
@@ -405,40 +407,42 @@ async def _admit(state: ServerState, body, prompt_fn, logprobs: int | None, prom
                 max_tokens=body.max_tokens, temperature=temperature, top_p=body.top_p, top_k=body.top_k,
                 min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, seed=None if body.seed is None else body.seed + i,
-                stop=list(body.stop or []), ignore_eos=body.ignore_eos, logprobs=logprobs))
+                stop=list(body.stop or []), ignore_eos=body.ignore_eos, logprobs=logprobs, stream_text=True,
+                prompt_logprobs=(logprobs or 0) if echo else None))
         except LlmoptError as exc:
             raise ApiError(400, exc.problem, code="invalid_request") from exc
     engine = loop.engine
-    try:
-        ids = await asyncio.to_thread(prompt_fn, engine)
-    except (ApiError, LlmoptError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - text the tokenizer cannot take (e.g. a lone surrogate)
-        raise ApiError(400, f"the prompt could not be tokenized: {type(exc).__name__}: {exc}", prompt_param,
-                       "invalid_request") from exc
-    _check_length(state, engine.max_model_len, len(ids), body.max_tokens, prompt_param)
-    if state.in_flight + body.n > state.capacity:
+    prompts = await _in_worker(lambda: prompts_fn(engine), "the prompt could not be tokenized", prompt_param)
+    for ids in prompts:
+        _check_length(state, engine.max_model_len, len(ids), body.max_tokens, prompt_param)
+    wanted = body.n * len(prompts)
+    if wanted > state.capacity:
+        raise ApiError(400, f"{len(prompts)} prompts with n = {body.n} need {wanted} sequences but this server admits "
+                            f"{state.capacity} at once (max_num_seqs + max_waiting): send fewer prompts per request",
+                       prompt_param, "invalid_request")
+    if state.in_flight + wanted > state.capacity:
         raise ApiError(429, f"the server is at capacity ({state.in_flight} sequences admitted, limit {state.capacity} = "
                             f"max_num_seqs + max_waiting): retry later", code="queue_full")
-    state.in_flight += body.n
-    run = Run(new_id("cmpl"), asyncio.Queue(), [], len(ids))
-    run.ids = [f"{run.request_id}-{i}" for i in range(body.n)]
+    state.in_flight += wanted
+    run = Run(new_id("cmpl"), asyncio.Queue(), [], sum(len(ids) for ids in prompts))
+    run.ids = [f"{run.request_id}-{i}" for i in range(wanted)]
     run.admitted = set(run.ids)
+    jobs = [(rid, prompts[i // body.n], params[i % body.n]) for i, rid in enumerate(run.ids)]
 
     def add(engine: LLMEngine) -> int:
         added = []
         try:
-            for rid, p in zip(run.ids, params):
+            for rid, ids, p in jobs:
                 engine.add_request(ids, p, request_id=rid)
                 added.append(rid)
         except Exception:
             for rid in added:
                 engine.abort(rid, report=False)
             raise
-        return len(ids)
+        return len(added)
 
     try:
-        await loop.submit_many(add, run.ids, run.queue, params, lambda rid, chunk: _finished(state, run, rid, chunk))
+        await loop.submit_many(add, run.ids, run.queue, [p for _, _, p in jobs], lambda rid, chunk: _finished(state, run, rid, chunk))
     except BaseException as exc:
         for rid in run.ids:  # if the engine took them after all (this handler was cancelled), they stop
             loop.abort(rid)
@@ -550,13 +554,21 @@ def _release(state: ServerState, run: Run) -> None:
 # -- responses ------------------------------------------------------------------------------------
 
 def _completion_logprobs(entries: list[dict], offset: int) -> dict:
+    """The legacy completions ``logprobs`` object; an echoed prompt's first token has None."""
     tokens = [e["token"] for e in entries]
     offsets, at = [], offset
     for t in tokens:
         offsets.append(at)
         at += len(t)
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [dict(reversed(e["top"])) for e in entries], "text_offset": offsets}
+            "top_logprobs": [None if e["top"] is None else dict(reversed(e["top"])) for e in entries], "text_offset": offsets}
+
+
+def _echoed(run: Run, choice: int, n: int, chunk: Chunk) -> tuple[str, list[dict]]:
+    """The prompt's text and log-probability entries, which an echo puts before choice ``choice``."""
+    entries = chunk.prompt_logprobs or []
+    text = run.prompt_texts[choice // n] if run.prompt_texts else None
+    return (text if text is not None else "".join(e["token"] for e in entries)), entries
 
 
 def _chat_logprobs(entries: list[dict]) -> dict:
@@ -572,11 +584,16 @@ def _finish_reason(chunk: Chunk) -> str:
     return chunk.finish_reason
 
 
-async def _collect(state: ServerState, run: Run, n: int, request: Request) -> tuple[list[str], list[list[dict]], list[str], int]:
-    texts, logprobs, reasons, completion = [""] * n, [[] for _ in range(n)], [""] * n, 0
+async def _collect(state: ServerState, run: Run, request: Request, echo: int = 0) -> tuple[list[str], list[list[dict]], list[str], int]:
+    """Every choice's text, logprob entries and finish reason, and the tokens generated; with
+    ``echo`` (the request's n) each choice starts with its prompt."""
+    count = len(run.ids)
+    texts, logprobs, reasons, completion = [""] * count, [[] for _ in range(count)], [""] * count, 0
     try:
         while run.open:
             i, chunk = await _next(state, run, request)
+            if echo and chunk.prompt_logprobs is not None:
+                texts[i], logprobs[i] = _echoed(run, i, echo, chunk)
             texts[i] += chunk.delta_text
             logprobs[i] += chunk.logprobs or []
             if chunk.finished:
@@ -588,15 +605,16 @@ async def _collect(state: ServerState, run: Run, n: int, request: Request) -> tu
 
 
 async def _completion_json(state: ServerState, body: CompletionRequest, run: Run, request: Request) -> dict:
-    texts, logprobs, reasons, completion = await _collect(state, run, body.n, request)
+    texts, logprobs, reasons, completion = await _collect(state, run, request, body.n if body.echo else 0)
     choices = [{"index": i, "text": texts[i], "finish_reason": reasons[i],
-                "logprobs": _completion_logprobs(logprobs[i], 0) if body.logprobs is not None else None} for i in range(body.n)]
+                "logprobs": _completion_logprobs(logprobs[i], 0) if body.logprobs is not None else None}
+               for i in range(len(run.ids))]
     return {"id": run.request_id, "object": "text_completion", "created": now(), "model": state.settings.model_name,
             "choices": choices, "usage": usage(run.num_prompt_tokens, completion)}
 
 
 async def _chat_json(state: ServerState, body: ChatCompletionRequest, run: Run, request: Request) -> dict:
-    texts, logprobs, reasons, completion = await _collect(state, run, body.n, request)
+    texts, logprobs, reasons, completion = await _collect(state, run, request)
     choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "finish_reason": reasons[i],
                 "logprobs": _chat_logprobs(logprobs[i]) if body.logprobs else None} for i in range(body.n)]
     return {"id": run.request_id.replace("cmpl", "chatcmpl", 1), "object": "chat.completion", "created": now(),
@@ -656,7 +674,7 @@ async def _stream(state: ServerState, body, run: Run, make_choice, head: dict) -
                     yield error_body(500, chunk.error or "generation failed", code="engine_error")
                     return
                 reason = chunk.finish_reason
-            if chunk.delta_text or chunk.logprobs or reason:
+            if chunk.delta_text or chunk.logprobs or chunk.prompt_logprobs or reason:
                 yield {**head, "created": now(), "choices": [make_choice(i, chunk, reason)]}
         if body.include_usage:
             yield {**head, "created": now(), "choices": [], "usage": usage(run.num_prompt_tokens, completion)}
@@ -665,14 +683,17 @@ async def _stream(state: ServerState, body, run: Run, make_choice, head: dict) -
 
 
 def _completion_stream(state: ServerState, body: CompletionRequest, run: Run, request: Request) -> AsyncIterator[dict]:
-    offsets = [0] * body.n
+    offsets = [0] * len(run.ids)
 
     def choice(i: int, chunk: Chunk, reason: str | None) -> dict:
+        text, entries = _echoed(run, i, body.n, chunk) if body.echo and chunk.prompt_logprobs is not None else ("", [])
+        text += chunk.delta_text
+        entries = entries + (chunk.logprobs or [])
         lp = None
         if body.logprobs is not None:
-            lp = _completion_logprobs(chunk.logprobs or [], offsets[i])
+            lp = _completion_logprobs(entries, offsets[i])
             offsets[i] += sum(len(t) for t in lp["tokens"])
-        return {"index": i, "text": chunk.delta_text, "logprobs": lp, "finish_reason": reason}
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
 
     head = {"id": run.request_id, "object": "text_completion", "model": state.settings.model_name}
     return _stream(state, body, run, choice, head)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
@@ -51,6 +50,7 @@ class Chunk:
     logprobs: list[dict] | None = None  # per new token: {"token", "logprob", "top": [(token, logprob), …]}
     metrics: Any = None
     error: str | None = None
+    prompt_logprobs: list[dict] | None = None  # once, with the first token: per prompt token (the first has logprob None)
 
 
 @dataclass
@@ -60,8 +60,8 @@ class _Stream:
     params: SamplingParams
     request_id: str
     on_finish: Callable[[str, Chunk], None] | None = None  # on the event loop, when the engine finishes it
-    shown: str = ""
     num_logprobs: int = 0  # logprob entries already sent
+    prompt_sent: bool = False  # prompt log-probabilities already sent
 
 
 class EngineLoop:
@@ -320,26 +320,28 @@ class EngineLoop:
         _call_soon(stream.loop, _put_all, [(stream, chunk)])
 
     def _chunk(self, stream: _Stream, out: RequestOutput) -> Chunk:
-        text = out.text
-        if not out.finished:
-            text = text.rstrip("\ufffd")  # wait for whole characters
-            text = text[:len(text) - _held_back(text, stream.params.stop)]  # could still become a stop string
-        common = len(os.path.commonprefix([stream.shown, text]))
-        delta = text[common:]
-        stream.shown = text
+        """The step's new text (decoded incrementally by the engine: ``stream_text``) and logprobs."""
         logprobs = None
         if out.logprobs is not None and len(out.logprobs) > stream.num_logprobs:
-            logprobs = []
-            ids = out.token_ids
-            for i in range(stream.num_logprobs, len(out.logprobs)):
-                entry = out.logprobs[i]
-                token = ids[i]
-                top = sorted(entry.items(), key=lambda kv: -kv[1])[: stream.params.logprobs]
-                logprobs.append({"token": self._piece(token), "token_id": token, "logprob": entry[token],
-                                 "top": [(self._piece(t), lp) for t, lp in top]})
+            ids, k = out.token_ids, stream.params.logprobs
+            logprobs = [self._entry(ids[i], out.logprobs[i], k) for i in range(stream.num_logprobs, len(out.logprobs))]
             stream.num_logprobs = len(out.logprobs)
-        return Chunk(delta, list(out.new_token_ids), out.finished, out.finish_reason, len(out.prompt_token_ids),
-                     len(out.token_ids), logprobs, out.metrics if out.finished else None, out.error)
+        prompt = None
+        if out.prompt_logprobs is not None and not stream.prompt_sent and (out.new_token_ids or out.finished):
+            ids, k = out.prompt_token_ids, stream.params.prompt_logprobs
+            prompt = [self._entry(t, entry, k) for t, entry in zip(ids, out.prompt_logprobs)]
+            stream.prompt_sent = True
+        return Chunk(out.delta_text, list(out.new_token_ids), out.finished, out.finish_reason, len(out.prompt_token_ids),
+                     len(out.token_ids), logprobs, out.metrics if out.finished else None, out.error, prompt)
+
+    def _entry(self, token: int, entry: dict[int, float] | None, k: int) -> dict:
+        """One token's log-probability entry: its text, id, log-probability and the ``k`` most
+        likely tokens there (logprob and top are None where nothing precedes the token)."""
+        if entry is None:
+            return {"token": self._piece(token), "token_id": token, "logprob": None, "top": None}
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        return {"token": self._piece(token), "token_id": token, "logprob": entry[token],
+                "top": [(self._piece(t), lp) for t, lp in top]}
 
     def _piece(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
@@ -349,17 +351,6 @@ class EngineLoop:
         stats = engine.metrics()
         stats.update(running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting), time=time.time())
         return stats
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest end of ``text`` that begins one of ``stops`` (not sent yet)."""
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:n]):
-                hold = n
-                break
-    return hold
 
 
 def _put_all(items: list[tuple[_Stream, Chunk]]) -> None:

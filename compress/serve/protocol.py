@@ -98,22 +98,28 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # the prompt before each choice's text (and, with logprobs, its tokens' log-probabilities)
     suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value):
-        if isinstance(value, list) and len(value) != 1 and value and not isinstance(value[0], int):
-            raise ValueError("one prompt per request (batched prompts are not supported): send several requests")
+        if isinstance(value, list) and not value:
+            raise ValueError("no prompt: pass a string, a list of token ids, or a list of either")
         return value
 
-    @field_validator("echo", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _unsupported(cls, value, info):
         if value:
             raise ValueError(f"'{info.field_name}' is not supported")
         return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (a batch: each gets ``n`` choices, in order)."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class ChatMessage(BaseModel):
