@@ -39,13 +39,18 @@ class LLM:
         params = _params_for(batch, sampling_params)
         ids = self._add_all(batch, params)
         done: dict[str, RequestOutput] = {}
-        if progress:
-            from llmopt.core.console import progress_task
+        try:
+            if progress:
+                from llmopt.core.console import progress_task
 
-            with progress_task("generating", total=len(ids)) as advance:
-                self._run(done, advance)
-        else:
-            self._run(done, None)
+                with progress_task("generating", total=len(ids)) as advance:
+                    self._run(done, advance)
+            else:
+                self._run(done, None)
+        except BaseException:  # an error (or Ctrl-C) mid-run: the requests and their KV blocks go
+            for rid in ids:
+                self.engine.abort(rid, report=False)
+            raise
         return [done[i] for i in ids]
 
     def _add_all(self, batch: list[Prompt], params: list[SamplingParams]) -> list[str]:

@@ -554,6 +554,30 @@ def test_one_failing_request_does_not_stop_the_others(models, monkeypatch):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_an_error_mid_generate_frees_every_request(models, monkeypatch):
+    """An exception escaping a step (not a failed forward, which fails its requests) leaves no
+    request or KV block behind in the engine: the next generate runs as if nothing happened."""
+    _, path = models("llama")
+    llm = LLM(path)
+    engine, real = llm.engine, llm.engine.step
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    prompts = random_prompts(3, seed=1)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, greedy(8))
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    outs = llm.generate(prompts, greedy(8))
+    assert [len(o.token_ids) for o in outs] == [8, 8, 8]
+
+
 def test_unsupported_architecture_and_kv_budget(models, tmp_path):
     _, path = models("llama")
     other = Path(shutil.copytree(path, tmp_path / "gpt2ish"))

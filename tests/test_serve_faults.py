@@ -518,3 +518,31 @@ def test_a_dead_engine_stops_the_server_with_an_error(model_dir, monkeypatch):
     assert not served.thread.is_alive()
     assert isinstance(served.error, EngineFailed) and served.error.exit_code == 1
     assert "injected sticky failure" in str(served.error)
+
+
+def test_a_burst_of_ten_times_capacity_gets_only_200s_and_429s(server):
+    """10 × capacity concurrent requests, streaming and not: every answer is a 200 with its
+    tokens or a 429 in OpenAI's shape; afterwards nothing is held."""
+    count = 10 * CAPACITY
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, int]:
+        body = completion(max_tokens=8, prompt=f"burst {i}", stream=bool(i % 2))
+        if body["stream"]:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                text = "".join([line async for line in r.aiter_lines()])
+                return r.status_code, text.count('"text"') if r.status_code == 200 else 0
+        r = await client.post("/v1/completions", json=body)
+        return r.status_code, r.json()["usage"]["completion_tokens"] if r.status_code == 200 else 0
+
+    async def burst():
+        limits = httpx.Limits(max_connections=count)
+        async with httpx.AsyncClient(base_url=server.base, headers=AUTH, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(count)))
+
+    results = asyncio.run(burst())
+    assert len(results) == count
+    statuses = [s for s, _ in results]
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(200) >= CAPACITY  # at least the first capacity's worth got in
+    assert all(tokens > 0 for s, tokens in results if s == 200)
+    server.assert_no_leaks()
