@@ -289,11 +289,13 @@ def test_lm_eval_local_completions_scores_the_served_model_as_eval_does(checkpoi
     thread.start()
     try:
         wait_until(lambda: state.ready, 600, "the server to be ready")
-        served = lm_eval.simple_evaluate(
-            model="local-completions", tasks=["llmopt_tiny_mc"], num_fewshot=0, task_manager=task_manager(),
-            model_args=f"base_url=http://127.0.0.1:{port}/v1/completions,model=tiny,tokenizer={path},"
-                       "tokenizer_backend=huggingface,tokenized_requests=True,batch_size=4,max_retries=1",
-            log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+        seeds = dict(random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+        model_args = (f"base_url=http://127.0.0.1:{port}/v1/completions,model=tiny,tokenizer={path},"
+                      "tokenizer_backend=huggingface,tokenized_requests=True,batch_size=4,max_retries=1")
+        served = lm_eval.simple_evaluate(model="local-completions", tasks=["llmopt_tiny_mc"], num_fewshot=0,
+                                         task_manager=task_manager(), model_args=model_args, log_samples=True, **seeds)
+        generated = lm_eval.simple_evaluate(model="local-completions", tasks=["llmopt_tiny_gen"], limit=8,
+                                            task_manager=task_manager(), model_args=model_args, log_samples=True, **seeds)
         assert state.in_flight == 0
     finally:
         server.should_exit = True
@@ -304,3 +306,13 @@ def test_lm_eval_local_completions_scores_the_served_model_as_eval_does(checkpoi
     for metric in ("acc", "acc_norm"):
         assert {str(s["doc_id"]): float(s[metric]) for s in samples} == direct["items"][metric]
         assert served["results"]["llmopt_tiny_mc"][f"{metric},none"] == pytest.approx(direct["metrics"][metric]["value"], abs=1e-12)
+    # generation (stop strings, batched token prompts): the texts llmopt's own harness model generates
+    from llmopt.tasks.harness_model import LlmoptLM
+
+    direct_gen = lm_eval.simple_evaluate(model=LlmoptLM(path, batch_size=4), tasks=["llmopt_tiny_gen"], limit=8,
+                                         task_manager=task_manager(), log_samples=True, **seeds)
+    got = sorted(generated["samples"]["llmopt_tiny_gen"], key=lambda s: s["doc_id"])
+    want = sorted(direct_gen["samples"]["llmopt_tiny_gen"], key=lambda s: s["doc_id"])
+    assert len(got) == len(want) == 8
+    assert [s["resps"] for s in got] == [s["resps"] for s in want]
+    assert any(s["resps"][0][0].strip() for s in got)  # something was generated
