@@ -621,6 +621,9 @@ async def _chat_json(state: ServerState, body: ChatCompletionRequest, run: Run, 
             "model": state.settings.model_name, "choices": choices, "usage": usage(run.num_prompt_tokens, completion)}
 
 
+_TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11+
+
+
 class _SendTimeout(Exception):
     """One server-sent event could not be sent in time: the client stopped reading."""
 
@@ -642,8 +645,12 @@ class _EventStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         async def timed_send(message) -> None:
             try:
-                await asyncio.wait_for(send(message), self.send_timeout)
-            except asyncio.TimeoutError:
+                if _TIMEOUT is not None:
+                    async with _TIMEOUT(self.send_timeout):  # no task per event, unlike wait_for
+                        await send(message)
+                else:
+                    await asyncio.wait_for(send(message), self.send_timeout)
+            except (TimeoutError, asyncio.TimeoutError):
                 self.stalled = True
                 raise _SendTimeout() from None
 
