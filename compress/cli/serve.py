@@ -66,6 +66,7 @@ def serve_command(model, host, port, api_key, served_model_name, max_waiting, sh
     """
     from llmopt.core.console import err
     from llmopt.runtime import LLMEngine
+    from llmopt.runtime.threads import call_in_passing_thread
     from llmopt.serve import ServeSettings, build, resolve_served_model
     from llmopt.serve.settings import ServeLimits
 
@@ -78,7 +79,7 @@ def serve_command(model, host, port, api_key, served_model_name, max_waiting, sh
     settings.update(engine_settings(engine, saved))
     if source:
         err.print(f"[dim]engine settings from {source}: {saved}[/dim]", highlight=False)
-    engine = LLMEngine(path, **settings)
+    engine = call_in_passing_thread(lambda: LLMEngine(path, **settings))  # one OpenMP pool: the engine thread's
     limits = ServeLimits(send_timeout_s=send_timeout)
     server, state = build(lambda: engine, ServeSettings(served_model_name or model, api_key, max_waiting, template, limits),
                           host, port, shutdown_timeout, log_level, max_connections)
