@@ -17,7 +17,7 @@ from llmopt.core.atomic import atomic_dir, check_output
 from llmopt.core.errors import LlmoptError
 
 from llmopt.distillation import checkpoint
-from llmopt.distillation.data import DEFAULT_TRAIN, DEFAULT_VALIDATION, pack_text, spread
+from llmopt.distillation.data import DEFAULT_TRAIN, DEFAULT_VALIDATION, PackedText, pack_text, spread
 from llmopt.distillation.generated import generated_corpus, is_generated
 from llmopt.distillation.display import TrainDisplay
 from llmopt.distillation.precision import resolve_precision
@@ -109,7 +109,6 @@ def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
     from llmopt.accuracy import check_seq_len
     from llmopt.checkpoints.provenance import model_fingerprint
     from llmopt.checkpoints.models import load_model, resolve_model
-    from llmopt.checkpoints.provenance import versions
 
     _check_request(request)
     cpu = not torch.cuda.is_available()
@@ -144,15 +143,9 @@ def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
                       student.layer_map, cache, display, on_step)
     with display:
         result = trainer.run(resume=request.resume)
-    record = {
-        "source": str(teacher_path), "teacher": request.teacher, "student": student.record,
-        "layer_map": student.layer_map, "settings": asdict(request.settings), "seq_len": request.seq_len,
-        "data": train.record, "validation_data": None if val is None else {**val.record, "samples": len(val_ids)},
-        "teacher_cache": None if cache is None else str(cache.root),
-        "steps": result.steps_done, "resumed_from_step": result.resumed_from, "tokens": result.tokens, "train_seconds": round(result.seconds, 1),
-        "world_size": result.world_size, "precision": result.precision, "shards": result.shards,
-        "loss_curve": result.history, "validation_curve": result.validation, "versions": versions(),
-    }
+    record = {"source": str(teacher_path), "teacher": request.teacher,
+              **training_record(student, request.settings, request.seq_len, train, val, val_ids, result),
+              "teacher_cache": None if cache is None else str(cache.root)}
     if result.interrupted:
         return DistillOutcome(record, result, interrupted=True)
     record["total_seconds"] = round(time.perf_counter() - start, 1)
@@ -161,6 +154,20 @@ def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
         shutil.rmtree(request.checkpoints, ignore_errors=True)
     state.wait_for_everyone()
     return DistillOutcome(record, result, output=request.output)
+
+
+def training_record(student: Student, settings: TrainSettings, seq_len: int, train: PackedText, val: PackedText | None,
+                    val_ids: torch.Tensor | None, result: TrainResult) -> dict:
+    """What a run trained and how it went, for the provenance record."""
+    from llmopt.checkpoints.provenance import versions
+
+    return {
+        "student": student.record, "layer_map": student.layer_map, "settings": asdict(settings), "seq_len": seq_len,
+        "data": train.record, "validation_data": None if val is None else {**val.record, "samples": len(val_ids)},
+        "steps": result.steps_done, "resumed_from_step": result.resumed_from, "tokens": result.tokens,
+        "train_seconds": round(result.seconds, 1), "world_size": result.world_size, "precision": result.precision,
+        "shards": result.shards, "loss_curve": result.history, "validation_curve": result.validation, "versions": versions(),
+    }
 
 
 def _save(student: Student, record: dict, request: DistillRequest) -> None:

@@ -6,12 +6,15 @@ in float32, calibrated on the outputs of the already-quantized layers before it,
 the stream's output (the stage's writer) before the next layer is read. The embedding and head
 are then quantized as the request asks (float, int8, int4 …; see :mod:`llmopt.quant.outer`), and
 everything outside the decoder layers is returned for the writer: nothing here writes a file.
+:func:`quantize_source` is that path for any layer source: a model object in memory takes it too
+(:mod:`llmopt.quant.in_memory`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -35,6 +38,19 @@ class StreamedQuantization:
     result: QuantizeResult
     outer: dict[str, torch.Tensor] = field(default_factory=dict)
     untied: bool = False
+    outer_modules: list[str] = field(default_factory=list)  # the embedding / head, where quantized
+
+
+class LayerSource(Protocol):
+    """What :func:`quantize_source` reads: the engine's lifecycle over ``model``'s layers, plus the
+    tensors outside them (:class:`~llmopt.checkpoints.streaming.StreamedModel`,
+    :class:`~llmopt.checkpoints.in_memory.InMemoryModel`)."""
+
+    model: nn.Module
+
+    def outer_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def tied_head(self) -> bool: ...
 
 
 def quantize_estimate(source: Path, request: QuantizeRequest, calibration: torch.Tensor | None,
@@ -58,28 +74,36 @@ def quantize_streaming(stream: StreamedModel, request: QuantizeRequest, calibrat
     """Quantize the checkpoint behind ``stream`` layer by layer; each layer's codes and float
     tensors go to the stream's output as the layer finishes. ``progress`` as for
     :func:`~llmopt.quant.apply.quantize_model`."""
+    return quantize_source(stream, request, calibration, progress=progress)
+
+
+def quantize_source(source: LayerSource, request: QuantizeRequest, calibration: torch.Tensor | None = None, *,
+                    progress=None) -> StreamedQuantization:
+    """Quantize the decoder layers of ``source`` (a streamed checkpoint, or a model in memory),
+    then its embedding and head as the request asks. ``request.device`` None: the CPU."""
     target = resolve_device(request.device) or torch.device("cpu")
     request = replace(request, device=str(target))
-    result = quantize_model(stream.model, request, calibration, lifecycle=stream, progress=progress)
-    outer = stream.outer_tensors()
+    result = quantize_model(source.model, request, calibration, lifecycle=source, progress=progress)
+    outer = source.outer_tensors()
     done = StreamedQuantization(result, outer)
     if request.head == "float" and request.embedding == "float":
         return done
     inputs = None
     if result.final_hidden is not None:
-        inputs = head_inputs(stream.model, outer, result.final_hidden)
+        inputs = head_inputs(source.model, outer, result.final_hidden)
         result.final_hidden = None
         result.notices.append(HEAD_GPTQ_NOTICE if inputs is not None
                               else "no final norm found: the output head was quantized without calibration (RTN)")
-    quantized = quantize_outer(outer, stream.tied_head(), request.head, request.embedding, head_inputs=inputs,
+    quantized = quantize_outer(outer, source.tied_head(), request.head, request.embedding, head_inputs=inputs,
                                refit=request.method.quantizer.head_refit, scale_dtype=request.scale_dtype)
     for name in quantized.weights:
         outer.pop(f"{name}.weight", None)
     outer.update(quantized.floats)
-    result.store(quantized.weights, stream)
+    result.store(quantized.weights, source)
     result.notices.extend(quantized.notices)
+    done.outer_modules = list(quantized.weights)
     if quantized.untie:
-        _untie(stream.model)
+        _untie(source.model)
         done.untied = True
     return done
 

@@ -284,7 +284,7 @@ def serve_and_call(args: list[str], model: Path, text: str, monkeypatch) -> str:
 def test_readme_python_api_runs(tiny, tmp_path, monkeypatch):
     import llmopt
 
-    code = python_block(readme_text(), "import llmopt")
+    code = python_block(readme_text(), 'llmopt.quantize("demo"')
     monkeypatch.chdir(tmp_path)
 
     def small(kind: str, function):

@@ -184,6 +184,7 @@ def load_model(spec: str | os.PathLike, dtype: str = "float32"):
             from llmopt.formats.compressed import load_dequantized
 
             model = load_dequantized(path, getattr(torch, dtype))
+            model.llmopt_dequantized = str(path)  # float weights on a quantized grid: not to be compressed again
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -6,6 +6,8 @@ exist, the layer's other tensors (norms, biases, routers, float Linears) in thei
 when the layer is done; :meth:`~QuantizedCheckpointWriter.finish` writes the tensors outside the
 decoder layers, the last shard and the side files (config.json with its ``quantization_config``,
 generation config, tokenizer, llmopt.json). Names are written as the source checkpoint stores them.
+:func:`write_in_memory` writes a model quantized in memory through the same writer, replaying
+its layers in order, so both routes write the same tensors.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.calibration import decoder_layers
+from llmopt.checkpoints.in_memory import InMemoryModel
 from llmopt.checkpoints.streaming import StreamedModel
 from llmopt.checkpoints.writer import DEFAULT_SHARD_BYTES, ShardedWriter
 from llmopt.formats.compressed import final_quantization_config, quantized_tensors, write_side_files
@@ -23,9 +27,11 @@ from llmopt.formats.schemes import QuantizedWeight
 
 
 class QuantizedCheckpointWriter:
-    """The output of one streamed quantization into ``out_dir`` (a temporary folder)."""
+    """The output of one streamed quantization (or of a model quantized in memory) into
+    ``out_dir`` (a temporary folder)."""
 
-    def __init__(self, stream: StreamedModel, out_dir: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    def __init__(self, stream: StreamedModel | InMemoryModel, out_dir: Path,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
         self.stream = stream
         self.out_dir = Path(out_dir)
         self.shards = ShardedWriter(self.out_dir, max_shard_bytes)
@@ -66,3 +72,19 @@ class QuantizedCheckpointWriter:
         for group in (qconfig.get("config_groups") or {}).values():
             group["targets"] = [stored(t) for t in group.get("targets") or []]
         return qconfig
+
+
+def write_in_memory(source: InMemoryModel, out_dir: Path, weights: dict[str, QuantizedWeight], ignore: list[str],
+                    tokenizer: Any, record: dict, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Write the model of ``source``, quantized in memory (``weights``: every quantized module's
+    codes and scales), into ``out_dir`` as :class:`QuantizedCheckpointWriter` writes a streamed
+    quantization: each layer's codes, then its other tensors, then everything outside the layers."""
+    writer = QuantizedCheckpointWriter(source, out_dir, max_shard_bytes)
+    layers = decoder_layers(source.model)
+    for index, prefix in enumerate(source.prefixes):
+        writer.keep({n: w for n, w in weights.items() if n.startswith(prefix)})
+        writer.write_layer(index, prefix, layers[index])
+    outer = {n: w for n, w in weights.items() if not n.startswith(tuple(source.prefixes))}
+    writer.keep(outer)
+    floats = {k: v for k, v in source.outer_tensors().items() if k.removesuffix(".weight") not in outer}
+    writer.finish(floats, weights, ignore, tokenizer, record)

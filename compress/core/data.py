@@ -114,7 +114,12 @@ def _load_hf(spec: str, name: str | None = None) -> TextSource:
         raise LlmoptError(f"cannot load dataset '{spec}' ({type(exc).__name__})", "check the name and your connection, or pass a local text file") from exc
     if "text" not in data.column_names:
         raise LlmoptError(f"dataset '{spec}' has no 'text' column", "pass a dataset with a text column")
-    return TextSource(name or f"hf:{spec}", ["".join(data["text"])], [f"hf:{spec}"])
+    return dataset_text(data, "text", name or f"hf:{spec}")
+
+
+def dataset_text(data, column: str, name: str) -> TextSource:
+    """A ``datasets.Dataset``'s ``column`` as one document (the rows joined as they are)."""
+    return TextSource(name, ["".join(data[column])], [name])
 
 
 def tokenize_documents(tokenizer, source: TextSource) -> list:
@@ -233,14 +238,21 @@ def _part_windows(tokenizer, spec: str, samples: int, seq_len: int, seed: int, s
 
 
 def _corpus_windows(tokenizer, spec: str, samples: int, seq_len: int, seed: int):
+    source = load_text(spec)
+    return token_windows(tokenize_documents(tokenizer, source), samples, seq_len, seed, spec), source.record()
+
+
+def token_windows(documents: list, samples: int, seq_len: int, seed: int, name: str):
+    """``samples`` windows ``[samples, seq_len]`` of the token ``documents`` (1-D int64 tensors)
+    at seeded random offsets, each document weighted by the windows it holds; ``name``: the
+    text, for the error when too few windows fit."""
     import torch
 
-    source = load_text(spec)
-    docs = [d for d in tokenize_documents(tokenizer, source) if len(d) >= seq_len]
+    docs = [d for d in documents if len(d) >= seq_len]
     available = sum(len(d) // seq_len for d in docs)
     if available < samples:
         raise LlmoptError(
-            f"calibration text '{spec}' holds {available} windows of {seq_len} tokens, {samples} requested",
+            f"calibration text '{name}' holds {available} windows of {seq_len} tokens, {samples} requested",
             "use fewer samples, shorter sequences or a longer text",
         )
     generator = torch.Generator().manual_seed(seed)
@@ -250,4 +262,4 @@ def _corpus_windows(tokenizer, spec: str, samples: int, seq_len: int, seed: int)
         doc = docs[int(torch.multinomial(weights, 1, generator=generator))]
         start = int(torch.randint(0, len(doc) - seq_len + 1, (1,), generator=generator))
         rows.append(doc[start : start + seq_len])
-    return torch.stack(rows), source.record()
+    return torch.stack(rows)

@@ -458,11 +458,11 @@ def load_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    _add_activation_quantization(model, weights)
+    add_activation_quantization(model, weights)
     return model.eval()
 
 
-def _add_activation_quantization(model: Any, weights: dict[str, QuantizedWeight]) -> None:
+def add_activation_quantization(model: Any, weights: dict[str, QuantizedWeight]) -> None:
     """Quantize the inputs of W8A8 / FP8_DYNAMIC Linears per token at run time, as inference
     engines do (int8 with absmax / 127, fp8 with absmax / 448)."""
     from llmopt.formats.schemes import fake_quantize_activations

@@ -133,7 +133,7 @@ def _runner_owned(kind: str) -> set[str]:
     return owned | ({f.name for f in fields_of(spec.config) if f.meta.get("runner_owned")} if spec else set())
 
 
-def _uses_calibration(kind: str, settings: dict[str, Any]) -> bool:
+def uses_calibration(kind: str, settings: dict[str, Any]) -> bool:
     """Whether the recipe's shared calibration settings apply to this stage."""
     config = _config(kind)
     if kind not in ("quantize", "prune"):
@@ -151,7 +151,7 @@ def stage_settings(stage: Stage, recipe: Recipe) -> dict[str, Any]:
     owned = {f.name for f in fields_of(config) if f.meta.get("runner_owned")}
     settings = {k: v for k, v in defaults(config).items() if k not in owned}
     names = {f.name for f in fields_of(config)}
-    if _uses_calibration(stage.kind, {**settings, **stage.options}):
+    if uses_calibration(stage.kind, {**settings, **stage.options}):
         for key, target in CALIBRATION_KEYS.items():
             if key in recipe.calibration and target in names:
                 settings[target] = recipe.calibration[key]

@@ -77,6 +77,11 @@ class PruneConfig:
             return self.calib_samples
         return DEFAULT_SAMPLES_DEPTH if self.method == "drop-layers" else DEFAULT_SAMPLES
 
+    def record(self, source: str, spec: str) -> dict:
+        """The provenance record's first entries: what was pruned, and how."""
+        return {"source": source, "source_spec": spec, "method": self.method, "settings": settings_record(self),
+                "versions": versions()}
+
     def check(self, config: dict | None = None) -> None:
         """Refuse impossible requests up front (bad values, options of another method)."""
         from llmopt.core.errors import LlmoptError
@@ -115,8 +120,7 @@ def run_prune(config: PruneConfig, progress=None) -> dict:
         model, tokenizer = None, AutoTokenizer.from_pretrained(source)
     else:
         model, tokenizer = load_model(source)
-    record: dict = {"source": str(source), "source_spec": config.model, "method": config.method,
-                    "settings": _settings_record(config), "versions": versions()}
+    record = config.record(str(source), config.model)
     calib, ranking = None, None
     if settings.needs_calibration:
         calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.samples, config.calib_seq_len, config.seed,
@@ -140,7 +144,7 @@ def run_prune(config: PruneConfig, progress=None) -> dict:
     return record
 
 
-def _settings_record(request: PruneConfig) -> dict:
+def settings_record(request: PruneConfig) -> dict:
     keys = ("sparsity", "pattern", "profile", "num", "ranking", "ffn_ratio", "heads_ratio", "heads_mode", "damp")
     out = {k: getattr(request, k) for k in keys if getattr(request, k) is not None}
     if request.method != "width":

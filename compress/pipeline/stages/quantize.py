@@ -25,6 +25,7 @@ from llmopt.core.errors import LlmoptError
 from llmopt.formats.schemes import QuantScheme
 from llmopt.pipeline.stages.base import device_option, eval_option, option, overwrite_option
 from llmopt.pipeline.stages.evaluate import evaluate_output
+from llmopt.quant.apply import QuantizeResult
 from llmopt.quant.head_fisher import FISHER_ROWS
 from llmopt.quant.method import QuantMethod
 from llmopt.quant.outer import OUTER_CHOICES
@@ -144,6 +145,20 @@ class QuantizeConfig:
         return QuantizeRequest(self.parse_scheme(), self.build_method(), (*head_float, *self.ignore), self.strict_groups,
                                head=self.head, embedding=self.embedding, device=self.device)
 
+    def record(self, source: str, spec: str) -> dict:
+        """The provenance record's first entries: what was quantized, and how."""
+        return {"source": source, "source_spec": spec, "scheme": self.scheme, "method": self.method,
+                "head": self.head, "embedding": self.embedding, "versions": versions()}
+
+    def prepared(self, request: QuantizeRequest, record: dict, scale_dtype: str) -> QuantizeRequest:
+        """``request`` with its scales stored in ``scale_dtype`` (the source's 16-bit dtype), the
+        ignore list and scale dtype recorded."""
+        record["ignore"] = list(request.ignore)
+        request = request.with_scale_dtype(scale_dtype)
+        record["scale_dtype"] = request.scale_dtype
+        record["group_size_asked"] = self.group_size
+        return request
+
     def planner(self) -> AutoPlanner:
         return AutoPlanner(self.target_bpw, self.target_kld, self.objective, self.size_of, self.plan,
                            self.sensitivity_samples, self.price_by or self.build_method().quantizer.pricing, self.seed)
@@ -242,8 +257,7 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     check_output(output, config.overwrite)
     source, _ = float_source(config.model, "quantized again", "quantize the original float checkpoint instead")
     start = time.perf_counter()
-    record: dict = {"source": str(source), "source_spec": config.model, "scheme": config.scheme,
-                    "method": config.method, "head": config.head, "embedding": config.embedding, "versions": versions()}
+    record = config.record(str(source), config.model)
     if config.scheme == NF4:
         model, tokenizer = load_model(source)
         record["ignore"] = ["lm_head", *config.ignore]
@@ -262,14 +276,11 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
         ignore = request.ignore if options["head"] == "float" else tuple(p for p in request.ignore if p != "lm_head")
         request = replace(request, plan=options["plan"], head=options["head"], embedding=options["embedding"], ignore=ignore)
         record["head"], record["embedding"] = request.head, request.embedding
-    record["ignore"] = list(request.ignore)
-    request = request.with_scale_dtype(_scale_dtype(source))
-    record["scale_dtype"] = request.scale_dtype
+    request = config.prepared(request, record, _scale_dtype(source))
     tune_ids = calib
     if not request.method.calibrated:
         calib = None  # the plan's sensitivities and the scale tuning use them; the method itself takes none
     quantized = output if not config.tune_steps else output.parent / f".{output.name}.untuned-{os.getpid()}"
-    record["group_size_asked"] = config.group_size
     try:
         quantize_checkpoint(source, quantized, request, calib, tokenizer=tokenizer, record=record,
                             overwrite=config.overwrite, progress=progress, started=start)
@@ -296,7 +307,6 @@ def quantize_checkpoint(source: Path, output: Path, request: QuantizeRequest, ca
     from llmopt.checkpoints.streaming import StreamedModel
     from llmopt.checkpoints.writer import DEFAULT_SHARD_BYTES
     from llmopt.core.atomic import atomic_dir
-    from llmopt.core.console import notice
     from llmopt.quant.streaming import quantize_estimate, quantize_streaming
 
     start = time.perf_counter() if started is None else started
@@ -312,23 +322,28 @@ def quantize_checkpoint(source: Path, output: Path, request: QuantizeRequest, ca
         with atomic_dir(Path(output), overwrite) as tmp:
             writer = QuantizedCheckpointWriter(stream, tmp, max_shard_bytes or DEFAULT_SHARD_BYTES)
             done = quantize_streaming(stream, request, calibration, progress=progress)
-            result = done.result
-            for line in result.notices:
-                notice(line)
-            method = request.method
-            record.update({
-                "group_sizes": _group_size_summary(result.group_sizes),
-                "quantized_modules": len(result.weights),
-                "notices": result.notices,
-                "options": {**_flat_options(method), "head_fisher_rows": FISHER_ROWS,
-                            "gptq_after_awq": "sequential" if method.one_pass and method.transform is not None else None},
-                "quantize_seconds": round(result.seconds, 2),
-                "engine_seconds": result.timings.to_dict(), "memory_estimate": estimate.to_dict(),
-            })
-            writer.finish(done.outer, result.weights, list(request.ignore), tokenizer, finish_record(record, start))
+            record.update(result_record(done.result, request.method), memory_estimate=estimate.to_dict())
+            writer.finish(done.outer, done.result.weights, list(request.ignore), tokenizer, finish_record(record, start))
     finally:
         stream.close()
     return done
+
+
+def result_record(result: QuantizeResult, method: QuantMethod) -> dict:
+    """What a quantization did, for the provenance record (its notices printed as it is made)."""
+    from llmopt.core.console import notice
+
+    for line in result.notices:
+        notice(line)
+    return {
+        "group_sizes": _group_size_summary(result.group_sizes),
+        "quantized_modules": len(result.weights),
+        "notices": result.notices,
+        "options": {**_flat_options(method), "head_fisher_rows": FISHER_ROWS,
+                    "gptq_after_awq": "sequential" if method.one_pass and method.transform is not None else None},
+        "quantize_seconds": round(result.seconds, 2),
+        "engine_seconds": result.timings.to_dict(),
+    }
 
 
 def _scale_dtype(source: Path) -> str:
