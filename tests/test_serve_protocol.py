@@ -166,10 +166,16 @@ def test_tokenize_detokenize_round_trip(served):
 def test_unknown_fields_are_logged_and_near_misses_refused(served, caplog):
     client, _ = served
     with caplog.at_level(logging.WARNING, logger="llmopt.serve"):
-        out = post(client, "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2, "foo_bar": 1, "min_tokens": 1})
+        out = post(client, "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2, "foo_bar": 1, "metadata": {"a": 1},
+                                                "logit_bias": {}, "best_of": 1})
     assert out.status_code == 200, out.text
     warnings = [r.getMessage() for r in caplog.records if r.name == "llmopt.serve" and r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "'foo_bar'" in warnings[0] and "'min_tokens'" in warnings[0]
+    assert len(warnings) == 1 and "'foo_bar'" in warnings[0] and "'metadata'" in warnings[0]
+    # a field that would change the answer, which this server does not implement, is refused rather than ignored
+    for field, value in (("logit_bias", {"5": 100}), ("min_tokens", 3), ("best_of", 2), ("tools", [{"type": "function"}]),
+                         ("response_format", {"type": "json_object"}), ("suffix", "end")):
+        error = assert_error(post(client, "/v1/completions", {"model": NAME, "prompt": "x", field: value}), 400, field)
+        assert error["message"] == f"'{field}' is not supported by this server: leave it out"
     error = assert_error(post(client, "/v1/completions", {"model": NAME, "prompt": "x", "max_token": 2}), 400, "max_token",
                          "invalid_request")
     assert error["message"] == "unknown field 'max_token': did you mean 'max_tokens'?"
@@ -241,3 +247,21 @@ def test_device_auto_picks_the_gpu_when_there_is_one(monkeypatch):
         engine_placement("cuda", "auto")
     with pytest.raises(LlmoptError, match="unknown --device"):
         engine_placement("tpu:0", None)
+
+
+def test_stop_token_ids_include_stop_str_and_special_tokens(served, model_dir):
+    """vLLM's extra sampling fields llmopt implements reach the engine."""
+    from llmopt.runtime import LLM, SamplingParams
+
+    client, _ = served
+    base = {"model": NAME, "prompt": "stop here", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    free = post(client, "/v1/completions", base).json()["choices"][0]["text"]
+    ref = LLM(model_dir, **ENGINE).generate(["stop here"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert len(ref.token_ids) == 8 and ref.text == free
+    first = ref.token_ids.index(ref.token_ids[2])  # where that id first comes
+    stopped = post(client, "/v1/completions", {**base, "stop_token_ids": [ref.token_ids[2]]}).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == first + 1
+    stop = free[2:4]
+    cut = post(client, "/v1/completions", {**base, "stop": [stop]}).json()["choices"][0]["text"]
+    kept = post(client, "/v1/completions", {**base, "stop": [stop], "include_stop_str_in_output": True}).json()["choices"][0]["text"]
+    assert kept == cut + stop and free.startswith(kept)

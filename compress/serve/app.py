@@ -408,6 +408,8 @@ async def _admit(state: ServerState, body, prompts_fn, logprobs: int | None, pro
                 min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, seed=None if body.seed is None else body.seed + i,
                 stop=list(body.stop or []), ignore_eos=body.ignore_eos, logprobs=logprobs, stream_text=True,
+                stop_token_ids=list(body.stop_token_ids or []), include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
                 prompt_logprobs=(logprobs or 0) if echo else None))
         except LlmoptError as exc:
             raise ApiError(400, exc.problem, code="invalid_request") from exc

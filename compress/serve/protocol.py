@@ -17,14 +17,23 @@ SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # torch.long, as vLLM; the n choices use
 
 log = logging.getLogger("llmopt.serve")
 NEAR_MISS_CUTOFF = 0.8  # difflib ratio from which an unknown field is taken for a typo of a known one
-# fields of OpenAI's and vLLM's requests that llmopt ignores: never taken for a typo of a known one
-FOREIGN_FIELDS = frozenset("""
-    add_generation_prompt add_special_tokens allowed_token_ids audio bad_words best_of chat_template chat_template_kwargs
-    continue_final_message echo function_call functions guided_choice guided_grammar guided_json guided_regex
-    include_stop_str_in_output length_penalty logit_bias max_completion_tokens messages metadata min_tokens modalities
-    parallel_tool_calls prediction priority prompt prompt_logprobs reasoning_effort request_id response_format
-    service_tier skip_special_tokens spaces_between_special_tokens stop_token_ids store structured_outputs suffix
-    tool_choice tools top_logprobs truncate_prompt_tokens use_beam_search""".split())
+# OpenAI's and vLLM's fields that would change the answer but llmopt does not implement: refused
+# (400) unless set to a value that asks for nothing (null, false, empty, best_of 1, tool_choice "none" …)
+UNSUPPORTED_FIELDS = frozenset("""
+    allowed_token_ids audio bad_words best_of chat_template chat_template_kwargs continue_final_message function_call
+    functions guided_choice guided_grammar guided_json guided_regex length_penalty logit_bias min_tokens modalities
+    prediction reasoning_effort response_format spaces_between_special_tokens structured_outputs suffix tool_choice tools
+    truncate_prompt_tokens use_beam_search""".split())
+INERT_VALUES = {"best_of": (1,), "tool_choice": ("none",), "response_format": ({"type": "text"},), "min_tokens": (0,),
+                "length_penalty": (1, 1.0), "spaces_between_special_tokens": (True,)}
+# fields that change nothing in the answer (bookkeeping, or another endpoint's): ignored with a warning
+IGNORED_FIELDS = frozenset("""
+    add_generation_prompt add_special_tokens echo max_completion_tokens messages metadata parallel_tool_calls priority
+    prompt prompt_logprobs request_id service_tier store top_logprobs""".split())
+
+
+def _asks_for_nothing(name: str, value: Any) -> bool:
+    return value is None or value is False or value in ([], {}, "") or value in INERT_VALUES.get(name, ())
 
 
 class StreamOptions(BaseModel):
@@ -45,7 +54,10 @@ class _Request(BaseModel):
         known = set(cls.model_fields)
         unknown = [name for name in data if name not in known]
         for name in unknown:
-            if name in FOREIGN_FIELDS:
+            if name in UNSUPPORTED_FIELDS and not _asks_for_nothing(name, data[name]):
+                raise PydanticCustomError("unsupported_field", "'{param}' is not supported by this server: leave it out",
+                                          {"param": name})
+            if name in UNSUPPORTED_FIELDS or name in IGNORED_FIELDS:
                 continue
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=NEAR_MISS_CUTOFF)
             if close:
@@ -79,6 +91,9 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     user: str | None = None
 
     @field_validator("stop")
@@ -99,20 +114,12 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False  # the prompt before each choice's text (and, with logprobs, its tokens' log-probabilities)
-    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value):
         if isinstance(value, list) and not value:
             raise ValueError("no prompt: pass a string, a list of token ids, or a list of either")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _unsupported(cls, value, info):
-        if value:
-            raise ValueError(f"'{info.field_name}' is not supported")
         return value
 
     def prompts(self) -> list[str | list[int]]:
