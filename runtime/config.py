@@ -16,7 +16,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longr
 GIB = 1024**3
 # the backends are the modules of runtime/backends (named, not imported, here)
 KERNEL_CHOICES = ("auto", *sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent / "backends")]) if m.name != "base"))
-LM_HEAD_CHOICES = ("auto", "bf16", "int8")
+LM_HEAD_CHOICES = ("auto", "bf16", "f16", "int8")
 MODEL_IMPL_CHOICES = ("auto", "native", "transformers")
 
 
@@ -34,7 +34,7 @@ class EngineConfig:
     requires the C++ kernels, ``triton`` the Triton ones, ``reference`` forces the plain-torch
     path (for comparison).
     ``lm_head``: ``auto`` runs the output head as the checkpoint stores it; ``bf16`` rounds a float32
-    head to bfloat16 at load and ``int8`` quantizes it per output channel (symmetric round-to-nearest)
+    head to bfloat16 at load (``f16``: to float16, the values a GGUF export keeps) and ``int8`` quantizes it per output channel (symmetric round-to-nearest)
     for the int8 kernel: a half / a quarter of the bytes per token (the demo model's float32 head is
     113 MB, most of a W4A16 model's weight traffic), at a small accuracy cost (WikiText-2, demo
     model, against the float32 head: mean KLD 2.7e-4 / 9.5e-4 nats, top-1 agreement 98% / 97%;

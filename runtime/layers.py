@@ -127,6 +127,17 @@ def int8_rows(lin: DenseLinear) -> QuantLinear:
                        format_for(scheme).kernel)
 
 
+HALF_HEADS = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def smaller_head(head: DenseLinear, kind: str) -> Linear:
+    """The float output head as ``lm_head`` asks: ``int8`` rows, or rounded to ``bf16`` / ``f16``
+    (f16: the values a GGUF export keeps for an unquantized head)."""
+    if kind == "int8":
+        return int8_rows(head)
+    return DenseLinear.from_weight(head.full_weight().to(HALF_HEADS[kind]), head.bias)
+
+
 def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 

@@ -20,7 +20,7 @@ from llmopt.formats.schemes import QuantizedWeight, dequantize
 
 from .backends import Backend
 from .config import ModelArch
-from .layers import ConcatLinear, DenseLinear, Linear, QuantLinear, SparseMoE, int8_rows, merge_linears
+from .layers import ConcatLinear, DenseLinear, Linear, QuantLinear, SparseMoE, HALF_HEADS, merge_linears, smaller_head
 
 
 @dataclass
@@ -206,10 +206,10 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backe
     else:
         head = DenseLinear.from_weight(tensor("lm_head.weight"))
     head_kind = "quantized" if not isinstance(head, DenseLinear) else "float" if lm_head == "auto" else lm_head
-    if head_kind in ("int8", "bf16"):
+    if head_kind in ("int8", *HALF_HEADS):
         if embed is None and embed_q is None:  # tied: lookups keep reading the float table
             embed = head.full_weight()
-        head = int8_rows(head) if head_kind == "int8" else DenseLinear.from_weight(head.full_weight().to(torch.bfloat16), head.bias)
+        head = smaller_head(head, head_kind)
     weights = ModelWeights(embed, layers, r.norm("model.norm.weight", arch.norm_offset), head, description, head_kind, embed_q)
     _check_shapes(weights, arch, path)
     for lin in _linears(weights):

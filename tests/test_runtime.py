@@ -224,15 +224,15 @@ def test_quantized_checkpoints_stay_quantized_and_match(tmp_path, preset, group)
 
 def _rounded_head(w: torch.Tensor, head: str) -> torch.Tensor:
     """What ``lm_head=head`` makes of the float head ``w``, computed independently."""
-    if head == "bf16":
-        return w.to(torch.bfloat16).float()
+    if head in ("bf16", "f16"):
+        return w.to(torch.bfloat16 if head == "bf16" else torch.float16).float()
     scale = w.abs().amax(1, keepdim=True) / 127
     return torch.round(w / scale).clamp(-128, 127) * scale
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])  # tied and untied heads
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
-@pytest.mark.parametrize("head", ["bf16", "int8"])
+@pytest.mark.parametrize("head", ["bf16", "f16", "int8"])
 def test_smaller_head_matches_a_reference_with_that_head(models, tmp_path, kind, kernels, head):
     """``lm_head="bf16"`` (the head rounded to bfloat16) and ``"int8"`` (quantized per output
     channel, scale = max|w| / 127, codes rounded to nearest) give transformers' tokens for the
@@ -255,7 +255,7 @@ def test_smaller_head_matches_a_reference_with_that_head(models, tmp_path, kind,
         assert isinstance(weights.lm_head, QuantLinear) and weights.lm_head.codes.dtype == torch.int8
         assert (weights.lm_head.packed is not None) == (kernels == "auto")
     else:
-        assert weights.lm_head.full_weight().dtype == torch.bfloat16
+        assert weights.lm_head.full_weight().dtype == (torch.bfloat16 if head == "bf16" else torch.float16)
     assert weights.embed.dtype == torch.float32
     float_bytes = LLMEngine(path, kernels=kernels).weights.nbytes()
     if kind == "qwen3":  # untied: the head's bytes shrink (the tied float table stays for lookups)
@@ -268,7 +268,7 @@ def test_smaller_head_matches_a_reference_with_that_head(models, tmp_path, kind,
 
 def test_lm_head_setting_is_validated(models):
     _, path = models("llama")
-    with pytest.raises(LlmoptError, match="lm_head must be one of auto, bf16, int8"):
+    with pytest.raises(LlmoptError, match="lm_head must be one of auto, bf16, f16, int8"):
         LLMEngine(path, lm_head="int4")
     result = CliRunner().invoke(main, ["generate", str(path), "hi", "--lm-head", "int4"])
     assert result.exit_code == 2 and "int4" in result.output

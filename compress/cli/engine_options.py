@@ -10,7 +10,7 @@ from llmopt.runtime.config import KERNEL_CHOICES, LM_HEAD_CHOICES, MODEL_IMPL_CH
 
 SAVED = " [default: the checkpoint's saved runtime settings (a recipe's runtime: block), else auto / cpu]"
 LM_HEAD_HELP = ("Output head: as the checkpoint stores it (auto), rounded to bfloat16 (bf16, half the bytes per "
-                "token) or quantized to int8 per output channel (int8, a quarter) at load; the demo model's float32 head "
+                "token) or float16 (f16: the values a GGUF export keeps) or quantized to int8 per output channel (int8, a quarter) at load; the demo model's float32 head "
                 "is most of a W4A16 model's weight traffic. Accuracy cost on WikiText-2 (demo model, float32 and W4A16), "
                 "against the float32 head: mean KLD 2.7e-4 (bf16) / 9.5e-4 (int8) nats, top-1 agreement 98% / 97%, "
                 "perplexity unchanged (bench/results/lm_head.md).")

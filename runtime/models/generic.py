@@ -29,7 +29,7 @@ from ..backends import Backend, ForwardBatch
 from ..config import ModelArch
 from ..kernels.reference import write_kv
 from ..kv_cache import KVCache
-from ..layers import DenseLinear, Linear, int8_rows
+from ..layers import HALF_HEADS, DenseLinear, Linear, smaller_head
 from ..loader import Reader, _quantized
 
 ATTN_NAME = "llmopt_paged"
@@ -257,8 +257,8 @@ def load_model(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backend
             raise LlmoptError(f"{path} has no {head_name}.weight and its embeddings are not tied", "re-create the checkpoint")
         head = DenseLinear.from_weight(hf.get_input_embeddings().weight.detach())
     head_kind = "quantized" if not isinstance(head, DenseLinear) else "float" if lm_head == "auto" else lm_head
-    if head_kind in ("int8", "bf16"):
-        head = int8_rows(head) if head_kind == "int8" else DenseLinear.from_weight(head.full_weight().to(torch.bfloat16), head.bias)
+    if head_kind in ("int8", *HALF_HEADS):
+        head = smaller_head(head, head_kind)
     if head_name is not None:
         replaced[head_name] = head
     modules = _linear_modules(hf)
