@@ -60,7 +60,7 @@ P = ["prune", "{model}", "-o", "{out}"]
 E = ["export", "{model}", "-o", "{out}"]
 CASES = [
     # quantize: inputs
-    (["quantize", "{missing}", "--scheme", "W4A16", "-o", "{out}"], "not found"),
+    (["quantize", "{missing}", "--scheme", "W4A16", "-o", "{out}"], "no such folder"),
     (["quantize", "{plain}", "--scheme", "W4A16", "-o", "{out}"], "is a file, not a model"),
     (["quantize", "{bad_magic}", "--scheme", "W4A16", "-o", "{out}"], "bad magic"),
     (["quantize", "{truncated_gguf}", "--scheme", "W4A16", "-o", "{out}"], "gguf"),
@@ -105,7 +105,7 @@ CASES = [
     (["export", "{model}", "-o", "{existing}", "--format", "hf"], "exists"),
     (["export", "{bad_magic}", "-o", "{out}.gguf"], "bad magic"),
     # eval
-    (["eval", "{missing}"], "not found"),
+    (["eval", "{missing}"], "no such folder"),
     (["eval", "{model}", "--seq-len", "1"], "--seq-len"),
     (["eval", "{model}", "--dataset", "{empty}", "--seq-len", "64"], "empty"),
     (["eval", "{model}", "--seq-len", "4096"], "exceeds the model's 512 positions"),
@@ -113,10 +113,10 @@ CASES = [
     (["eval", "{model}", "--baseline", "{other}", "--dataset", CALIB, "--seq-len", "64", "--max-windows", "1"], "vocabularies"),
     (["eval", "{model}", "--dataset", CALIB, "--seq-len", "64", "--max-windows", "1", "-o", "{under_file}"], "cannot"),
     # inspect
-    (["inspect", "{missing}"], "not found"),
+    (["inspect", "{missing}"], "no such folder"),
     (["inspect", "{truncated}"], "safetensors"),
     # generate / bench
-    (["generate", "{missing}", "hi"], "not found"),
+    (["generate", "{missing}", "hi"], "no such folder"),
     (["generate", "{model}", "hi", "--max-tokens", "0"], "--max-tokens"),
     (["generate", "{model}", "hi", "--device", "cuda"], "CUDA"),
     (["bench", "{model}", "--prompt-len", "abc"], "--prompt-len"),
@@ -132,7 +132,7 @@ CASES = [
     (["distill", "--teacher", "{model}", "--student", "{model}", "--student-from", "{model}", "--steps", "1", "-o", "{out}"], "exactly one of"),
     (["distill", "--teacher", "{model}", "--student-from", "{model}", "--drop-layers", "1", "--steps", "0", "-o", "{out}"], "--steps 0"),
     # compare
-    (["compare", "{model}", "{missing}", "-o", "{out}"], "not found"),
+    (["compare", "{model}", "{missing}", "-o", "{out}"], "no such folder"),
 ]
 
 

@@ -67,7 +67,7 @@ def test_load_round_trip_gives_same_logits(tmp_path):
 @pytest.mark.parametrize(
     "make, expected",
     [
-        (lambda p: p / "missing", "model not found"),
+        (lambda p: p / "missing", "no such folder"),
         (lambda p: (p / "empty").mkdir() or p / "empty", "no config.json"),
         (lambda p: _write(p / "notes.txt", "hello"), "is a file, not a model"),
         (lambda p: _write(p / "x.gguf", "nope"), "not a GGUF file"),
@@ -248,8 +248,8 @@ def test_cli_eval_against_other_model(tmp_path):
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["eval", "/no/such/model"], "model not found"),
-        (["inspect", "/no/such/model"], "model not found"),
+        (["eval", "/no/such/model"], "no such folder"),
+        (["inspect", "/no/such/model"], "no such folder"),
         (["eval", "{model}", "--dataset", "/no/such.txt", "--seq-len", "64"], "dataset not found"),
         (["eval", "{model}", "--dataset", "{short}", "--seq-len", "64"], "fewer than one window"),
         (["eval", "{model}", "--seq-len", "4096"], "exceeds the model's 512 positions"),

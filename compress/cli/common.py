@@ -12,9 +12,37 @@ import click
 
 from llmopt.core.errors import LlmoptError
 
-MODEL_HELP = "MODEL is 'demo' (bundled SmolLM2-135M-Instruct), a Hugging Face directory, a .gguf file or a Hub id."
+MODEL_HELP = ("MODEL is 'demo' (bundled SmolLM2-135M-Instruct), a Hugging Face directory, a .gguf file or a Hub id "
+              "(org/name or org/name@revision).")
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
+
+
+def hub_options(model_param: str | None = "model"):
+    """``--trust-remote-code`` and, for the parameter ``model_param`` (None: no such option),
+    ``--revision``. Goes below ``user_errors``, so that a conflict is a one-line error."""
+
+    def decorate(func):
+        @wraps(func)
+        def wrapper(*args, trust_remote_code: bool = False, revision: str | None = None, **kwargs):
+            from llmopt.checkpoints.hub import with_revision
+            from llmopt.checkpoints.remote_code import trusting
+
+            if model_param:
+                kwargs[model_param] = with_revision(kwargs[model_param], revision)
+            with trusting(trust_remote_code):
+                return func(*args, **kwargs)
+
+        wrapper = click.option("--trust-remote-code", is_flag=True,
+                               help="Let a checkpoint run its own Python code (its config's auto_map); only for "
+                                    "repositories you trust.")(wrapper)
+        if model_param:
+            wrapper = click.option("--revision", metavar="REV",
+                                   help=f"Hub branch, tag or commit of {model_param.upper()} (same as "
+                                        f"{model_param.upper()}@REV) [default: the repository's default branch].")(wrapper)
+        return wrapper
+
+    return decorate
 
 
 def user_message(exc: BaseException) -> str | None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from llmopt.cli.common import emit_json, user_errors
+from llmopt.cli.common import emit_json, hub_options, user_errors
 from llmopt.runtime.config import MODEL_IMPL_CHOICES
 
 
@@ -50,6 +50,7 @@ def compare_table(report: dict) -> Table:
 @click.option("--plot", type=click.Path(dir_okay=False), help="Pareto plot path (default OUTPUT/pareto.png).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @user_errors
+@hub_options(None)
 def compare_command(baseline, variants, labels, dataset, seq_len, max_windows, speed, repetitions, rounds, serving_requests,
                     model_impl, tasks, num_fewshot, limit, include_path, output, plot, as_json):
     """Accuracy (perplexity, KLD, top-1 vs BASELINE), speed (our runtime) and size of every VARIANT."""

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from llmopt.cli.common import emit_json, user_errors
+from llmopt.cli.common import emit_json, hub_options, user_errors
 from llmopt.cli.options import config_from_cli, stage_options
 from llmopt.pipeline.stages.distill import DistillConfig
 
@@ -39,6 +39,7 @@ def _table(outcome) -> object:
 @stage_options(DistillConfig)
 @click.option("--json", "as_json", is_flag=True, help="Print the run record as JSON.")
 @user_errors
+@hub_options("teacher")
 def distill_command(as_json: bool, **params):
     """Distil TEACHER into a student and save it as a Hugging Face checkpoint.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from llmopt.cli.common import emit_json, user_errors
+from llmopt.cli.common import emit_json, hub_options, user_errors
 from llmopt.cli.options import config_from_cli, stage_options
 from llmopt.pipeline.stages.evaluate import EvalConfig
 
@@ -13,6 +13,7 @@ from llmopt.pipeline.stages.evaluate import EvalConfig
 @stage_options(EvalConfig)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @user_errors
+@hub_options()
 def eval_command(as_json: bool, **params):
     """Perplexity of MODEL on a text and, with --baseline, KLD / top-1 agreement against another model.
 
@@ -39,6 +40,7 @@ def eval_command(as_json: bool, **params):
 @click.option("--no-sparsity", is_flag=True, help="Skip reading dense weights to measure sparsity (faster on big models).")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON, one entry per module.")
 @user_errors
+@hub_options()
 def inspect_command(model, no_sparsity, as_json):
     """Architecture, parameters, per-module format (dense / int4 / int8 / fp8 / nf4, group size,
     sparsity) and bytes on disk and in memory of MODEL."""

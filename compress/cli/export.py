@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from llmopt.cli.common import emit_json, user_errors
+from llmopt.cli.common import emit_json, hub_options, user_errors
 from llmopt.cli.options import config_from_cli, stage_options
 from llmopt.cli.tables import record_table
 from llmopt.pipeline.stages.export import ExportConfig
@@ -53,6 +53,7 @@ def _gguf_tables(report) -> list[Table]:
 @stage_options(ExportConfig)
 @click.option("--json", "as_json", is_flag=True, help="Print the report (per-tensor types and errors) as JSON.")
 @user_errors
+@hub_options()
 def export_command(as_json: bool, **params):
     """Export MODEL to OUTPUT as GGUF (llama.cpp), dense safetensors (hf) or compressed-tensors.
 

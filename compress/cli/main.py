@@ -6,7 +6,8 @@ import os
 
 import click
 
-# Libraries' own tqdm bars (ours are rich); tqdm reads this when it is first imported.
+# Libraries' own tqdm bars (ours are rich); tqdm reads this when it is first imported. Hub downloads
+# keep huggingface_hub's bars, on stderr (llmopt.checkpoints.hub.progress_bar).
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 from llmopt import __version__

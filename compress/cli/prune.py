@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from llmopt.cli.common import emit_json, json_option, user_errors
+from llmopt.cli.common import emit_json, hub_options, json_option, user_errors
 from llmopt.cli.options import config_from_cli, stage_options
 from llmopt.cli.tables import calibration_text, record_table
 from llmopt.pipeline.stages.prune import PruneConfig
@@ -41,6 +41,7 @@ def prune_table(record: dict) -> Table:
 @stage_options(PruneConfig)
 @json_option
 @user_errors
+@hub_options()
 def prune_command(as_json: bool, **params):
     """Prune MODEL and save the result to OUTPUT.
 

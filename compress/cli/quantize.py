@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from llmopt.cli.common import emit_json, json_option, user_errors
+from llmopt.cli.common import emit_json, hub_options, json_option, user_errors
 from llmopt.cli.options import config_from_cli, stage_options
 from llmopt.pipeline.stages.quantize import QuantizeConfig
 
@@ -13,6 +13,7 @@ from llmopt.pipeline.stages.quantize import QuantizeConfig
 @stage_options(QuantizeConfig)
 @json_option
 @user_errors
+@hub_options()
 def quantize_command(as_json: bool, **params):
     """Quantize MODEL's Linear layers and save a compressed-tensors checkpoint to OUTPUT.
 

@@ -6,7 +6,7 @@ import click
 from rich.syntax import Syntax
 from rich.table import Table
 
-from llmopt.cli.common import emit_json, user_errors
+from llmopt.cli.common import emit_json, hub_options, user_errors
 
 
 @click.command("run")
@@ -18,6 +18,7 @@ from llmopt.cli.common import emit_json, user_errors
 @click.option("--dry-run", is_flag=True, help="Validate and show the plan; do no work.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run record as JSON.")
 @user_errors
+@hub_options(None)
 def run_command(recipe, overrides, model, output, from_stage, dry_run, as_json):
     """Run RECIPE (a YAML file or a bundled recipe name) stage by stage.
 

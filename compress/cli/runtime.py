@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from llmopt.cli.common import MODEL_HELP, emit_json, user_errors
+from llmopt.cli.common import MODEL_HELP, emit_json, hub_options, user_errors
 from llmopt.core.errors import LlmoptError
 from llmopt.cli.engine_options import engine_options, engine_settings, saved_with
 
@@ -42,6 +42,7 @@ def _range(text: str, what: str) -> tuple[int, int]:
 @engine_options(batching=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the output, token ids and timings as JSON.")
 @user_errors
+@hub_options()
 def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop,
                      ignore_eos, chat, stream, as_json, **engine):
     """Generate text for PROMPT with MODEL in llmopt's runtime.
@@ -100,6 +101,7 @@ def generate_command(model, prompt, max_tokens, temperature, top_k, top_p, min_p
 @engine_options()
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @user_errors
+@hub_options()
 def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_len, rate, seed, no_single, as_json, **engine):
     """Speed of MODEL in the runtime: single stream (pp/tg tokens/s, median of repetitions, like
     llama-bench) and a serving workload (throughput, TTFT / TPOT p50 and p99).

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from llmopt.cli.common import MODEL_HELP, user_errors
+from llmopt.cli.common import MODEL_HELP, hub_options, user_errors
 from llmopt.core.errors import LlmoptError
 from llmopt.cli.engine_options import engine_options, engine_settings
 
@@ -47,6 +47,7 @@ def _check_port(host: str, port: int) -> None:
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]),
               help="uvicorn's log level (info shows every request).")
 @user_errors
+@hub_options()
 def serve_command(model, host, port, api_key, served_model_name, max_waiting, shutdown_timeout, chat_template,
                   max_connections, send_timeout, log_level, **engine):
     """Serve MODEL over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions (streaming

@@ -284,6 +284,10 @@ def write_side_files(model: Any, tokenizer: Any, out: Path, qconfig: dict, prove
         config.dtype = model.dtype
     config.quantization_config = qconfig
     config.save_pretrained(out)
+    if getattr(model, "_auto_class", None):  # a trusted checkpoint's own code goes with it, as save_pretrained does
+        from transformers.dynamic_module_utils import custom_object_save
+
+        custom_object_save(model, out, config=config)
     _write_extras(model, tokenizer, out, provenance)
 
 

@@ -20,6 +20,7 @@ from llmopt.core.atomic import atomic_dir, check_output
 from llmopt.core.errors import LlmoptError
 from llmopt.checkpoints.models import read_config, resolve_model
 from llmopt.checkpoints.provenance import read_provenance, write_provenance
+from llmopt.checkpoints.remote_code import remote_code_kwargs
 
 FORMATS = ("gguf", "hf", "compressed-tensors")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -85,7 +86,7 @@ def export_hf(model: str | Path, output: str | Path, dtype: str = "auto", overwr
     import torch
 
     net, kind = float_model(path, getattr(torch, dtype))
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, **remote_code_kwargs())
     if hasattr(net.config, "quantization_config"):
         del net.config.quantization_config
     net.config.dtype = getattr(torch, dtype)
@@ -120,7 +121,7 @@ def export_compressed_tensors(model: str | Path, output: str | Path, overwrite: 
         )
     weights, qconfig = read_compressed(path)
     net = load_dequantized(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, **remote_code_kwargs())
     record = read_provenance(path)
     record.update(_provenance(path, "compressed-tensors"))
     save_compressed(net, tokenizer, output, weights, list(qconfig.get("ignore") or []), record, overwrite=overwrite)

@@ -117,7 +117,9 @@ def run_prune(config: PruneConfig, progress=None) -> dict:
     if streamed:
         from transformers import AutoTokenizer
 
-        model, tokenizer = None, AutoTokenizer.from_pretrained(source)
+        from llmopt.checkpoints.remote_code import remote_code_kwargs
+
+        model, tokenizer = None, AutoTokenizer.from_pretrained(source, **remote_code_kwargs())
     else:
         model, tokenizer = load_model(source)
     record = config.record(str(source), config.model)

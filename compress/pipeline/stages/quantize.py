@@ -265,7 +265,9 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
         return _evaluated(config, record)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source)  # the model itself streams layer by layer from the checkpoint
+    from llmopt.checkpoints.remote_code import remote_code_kwargs
+
+    tokenizer = AutoTokenizer.from_pretrained(source, **remote_code_kwargs())  # the model itself streams layer by layer from the checkpoint
     request = config.request()
     calib = None
     if config.needs_calibration:
