@@ -357,8 +357,10 @@ class LLMEngine:
 def _load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
+    from llmopt.checkpoints.remote_code import remote_code_kwargs
+
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, **remote_code_kwargs())  # a trusted checkpoint's own tokenizer code
     except (OSError, ValueError) as exc:
         raise LlmoptError(f"cannot load the tokenizer of {path}: {str(exc).splitlines()[0]}", "copy the tokenizer files into the checkpoint") from exc
 
