@@ -306,9 +306,8 @@ def write_md(data: dict, path: Path) -> None:
         held = f"{server['kv_blocks_used_after']} / {server['requests_in_flight_after']}" if "kv_blocks_used_after" in server else "—"
         lines.append(f"| {label} | {server['rss_after_warmup_mib']:.0f} MiB | {server['rss_after_run_mib']:.0f} MiB | "
                      f"{server['rss_ratio']:.3f} | {held} | {server.get('exit_code')} |")
-    if data.get("in_process"):
-        ip = data["in_process"]
-        lines += ["", f"In process, the same checkpoint, one stream: {ip['tok_s']:.1f} tok/s (TPOT {ip['tpot_ms']:.2f} ms), "
+    for label, ip in data.get("in_process", {}).items():
+        lines += ["", f"In process, `{label}`'s engine settings, one stream: {ip['tok_s']:.1f} tok/s (TPOT {ip['tpot_ms']:.2f} ms), "
                       f"{ip['tokens']} tokens from a {ip['prompt_tokens']}-token prompt, median of {ip['rounds']} runs."]
     lines += ["", "Commands: " + servers, ""] + [f"- {line}" for line in target_lines(data)]
     path.write_text("\n".join(lines) + "\n")
@@ -321,44 +320,50 @@ def _best(data: dict, prefix: str, phase: str) -> tuple[str | None, dict | None]
     return max(found, key=lambda item: item[1]["output_tok_s"], default=(None, None))
 
 
+SAME_WEIGHTS = {"llama-server": "llmopt --lm-head f16", "vllm": "llmopt"}  # the llmopt run serving the anchor's weights
+
+
 def target_lines(data: dict) -> list[str]:
-    """The issue's targets against this run's figures."""
-    ours = data["servers"].get("llmopt", {}).get("phases", {})
+    """The issue's targets against this run's figures, each anchor against the llmopt run that
+    serves the same weights (llama.cpp's GGUF keeps an unquantized head in float16)."""
     lines = []
-    burst = ours.get("burst")
     for prefix, factor in (("llama-server", 1.3), ("vllm", 1.0)):
+        ours_label = SAME_WEIGHTS[prefix] if SAME_WEIGHTS[prefix] in data["servers"] else "llmopt"
+        burst = data["servers"].get(ours_label, {}).get("phases", {}).get("burst")
         label, theirs = _best(data, prefix, "burst")
         if burst is None or theirs is None:
             lines.append(f"Burst against {prefix}: not measured.")
             continue
         ratio = burst["output_tok_s"] / theirs["output_tok_s"]
         ttft_ok = (burst["ttft_p50_s"] or 9e9) <= (theirs["ttft_p50_s"] or 0)
-        lines.append(f"Burst: {burst['output_tok_s']:.1f} output tok/s against {label}'s {theirs['output_tok_s']:.1f}: {ratio:.2f}× "
-                     f"(target ≥ {factor}×: {'met' if ratio >= factor else 'missed'}); TTFT p50 {_ms(burst['ttft_p50_s'])} against "
-                     f"{_ms(theirs['ttft_p50_s'])} (target no worse: {'met' if ttft_ok else 'missed'}); tokens / asked "
+        lines.append(f"Burst: `{ours_label}` {burst['output_tok_s']:.1f} output tok/s against `{label}`'s {theirs['output_tok_s']:.1f}: "
+                     f"{ratio:.2f}× (target ≥ {factor}×: {'met' if ratio >= factor else 'missed'}); TTFT p50 {_ms(burst['ttft_p50_s'])} "
+                     f"against {_ms(theirs['ttft_p50_s'])} (target no worse: {'met' if ttft_ok else 'missed'}); tokens / asked "
                      f"{_share(burst)} against {_share(theirs)}.")
-    single = ours.get("single")
-    if single and single["tpot_p50_s"]:
-        ip = data.get("in_process")
-        if ip:
-            ratio = ip["tpot_ms"] / 1000 / single["tpot_p50_s"]
-            lines.append(f"One stream through HTTP: TPOT p50 {_ms(single['tpot_p50_s'])} against {ip['tpot_ms']:.1f} ms in process: "
-                         f"{ratio:.2f}× the in-process speed (target ≥ 0.9×: {'met' if ratio >= 0.9 else 'missed'}).")
-        label, theirs = _best(data, "llama-server", "single")
-        if theirs and theirs["tpot_p50_s"]:
-            ratio = theirs["tpot_p50_s"] / single["tpot_p50_s"]
-            lines.append(f"One stream through HTTP against {label}: TPOT p50 {_ms(single['tpot_p50_s'])} against "
-                         f"{_ms(theirs['tpot_p50_s'])}: {ratio:.2f}× its speed (target ≥ 1.0×: {'met' if ratio >= 1.0 else 'missed'}).")
+    for ours_label, ip in data.get("in_process", {}).items():
+        single = data["servers"].get(ours_label, {}).get("phases", {}).get("single")
+        if not single or not single["tpot_p50_s"]:
+            continue
+        ratio = ip["tpot_ms"] / 1000 / single["tpot_p50_s"]
+        lines.append(f"One stream through HTTP, `{ours_label}`: TPOT p50 {_ms(single['tpot_p50_s'])} against {ip['tpot_ms']:.1f} ms "
+                     f"in process: {ratio:.2f}× the in-process speed (target ≥ 0.9×: {'met' if ratio >= 0.9 else 'missed'}).")
+    ours_label = SAME_WEIGHTS["llama-server"] if SAME_WEIGHTS["llama-server"] in data["servers"] else "llmopt"
+    single = data["servers"].get(ours_label, {}).get("phases", {}).get("single")
+    label, theirs = _best(data, "llama-server", "single")
+    if single and single["tpot_p50_s"] and theirs and theirs["tpot_p50_s"]:
+        ratio = theirs["tpot_p50_s"] / single["tpot_p50_s"]
+        lines.append(f"One stream through HTTP, `{ours_label}` against `{label}`: TPOT p50 {_ms(single['tpot_p50_s'])} against "
+                     f"{_ms(theirs['tpot_p50_s'])}: {ratio:.2f}× its speed (target ≥ 1.0×: {'met' if ratio >= 1.0 else 'missed'}).")
     return lines
 
 
-def in_process_decode(model: str, threads: int, prompt: str, tokens: int, rounds: int = 3) -> dict:
+def in_process_decode(model: str, threads: int, prompt: str, tokens: int, lm_head: str, rounds: int = 3) -> dict:
     """Single-stream decode speed of the same checkpoint in process (no HTTP), in a child process
     (its threads and memory are its own)."""
     code = f"""
 import json, statistics, time
 from llmopt.runtime import LLM, SamplingParams
-llm = LLM({model!r}, threads={threads}, max_num_seqs=1)
+llm = LLM({model!r}, threads={threads}, max_num_seqs=1, lm_head={lm_head!r})
 params = SamplingParams(temperature=0.0, max_tokens={tokens}, ignore_eos=True)
 llm.generate([{prompt!r}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
 tpots = []
@@ -409,6 +414,9 @@ def main() -> None:
     ap.add_argument("--phase-deadline", type=float, default=300.0, help="seconds per phase at most")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--llmopt-heads", default="auto,f16",
+                    help="comma-separated --lm-head settings llmopt serves with (auto: the checkpoint's head as stored; f16: "
+                         "the values the GGUF export keeps, llama-server's weights)")
     ap.add_argument("--only", default="", help="comma-separated server label prefixes to measure (default: all)")
     ap.add_argument("--out", default=str(RESULTS / "serve_load"))
     args = ap.parse_args()
@@ -442,13 +450,17 @@ def main() -> None:
     def include(label: str) -> bool:
         return not wanted or any(label.startswith(w) for w in wanted)
 
-    if include("llmopt"):
+    data["in_process"] = {}
+    for head in [h for h in args.llmopt_heads.split(",") if h]:
+        label = "llmopt" if head == "auto" else f"llmopt --lm-head {head}"
+        if not include(label):
+            continue
         ours = [sys.executable, "-m", "llmopt", "serve", args.model, "--port", "{port}", "--served-model-name", NAME,
-                "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", "1024"]
-        data["servers"]["llmopt"] = measure("llmopt", ours, {"ignore_eos": True}, phases, args.phase_deadline, kv_metrics=True,
-                                            soak_deadline_s=args.soak_deadline)
+                "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", "1024", "--lm-head", head]
+        data["servers"][label] = measure(label, ours, {"ignore_eos": True}, phases, args.phase_deadline, kv_metrics=True,
+                                         soak_deadline_s=args.soak_deadline)
         prompt = phases[0][1][0].prompt if phases else "Hello"
-        data["in_process"] = in_process_decode(args.model, args.threads, prompt, output_len[1])
+        data["in_process"][label] = in_process_decode(args.model, args.threads, prompt, output_len[1], head)
     phases = [(name, reqs) for name, reqs in phases if name != "soak"]  # the soak checks our server only
     special = sorted(set(tokenizer.all_special_ids) | {tokenizer.eos_token_id})
     llama_extra = {"ignore_eos": True, "logit_bias": {str(t): -100 for t in special}}
