@@ -12,6 +12,7 @@ torch reference kernels.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -41,7 +42,27 @@ def _digest(sources: list[Path], flags: list[str]) -> str:
         h.update(path.read_bytes())
     h.update(" ".join(flags).encode())
     h.update(torch.__version__.encode())
+    h.update(str(Path(torch.__file__).parent).encode())  # another venv's torch: its own folder (include paths differ)
     return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """One build per folder at a time, by an OS lock that dies with its process; torch's own
+    lock file, left behind by a build that was killed (which would make every later build wait
+    for ever), is removed once this lock is held."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock file alone
+        yield
+        return
+    with open(build_dir / "llmopt-build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def load_extension(name: str, sources: list[str]) -> ModuleType | None:
@@ -70,10 +91,11 @@ def load_extension(name: str, sources: list[str]) -> ModuleType | None:
         if fresh:
             notice(f"compiling llmopt's {name} kernels (once, about a minute)")
         try:
-            module = cpp_extension.load(
-                name=name, sources=[str(p) for p in paths], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                extra_include_paths=[str(SOURCES)], build_directory=str(build_dir), verbose=False,
-            )
+            with _build_lock(build_dir):
+                module = cpp_extension.load(
+                    name=name, sources=[str(p) for p in paths], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                    extra_include_paths=[str(SOURCES)], build_directory=str(build_dir), verbose=False,
+                )
         except Exception as exc:  # compiler errors, missing headers: fall back, say why
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             warnings.warn(f"building llmopt's {name} kernels failed ({first}); falling back to plain torch",
