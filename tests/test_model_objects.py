@@ -93,6 +93,8 @@ def test_notebook_flow_quantize_generate_save_reload(tmp_path, tok):
     torch.testing.assert_close(logits(theirs, ids), logits(quantized, ids), rtol=1e-4, atol=1e-4)
     quantized.save_pretrained(tmp_path / "sp")  # transformers' name for the same writer
     assert_same_checkpoint(path, tmp_path / "sp")
+    quantized.save_pretrained(tmp_path / "sharded", max_shard_size="2GB")  # a size as text, as transformers takes it
+    assert_same_checkpoint(path, tmp_path / "sharded")
 
 
 # -- (b) tensors equal to the CLI's --------------------------------------------------------------

@@ -149,7 +149,7 @@ def _save_pretrained(self: nn.Module, save_directory: str | Path, **kwargs: Any)
                           "pass a new folder, or llmopt.save(model, path, overwrite=True) to replace it")
     shard = kwargs.get("max_shard_size")
     if isinstance(shard, str):
-        from transformers.utils import convert_file_size_to_int
+        from transformers.utils.hub import convert_file_size_to_int
 
         shard = convert_file_size_to_int(shard)
     save_model(self, path, overwrite=path.exists(), max_shard_bytes=shard)
