@@ -439,31 +439,56 @@ def load_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
     """A plain float transformers model from a compressed-tensors checkpoint, dequantized by us.
 
     Independent of transformers' compressed-tensors loader (which, in transformers 5.24 with
-    compressed-tensors 0.20, cannot load asymmetric checkpoints with mixed group sizes).
+    compressed-tensors 0.20, cannot load asymmetric checkpoints with mixed group sizes). The
+    dequantized tensors go through transformers' own loading, so every conversion it applies
+    between the stored and the in-memory layout (per-expert MoE tensors fused into 3-D experts,
+    renamed keys) applies here too.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     weights, _ = read_compressed(path)
+    target = dtype or config.dtype or torch.float32
     # a quantized Linear's packed tensors are replaced by its dequantized weight; its bias stays
-    state = {k: v for k, v in _load_tensors(path).items()
+    state = {k: v.to(target) if v.is_floating_point() else v for k, v in _load_tensors(path).items()
              if k.rpartition(".")[0] not in weights or k.rpartition(".")[2] == "bias"}
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype or config.dtype)
-    target = model.dtype
     for name, qw in weights.items():
         state[f"{name}.weight"] = qw.dequantize(target)
-    missing, unexpected = model.load_state_dict({k: v.to(target) if v.is_floating_point() else v
-                                                 for k, v in state.items()}, strict=False)
+    model_class = _get_model_class(config, AutoModelForCausalLM._model_mapping)
+    model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=target,
+                                              output_loading_info=True)
+    del state
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
-    add_activation_quantization(model, weights)
+    missing = [k for k in info.get("missing_keys", []) if k not in tied]
+    unexpected = list(info.get("unexpected_keys", []))
+    mismatched = list(info.get("mismatched_keys", []))
+    if missing or unexpected or mismatched:
+        raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}, "
+                         f"mismatched {mismatched}")
+    add_activation_quantization(model, _in_memory_names(model, weights))
     return model.eval()
+
+
+def _in_memory_names(model: Any, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+    """``weights`` keyed by the model's own module names. Where activations are quantized at run time
+    and the model fused some stored Linears (MoE experts held as 3-D tensors), the experts are unfused
+    into one Linear each so every quantized input gets its hook; weight-only schemes need no hooks."""
+    from llmopt.checkpoints.moe import canonical_key, unfuse_experts
+
+    by_name = {canonical_key(f"{name}.weight").rpartition(".")[0]: qw for name, qw in weights.items()
+               if qw.scheme.activations}
+    modules = dict(model.named_modules())
+    if any(name not in modules for name in by_name):
+        unfuse_experts(model)
+        modules = dict(model.named_modules())
+    lost = sorted(name for name in by_name if name not in modules)
+    if lost:
+        raise ValueError(f"checkpoint does not fit the model: no module {lost[0]} for its activation quantization")
+    return by_name
 
 
 def add_activation_quantization(model: Any, weights: dict[str, QuantizedWeight]) -> None:
