@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from llmopt.formats.registry import OUTER_CANDIDATES
+from llmopt.formats.registry import GGUF_TYPE_CANDIDATES, OUTER_CANDIDATES
 from llmopt.formats.schemes import QuantizedWeight, QuantScheme, search_qparams
 from llmopt.quant.gptq import gptq_quantize_weight
 from llmopt.quant.head_fisher import HeadFisher
@@ -36,12 +36,14 @@ HEAD = "lm_head"
 
 def outer_scheme(kind: str, scale_dtype: str = "bfloat16") -> QuantScheme | None:
     """The scheme of an embedding/head format name (None: float): the registry's candidate of that
-    name (:data:`~llmopt.formats.registry.OUTER_CANDIDATES`), scales stored in ``scale_dtype``."""
+    name (:data:`~llmopt.formats.registry.OUTER_CANDIDATES`) or a llama.cpp type's (``q6_k`` …, from
+    a mixture), scales stored in ``scale_dtype``."""
     if kind == "float":
         return None
-    if kind not in OUTER_CANDIDATES:
+    by_gguf_type = {c.name: c for c in GGUF_TYPE_CANDIDATES.values()}  # q6_k, q8_0 …: as llama.cpp's mixtures give them
+    found = OUTER_CANDIDATES.get(kind) or by_gguf_type.get(kind)
+    if found is None:
         raise ValueError(f"unknown embedding/head format {kind!r}: choose one of {', '.join(OUTER_CHOICES)}")
-    found = OUTER_CANDIDATES[kind]
     return found.format.scheme(found.group_size).with_scale_dtype(scale_dtype)
 
 
@@ -74,7 +76,8 @@ def gptq_matrix(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor, ref
     parts = [gptq_quantize_weight(chunk.float(), hessian, scheme, group, clip=True, refit=refit)
              for chunk in torch.split(w, HEAD_GPTQ_ROWS)]
     joined = _joined(parts, scheme, group)
-    return joined if fisher is None else fisher.requantize(w, joined)
+    # the per-row pass re-solves free group scales: super-block scales (k · d, Q6_K …) keep the joint solve
+    return joined if fisher is None or scheme.scale_steps is not None else fisher.requantize(w, joined)
 
 
 def quantize_head(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor | None,

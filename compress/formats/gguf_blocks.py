@@ -53,6 +53,7 @@ from gguf import GGMLQuantizationType as T
 from llmopt.formats.schemes import (
     IQ4_NL_GRID,
     IQ4_XS_STEPS,
+    K_GROUP,
     grid_scales,
     on_grid,
     round_to_grid,
@@ -201,6 +202,10 @@ def stored_codes(data: np.ndarray, qtype: T, rows: int) -> tuple[np.ndarray, np.
         return _q6_k_codes(blocks, rows)
     if qtype == T.Q3_K:
         return _q3_k_codes(blocks, rows)
+    if qtype in (T.Q4_K, T.Q5_K):
+        return _q45_k_codes(blocks, rows, high_bits=qtype == T.Q5_K)
+    if qtype == T.Q2_K:
+        return _q2_k_codes(blocks, rows)
     d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
     if qtype == T.Q8_0:
         codes = blocks[:, 2:].copy().view(np.int8)
@@ -302,15 +307,108 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     eff_scale = (d[:, None] * sc)[..., None]
     eff_min = (dmin[:, None] * mc)[..., None]
     u = _safe_div(sub + eff_min, eff_scale).round().clip(0, 15).astype(np.uint8)  # [n, 8, 32]
-    pairs = u.reshape(-1, 4, 2, 32)
+    return _pack_q45_k(u.reshape(-1, 256), d, dmin, sc, mc, high_bits=False).reshape(rows, -1)
+
+
+def _pack_k_scales(sc: np.ndarray, mc: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K's 12 scale bytes from 6-bit scales and mins ``[n, 8]``."""
+    lo, hi, mlo, mhi = sc[:, :4], sc[:, 4:], mc[:, :4], mc[:, 4:]
+    return np.concatenate([lo | ((hi >> 4) << 6), mlo | ((mhi >> 4) << 6), (hi & 0x0F) | ((mhi & 0x0F) << 4)], axis=1)
+
+
+def _unpack_k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`_pack_k_scales`: ``(scales, mins)`` ``[n, 8]``."""
+    a, b, c = raw[:, :4], raw[:, 4:8], raw[:, 8:12]
+    sc = np.concatenate([a & 63, (c & 0x0F) | ((a >> 6) << 4)], axis=1)
+    mc = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=1)
+    return sc, mc
+
+
+def _pack_q45_k(u: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mc: np.ndarray, high_bits: bool) -> np.ndarray:
+    """Q4_K (``high_bits`` False, u in [0, 15]) or Q5_K (u in [0, 31]) blocks from unsigned codes
+    ``[n, 256]``, super-block ``d`` / ``dmin`` ``[n]`` and 6-bit sub-block scales / mins ``[n, 8]``:
+    weight = d * sc * u - dmin * m per sub-block of 32."""
+    pairs = (u & 0x0F).reshape(-1, 4, 2, 32)
     qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
-    lo, hi = sc[:, :4], sc[:, 4:]
-    mlo, mhi = mc[:, :4], mc[:, 4:]
-    scales = np.concatenate(
-        [lo | ((hi >> 4) << 6), mlo | ((mhi >> 4) << 6), (hi & 0x0F) | ((mhi & 0x0F) << 4)], axis=1
-    )
-    out = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs], axis=1)
-    return out.reshape(rows, -1)
+    parts = [_f16_bytes(d), _f16_bytes(dmin), _pack_k_scales(sc, mc)]
+    if high_bits:  # bit i of qh[l]: the fifth bit of weight 32 i + l
+        high = (u >> 4).reshape(-1, 8, 32)
+        parts.append((high << np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).sum(axis=1, dtype=np.uint8))
+    return np.concatenate([*parts, qs], axis=1)
+
+
+def _symmetric_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray, bits: int, scale_bits: int, sub: int, qtype: str):
+    """Symmetric codes with one-sign multiples as an affine K-quant's fields: unsigned codes, the
+    super-block ``d`` (sign flipped to positive), ``dmin = 2^(bits-1) d`` and unsigned scales,
+    each sub-block's min multiple equal to its scale's."""
+    half = 2 ** (bits - 1)
+    if codes.min(initial=0) < -half or codes.max(initial=0) > half - 1:
+        raise ValueError(f"a {qtype} code is outside [{-half}, {half - 1}]")
+    mult = -k.astype(np.int16)
+    if mult.min(initial=1) < 1 or mult.max(initial=1) > 2**scale_bits - 1:
+        raise ValueError(f"a {qtype} sub-block scale is outside [1, {2**scale_bits - 1}] times d")
+    u = (codes.astype(np.int16) + half).astype(np.uint8).reshape(-1, QK_K)
+    dd = -d.reshape(-1).astype(np.float32)
+    return u, dd, dd * half, mult.astype(np.uint8).reshape(-1, QK_K // sub)
+
+
+def encode_q4_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Q4_K bytes ``[rows, cols/256*144]`` from 4-bit codes ``[rows, cols]`` (in [-8, 7]), super-block
+    scales ``d`` ``[rows, cols/256]`` (negative float16 values) and multipliers ``k`` ``[rows, cols/32]``
+    (in [-63, -1]): weight = d * k * code, stored as d' = -d, sc = m = -k, dmin = 8 d'."""
+    u, dd, dmin, sc = _symmetric_k(codes, d, k, 4, 6, 32, "Q4_K")
+    return _pack_q45_k(u, dd, dmin, sc, sc, high_bits=False).reshape(codes.shape[0], -1)
+
+
+def encode_q5_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Q5_K bytes ``[rows, cols/256*176]``: as :func:`encode_q4_k` with 5-bit codes in [-16, 15] (dmin = 16 d')."""
+    u, dd, dmin, sc = _symmetric_k(codes, d, k, 5, 6, 32, "Q5_K")
+    return _pack_q45_k(u, dd, dmin, sc, sc, high_bits=True).reshape(codes.shape[0], -1)
+
+
+def encode_q2_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Q2_K bytes ``[rows, cols/256*84]`` from 2-bit codes (in [-2, 1]), negative super-block ``d`` and
+    multipliers ``k`` ``[rows, cols/16]`` in [-15, -1]: scales byte = sc | (m << 4) with m = sc = -k,
+    dmin = 2 d'."""
+    u, dd, dmin, sc = _symmetric_k(codes, d, k, 2, 4, K_GROUP, "Q2_K")
+    q = u.reshape(-1, 2, 4, 32)  # [n, half, j, l]: weight 128 half + 32 j + l
+    qs = (q << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)).sum(axis=2, dtype=np.uint8).reshape(-1, 64)
+    out = np.concatenate([sc | (sc << 4), qs, _f16_bytes(dd), _f16_bytes(dmin)], axis=1)
+    return out.reshape(codes.shape[0], -1)
+
+
+def _k_codes(u: np.ndarray, scale: np.ndarray, offset: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
+    """Signed codes ``u - half`` and per-sub-block scales of an affine K-quant's fields, where each
+    sub-block's min is ``half`` times its scale (our symmetric form); elsewhere codes are marked out of
+    range (-128) so a comparison with carried codes fails."""
+    per = u.shape[1] // scale.shape[1]
+    symmetric = np.isclose(offset, half * scale, rtol=0, atol=0)
+    codes = u.astype(np.int16) - half
+    codes = np.where(np.repeat(symmetric, per, axis=1), codes, -128).astype(np.int8)
+    return codes, scale
+
+
+def _q45_k_codes(blocks: np.ndarray, rows: int, high_bits: bool) -> tuple[np.ndarray, np.ndarray]:
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mc = _unpack_k_scales(blocks[:, 4:16])
+    qs = blocks[:, 48:] if high_bits else blocks[:, 16:]
+    u = np.stack([qs.reshape(-1, 4, 32) & 0x0F, qs.reshape(-1, 4, 32) >> 4], axis=2).reshape(-1, 256)
+    if high_bits:
+        qh = blocks[:, 16:48]
+        u = u | ((((qh[:, None, :] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4).reshape(-1, 256))
+    codes, scale = _k_codes(u, d * sc, dmin * mc, 16 if high_bits else 8)
+    return codes.reshape(rows, -1), scale.reshape(rows, -1)
+
+
+def _q2_k_codes(blocks: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    raw = blocks[:, :16]
+    qs = blocks[:, 16:80].reshape(-1, 2, 1, 32)
+    u = ((qs >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3).reshape(-1, 256)
+    d = blocks[:, 80:82].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 82:84].copy().view(np.float16).astype(np.float32)
+    codes, scale = _k_codes(u, d * (raw & 15), dmin * (raw >> 4), 2)
+    return codes.reshape(rows, -1), scale.reshape(rows, -1)
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:

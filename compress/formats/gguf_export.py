@@ -67,17 +67,21 @@ from llmopt.formats.gguf_source import (
 from llmopt.formats.gguf_verify import verify_with_transformers
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
-CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q6_K}
+CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
 FOUR_BIT = {T.Q4_0, T.Q4_1, T.Q4_K, T.IQ4_NL, T.IQ4_XS}
-FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q4_0: T.F16, T.Q4_1: T.F16, T.Q5_0: T.F16, T.Q5_1: T.F16, T.Q8_0: T.F16,
+FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.Q4_0: T.F16, T.Q4_1: T.F16, T.Q5_0: T.F16, T.Q5_1: T.F16, T.Q8_0: T.F16,
             T.IQ4_NL: T.F16, T.IQ4_XS: T.IQ4_NL}
 FILE_TYPES = {
     T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16, T.BF16: LlamaFileType.MOSTLY_BF16,
     T.Q8_0: LlamaFileType.MOSTLY_Q8_0, T.Q4_0: LlamaFileType.MOSTLY_Q4_0, T.Q4_1: LlamaFileType.MOSTLY_Q4_1,
-    T.Q5_0: LlamaFileType.MOSTLY_Q5_0, T.Q5_1: LlamaFileType.MOSTLY_Q5_1, T.Q4_K: LlamaFileType.MOSTLY_Q4_K_S, T.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+    T.Q5_0: LlamaFileType.MOSTLY_Q5_0, T.Q5_1: LlamaFileType.MOSTLY_Q5_1, T.Q4_K: LlamaFileType.MOSTLY_Q4_K_S, T.Q5_K: LlamaFileType.MOSTLY_Q5_K_S, T.Q2_K: LlamaFileType.MOSTLY_Q2_K,
+    T.Q6_K: LlamaFileType.MOSTLY_Q6_K,
     T.Q3_K: LlamaFileType.MOSTLY_Q3_K_S, T.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL, T.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
 }
 F16_MAX = 65504.0
+# carried types whose scales are integer multiples of a float16 d per super-block
+SUPERBLOCK_ENCODERS = {T.IQ4_XS: blocks.encode_iq4_xs, T.Q2_K: blocks.encode_q2_k, T.Q3_K: blocks.encode_q3_k,
+                       T.Q4_K: blocks.encode_q4_k, T.Q5_K: blocks.encode_q5_k, T.Q6_K: blocks.encode_q6_k}
 
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -389,9 +393,9 @@ def encode(p: Planned) -> tuple[np.ndarray, T | None]:
             return blocks.encode_q8_0(codes, p.expected_d), T.Q8_0
         if p.qtype == T.IQ4_NL:
             return blocks.encode_iq4_nl(codes, p.expected_d), T.IQ4_NL
-        if p.qtype in (T.IQ4_XS, T.Q3_K, T.Q6_K):
+        if p.qtype in SUPERBLOCK_ENCODERS:
             d, k = _factors(qw, p.qtype)
-            encode = {T.IQ4_XS: blocks.encode_iq4_xs, T.Q3_K: blocks.encode_q3_k, T.Q6_K: blocks.encode_q6_k}[p.qtype]
+            encode = SUPERBLOCK_ENCODERS[p.qtype]
             return encode(codes, d.numpy(), k.numpy()), p.qtype
         cols = codes.shape[1]
         group = qw.group_size or cols
@@ -431,7 +435,7 @@ def _file_type(plans: list[Planned], opts: Options) -> T:
     return weights.most_common(1)[0][0] if weights else T.F32
 
 
-def write_metadata(writer: Any, source: Source, layout: Layout, file_type: T) -> None:
+def write_metadata(writer: Any, source: Source, layout: Layout, file_type: LlamaFileType) -> None:
     """General and architecture keys (``llama.block_count`` …) from the config and the tensors."""
     cfg = source.config
     rope = rope_parameters(cfg)
@@ -441,7 +445,7 @@ def write_metadata(writer: Any, source: Source, layout: Layout, file_type: T) ->
 
     name = cfg.get("_name_or_path") or source.path.name
     writer.add_name(str(name).rstrip("/").rpartition("/")[2] or source.path.name)
-    writer.add_file_type(int(FILE_TYPES[file_type]))
+    writer.add_file_type(int(file_type))
     writer.add_quantization_version(2)
     writer.add_block_count(layout.layers)
     writer.add_context_length(int(cfg.get("max_position_embeddings") or 2048))
@@ -464,7 +468,7 @@ def write_metadata(writer: Any, source: Source, layout: Layout, file_type: T) ->
 
 
 def _write(path: Path, arch: Arch, source: Source, layout: Layout, vocab: Vocab,
-           plans: list[Planned], file_type: T) -> None:
+           plans: list[Planned], file_type: LlamaFileType) -> None:
     from gguf import GGUFWriter
 
     writer = GGUFWriter(str(path), arch.gguf)
@@ -569,8 +573,12 @@ def export_gguf(
     overwrite: bool = False,
     verify: bool = False,
     verify_text: str | None = None,
+    mixture: str | None = None,
 ) -> GGUFExportReport:
     """Export MODEL (any spec ``resolve_model`` takes) to the GGUF file ``output``.
+
+    ``mixture``: the llama.cpp mixture (Q4_K_M …) MODEL was quantized as, which the file states as
+    its type (its tensors are carried as ``auto`` carries them).
 
     Writes to a temporary file beside ``output``, reads it back and checks every tensor, then
     renames it into place; nothing is left behind on error. ``verify`` also loads the file
@@ -601,14 +609,14 @@ def export_gguf(
                      "activations to 8-bit blocks itself for Q4_0/Q4_1/Q8_0 dot products)")
     if len(set(layout.ffn)) > 1 or len(set(layout.n_head)) > 1 or len(set(layout.n_kv)) > 1:
         notes.append("layer widths differ: feed_forward_length / head counts written per layer (llama.cpp reads arrays; transformers' GGUF loader does not)")
-    file_type = _file_type(plans, opts)
+    file_type = FILE_TYPES[_file_type(plans, opts)] if mixture is None else LlamaFileType[f"MOSTLY_{mixture}"]
     with atomic_file(output, overwrite) as tmp:
         _write(tmp, arch, source, layout, vocab, plans, file_type)
         reports = read_back(tmp, plans, layout, vocab)
     report = GGUFExportReport(
         output=str(output), source=str(path), source_kind=_source_kind(source), architecture=arch.gguf,
-        requested_type=gguf_type.upper() if gguf_type.lower() != "auto" else "auto",
-        file_type=FILE_TYPES[file_type].name, bytes=output.stat().st_size,
+        requested_type=mixture or (gguf_type.upper() if gguf_type.lower() != "auto" else "auto"),
+        file_type=file_type.name, bytes=output.stat().st_size,
         seconds=0.0, layers=layout.layers, tensors=reports, by_type=summarize(reports),
         decisions=_decisions(plans), notes=notes, tokenizer=vocab.summary(),
     )

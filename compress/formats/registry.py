@@ -27,7 +27,9 @@ from llmopt.formats.schemes import (
     IQ4_NL_GRID,
     IQ4_XS_STEPS,
     K_GROUP,
+    Q2_K_STEPS,
     Q3_K_STEPS,
+    Q4_K_STEPS,
     Q6_K_STEPS,
     QuantizedWeight,
     QuantScheme,
@@ -59,6 +61,14 @@ register(WeightFormat("int6x", 6, scale_steps=Q6_K_STEPS, gguf=(GgufCarrier(T.Q6
                       description="6-bit codes, 8-bit scale multiples per 256 features (GGUF Q6_K)"))
 register(WeightFormat("int3x", 3, scale_steps=Q3_K_STEPS, kernel="int4", gguf=(GgufCarrier(T.Q3_K, K_GROUP, Q3_K_STEPS), _Q8_0),
                       description="3-bit codes, 6-bit scale multiples per 256 features (GGUF Q3_K)"))
+register(WeightFormat("int5k", 5, scale_steps=Q4_K_STEPS, gguf=(GgufCarrier(T.Q5_K, 32, Q4_K_STEPS, one_sign=True), _Q8_0),
+                      description="5-bit codes, 6-bit unsigned scale multiples per 256 features (GGUF Q5_K)"))
+register(WeightFormat("int4k", 4, scale_steps=Q4_K_STEPS, kernel="int4",
+                      gguf=(GgufCarrier(T.Q4_K, 32, Q4_K_STEPS, one_sign=True), _Q8_0),
+                      description="4-bit codes, 6-bit unsigned scale multiples per 256 features (GGUF Q4_K)"))
+register(WeightFormat("int2k", 2, scale_steps=Q2_K_STEPS, kernel="int4",
+                      gguf=(GgufCarrier(T.Q2_K, K_GROUP, Q2_K_STEPS, one_sign=True), _Q8_0),
+                      description="2-bit codes, 4-bit unsigned scale multiples per 256 features (GGUF Q2_K)"))
 _PLAIN_GGUF = {
     (4, True): (GgufCarrier(T.Q4_0, 32), GgufCarrier(T.Q4_1, 32), _Q8_0),
     (4, False): (GgufCarrier(T.Q4_1, 32), _Q8_0),
@@ -158,3 +168,12 @@ def candidate(name: str) -> Candidate:
     if found is None:
         raise KeyError(name)
     return found
+
+
+# the format (and group size) holding each GGUF block type's codes and scales exactly, under the
+# type's name (``q4_k`` …): what llama.cpp's mixtures (``--scheme Q4_K_M``) give a tensor
+GGUF_TYPE_CANDIDATES: dict[T, Candidate] = {qtype: Candidate(qtype.name.lower(), FORMATS[fmt], group) for qtype, fmt, group in (
+    (T.Q8_0, "int8", 32), (T.Q6_K, "int6x", 16), (T.Q5_K, "int5k", 32), (T.Q4_K, "int4k", 32), (T.Q3_K, "int3x", 16),
+    (T.Q2_K, "int2k", 16), (T.Q5_1, "int5a", 32), (T.Q5_0, "int5", 32), (T.Q4_1, "int4a", 32), (T.Q4_0, "int4", 32),
+    (T.IQ4_NL, "nl4", 32), (T.IQ4_XS, "nl4x", 32),
+)}

@@ -181,6 +181,11 @@ IQ4_XS_STEPS = 64  # IQ4_XS: 6-bit signed sub-block scales
 Q6_K_STEPS = 256  # Q6_K: 8-bit signed scales of 16-weight sub-blocks (with 6-bit codes)
 Q3_K_STEPS = 64  # Q3_K: 6-bit signed scales of 16-weight sub-blocks (with 3-bit codes in [-4, 3])
 K_GROUP = 16  # sub-block of Q3_K and Q6_K
+# Q4_K / Q5_K (6-bit) and Q2_K (4-bit) store unsigned sub-block scales with a min per sub-block. Symmetric
+# codes with positive scales fit them exactly (the min is 2^(bits-1) times the scale): the signed range
+# below holds those scales as k in [-63, -1] (resp. [-15, -1]) with a negative d, stored as -k and -d.
+Q4_K_STEPS = 126
+Q2_K_STEPS = 30
 
 
 def on_grid(codes: torch.Tensor, grid: tuple[int, ...] = IQ4_NL_GRID) -> bool:
@@ -412,7 +417,8 @@ def superblock_scales(scale: torch.Tensor, group: int, steps: int | None) -> tor
     d = (extreme / low).to(torch.float16).float()
     d = torch.where(d == 0, torch.full_like(d, 2.0**-24), d)  # float16's smallest step: all-zero blocks
     k = torch.round(s / d).clamp_(low, steps // 2 - 1)
-    k = torch.where(k == 0, torch.ones_like(k), k)  # a zero scale would divide by zero; weights this small round to ~0
+    # a zero scale would divide by zero; weights this small round to ~0 under the smallest multiple of the scale's own sign
+    k = torch.where(k == 0, torch.where(s / d > 0, 1.0, -1.0), k)
     return (k * d).reshape(scale.shape)
 
 

@@ -46,6 +46,7 @@ class GgufCarrier:
     qtype: T
     sub_block: int
     steps: int | None = None
+    one_sign: bool = False  # the multiples are stored unsigned (Q4_K, Q5_K, Q2_K): every k of a row has d's sign
 
     @property
     def block(self) -> int:
@@ -74,7 +75,10 @@ class GgufCarrier:
         if self.steps is None or not self.fits(cols, group):
             return None
         per_sub = qw.scale.float().repeat_interleave(group // self.sub_block, dim=1)
-        return superblock_factors(per_sub, self.sub_block, self.steps)
+        found = superblock_factors(per_sub, self.sub_block, self.steps)
+        if found is not None and self.one_sign and (found[1] >= 0).any():
+            return None
+        return found
 
     def carries(self, qw: QuantizedWeight) -> bool:
         """Whether ``qw``'s codes and scales go into these blocks exactly."""

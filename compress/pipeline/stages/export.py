@@ -8,6 +8,10 @@ from llmopt.core.errors import LlmoptError
 from llmopt.formats.export import DTYPES, FORMATS
 from llmopt.formats.gguf_blocks import USER_TYPES
 from llmopt.pipeline.stages.base import option
+from llmopt.quant.llama_mixtures import MIXTURES
+
+# the mixtures `--type` takes by name (Q8_0, Q6_K, IQ4_NL, IQ4_XS name single types there)
+EXPORT_MIXTURES = tuple(m for m in MIXTURES if m not in USER_TYPES)
 
 GGUF_ONLY = ("type", "dense_type", "requantize", "verify", "verify_text")
 
@@ -20,7 +24,10 @@ class ExportConfig:
     output: str = option(help="Output: a .gguf file, or a directory for hf / compressed-tensors.", short="-o", runner_owned=True)
     format: str | None = option(None, "Output format (default: gguf when OUTPUT ends in .gguf, else hf).", choices=FORMATS, aliases=("fmt",))
     type: str = option("auto", "GGUF tensor type. auto: exact where a block type holds our codes (int4 sym → Q4_0, int4 asym → Q4_1, "
-                       "int8 sym → Q8_0), else F16; lossless float for dense checkpoints.", choices=USER_TYPES, case_sensitive=False,
+                       "int8 sym → Q8_0), else F16; lossless float for dense checkpoints. A llama.cpp mixture (Q4_K_M, Q5_K_M, "
+                       "Q3_K_M …): llama.cpp's type for every tensor — a checkpoint quantized with --scheme of that name is "
+                       "carried exactly, a float one is rounded to those types first (no calibration).",
+                       choices=(*USER_TYPES, *EXPORT_MIXTURES), case_sensitive=False,
                        aliases=("gguf_type",))
     dense_type: str | None = option(None, "GGUF type for float matrices (embeddings, lm_head, unquantized layers); default: --type for "
                                     "dense checkpoints (output matrix Q6_K with 4-bit types, as llama.cpp), F16 for quantized ones.",
@@ -57,8 +64,50 @@ def run_export(config: ExportConfig, progress=None):
 
     config.check()
     fmt = config.resolved_format
+    if fmt == "gguf" and config.type.upper() in EXPORT_MIXTURES:
+        return _export_mixture(config, progress)
     if fmt == "gguf":
         return export_model(config.model, config.output, "gguf", gguf_type=config.type, dense_type=config.dense_type,
                             requantize=config.requantize, overwrite=config.overwrite, verify=config.verify,
                             verify_text=config.verify_text)
     return export_model(config.model, config.output, fmt, dtype=config.dtype, overwrite=config.overwrite)
+
+
+def _export_mixture(config: ExportConfig, progress=None):
+    """A GGUF file of llama.cpp's mixture ``config.type``: a checkpoint quantized as that mixture is
+    carried exactly; a float checkpoint is first rounded to the mixture's types (RTN, into a scratch
+    checkpoint beside the output, removed afterwards)."""
+    import json
+    import os
+    import shutil
+    from pathlib import Path
+
+    from llmopt.checkpoints.models import resolve_model
+    from llmopt.checkpoints.provenance import read_provenance
+    from llmopt.formats.export import export_model
+    from llmopt.pipeline.stages.quantize import QuantizeConfig, run_quantize
+
+    mixture = config.type.upper()
+    if config.dense_type or config.requantize:
+        raise LlmoptError(f"--type {mixture} sets every tensor's type: --dense-type / --requantize do not apply",
+                          "drop them")
+    path = resolve_model(config.model)
+    settings = json.loads((path / "config.json").read_text())
+    options = dict(requantize=False, overwrite=config.overwrite, verify=config.verify, verify_text=config.verify_text,
+                   mixture=mixture)
+    if settings.get("quantization_config"):
+        made = (read_provenance(path).get("llama_mixture") or {}).get("mixture")
+        if made != mixture:
+            raise LlmoptError(f"{config.model} was not quantized as llama.cpp's {mixture} ({made or 'another scheme'})",
+                              f"export it with --type auto, or quantize the float model with --scheme {mixture}")
+        return export_model(str(path), config.output, "gguf", gguf_type="auto", **options)
+    output = Path(config.output)
+    scratch = output.parent / f".{output.name}.{mixture.lower()}-{os.getpid()}"
+    try:
+        run_quantize(QuantizeConfig(model=str(path), output=str(scratch), scheme=mixture, method="rtn"), progress)
+        report = export_model(str(scratch), config.output, "gguf", gguf_type="auto", **options)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report.notes.append(f"{mixture} from a float checkpoint: rounded to llama.cpp's types without calibration; "
+                        f"llmopt quantize --scheme {mixture} --method gptq finds better codes on the same types")
+    return report

