@@ -22,8 +22,9 @@ OBJECTIVES = ("size", "speed")
 class AutoPlanner:
     """One budget (exactly one of ``target_bpw``, ``target_kld`` and a saved ``plan``), how bits
     are counted (``size_of``: checkpoint or gguf), what is minimised under a KLD target
-    (``objective``: size or speed), the sensitivity pass's windows and how it prices the
-    Linears' formats (``price_by``: gptq or rtn)."""
+    (``objective``: size or speed), the sensitivity pass's windows, how it prices the Linears'
+    formats (``price_by``: gptq or rtn) and the stack that will run the checkpoint (``consumer``:
+    only its formats are planned, :mod:`llmopt.quant.consumers`)."""
 
     target_bpw: float | None = None
     target_kld: float | None = None
@@ -33,6 +34,7 @@ class AutoPlanner:
     sensitivity_samples: int = 4
     price_by: str = PRICED_BY_RTN
     seed: int = 0
+    consumer: str = "llmopt"
 
     def check(self) -> None:
         """``ValueError`` for a budget that cannot be planned."""
@@ -46,19 +48,29 @@ class AutoPlanner:
 
     def make(self, source: Path, calibration: torch.Tensor | None, method: QuantMethod) -> tuple[dict, dict]:
         """(``plan`` (per-Linear schemes), ``head`` and ``embedding`` formats; the plan record)."""
+        from llmopt.quant.consumers import refused as consumer_refuses
+
         record = read_plan(Path(self.plan)) if self.plan is not None else self._measure(source, calibration, method)
+        if self.plan is not None:
+            refused = consumer_refuses(record["formats"], record.get("kinds", {}), record["shapes"], self.consumer)
+            if refused:
+                raise LlmoptError(f"the plan {self.plan} has formats {self.consumer} cannot run ({', '.join(refused[:3])} …)",
+                                  f"plan again with --for {self.consumer}, or drop --for")
+        record["consumer"] = self.consumer
         _print_table(record)
         return options_from_plan(record), record
 
     def _measure(self, source: Path, calibration: torch.Tensor | None, method: QuantMethod) -> dict:
         from llmopt.checkpoints.models import load_model
         from llmopt.quant.allocate import allocate, plan_table, totals
+        from llmopt.quant.consumers import restrict
         from llmopt.quant.sensitivity import measure_sensitivity
 
         model, _ = load_model(source)
         sens = measure_sensitivity(model, calibration[: self.sensitivity_samples], seed=self.seed,
                                    head_gptq=method.calibrated, linear_gptq=self.price_by == PRICED_BY_GPTQ)
         del model
+        sens = restrict(sens, self.consumer)
         seconds = decode_speeds(sens) if self.objective == "speed" else None
         try:
             plan = allocate(sens, self.target_bpw, self.target_kld, self.size_of, seconds)

@@ -283,6 +283,8 @@ def test_auto_checkpoint_loads_and_plan_is_reused(tmp_path, calib_text, method):
     (["--scheme", "W4A16", "--price-by", "rtn"], "only apply to --scheme AUTO"),
     (["--scheme", "AUTO", "--plan", "missing.json", "--price-by", "rtn"], "--plan reuses a plan"),
     (["--scheme", "AUTO", "--target-bpw", "5", "--method", "rtn", "--price-by", "gptq"], "method rtn prices its formats by rtn only"),
+    (["--scheme", "W4A16", "--for", "vllm"], "only apply to --scheme AUTO"),
+    (["--scheme", "AUTO", "--target-bpw", "5", "--for", "sglang"], "Invalid value"),
 ])
 def test_bad_auto_options(tmp_path, args, message):
     src = save_model(tiny_llama(seed=9), tmp_path / "src")
@@ -290,6 +292,42 @@ def test_bad_auto_options(tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("consumer", ["vllm", "llama.cpp", "transformers"])
+def test_auto_plans_only_what_the_consumer_runs(tmp_path, calib_text, consumer):
+    """--for restricts the plan to the consumer's formats (vLLM: symmetric int4 groups and int8
+    channels, float embedding and head; llama.cpp: formats a GGUF block holds at that row length;
+    transformers: symmetric formats, float embedding) and still meets the budget; a saved plan
+    with a format the consumer lacks is refused for it."""
+    from llmopt.quant.consumers import VLLM_LINEAR, allows
+
+    src = save_model(tiny_llama(seed=8, tie_word_embeddings=False), tmp_path / "src")
+    budget = {"vllm": 13.0, "transformers": 9.5}.get(consumer, 6.5)  # float embedding (and head): the tiny model's smallest plans are 11.7 and 8.2 bits
+    record = run_quantize(QuantizeConfig(model=str(src), output=str(tmp_path / "a"), scheme="AUTO", target_bpw=budget,
+                                         method="rtn", calib=str(calib_text), calib_samples=4, calib_seq_len=64,
+                                         for_consumer=consumer))["plan"]
+    assert record["consumer"] == consumer and record["bpw"] <= budget
+    formats, kinds, shapes = record["formats"], record["kinds"], record["shapes"]
+    assert len(formats) == 2 * 7 + 2
+    for name, fmt in formats.items():
+        assert allows(consumer, fmt, kinds[name], shapes[name][1]), (name, fmt)
+    if consumer == "vllm":
+        assert formats["model.embed_tokens"] == formats["lm_head"] == "float"
+        assert {f for n, f in formats.items() if kinds[n] == "linear"} <= {*VLLM_LINEAR, "float"}
+        assert set(formats.values()) - {"float"}  # something is quantized
+    if consumer == "transformers":
+        assert formats["model.embed_tokens"] == "float"
+    # a saved plan with one format this consumer lacks is refused for it
+    lacking = {"vllm": "int5_g32", "llama.cpp": "int6x_g16", "transformers": "int4a_g32"}[consumer]
+    assert not allows(consumer, lacking, "linear", 64)
+    saved = json.loads((tmp_path / "a" / "llmopt.json").read_text())
+    saved["plan"]["formats"]["model.layers.0.self_attn.q_proj"] = lacking
+    (tmp_path / "plan.json").write_text(json.dumps(saved["plan"]))
+    result = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "b"), "--scheme", "AUTO", "--plan",
+                                       str(tmp_path / "plan.json"), "--for", consumer])
+    assert result.exit_code != 0 and f"formats {consumer} cannot run" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "b").exists()
 
 
 EXPECTED_GGUF = {"int4_g128": "Q4_0", "int4_g64": "Q4_0", "int4_g32": "Q4_0", "int4a_g32": "Q4_1", "int5_g32": "Q5_0",

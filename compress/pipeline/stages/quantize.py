@@ -29,6 +29,7 @@ from llmopt.quant.apply import QuantizeResult
 from llmopt.quant.head_fisher import FISHER_ROWS
 from llmopt.quant.method import QuantMethod
 from llmopt.quant.outer import OUTER_CHOICES
+from llmopt.quant.consumers import CONSUMERS
 from llmopt.quant.llama_mixtures import MIXTURES
 from llmopt.quant.planner import AutoPlanner
 from llmopt.quant.registry import build_method, method_names
@@ -82,6 +83,10 @@ class QuantizeConfig:
                           choices=("checkpoint", "gguf"))
     plan: str | None = option(None, "AUTO: reuse a plan (a plan.json, or a checkpoint's llmopt.json) instead of measuring.",
                               metavar="PATH")
+    for_consumer: str = option("llmopt", "AUTO: plan only formats the stack that will run the checkpoint has kernels for: "
+                               "vllm (int4 groups, int8 channels; float embedding and head), llama.cpp (GGUF block types), "
+                               "transformers (symmetric formats, float embedding) or llmopt (all).",
+                               choices=CONSUMERS, short="--for", metavar="CONSUMER")
     sensitivity_samples: int = option(4, "AUTO: calibration windows for the sensitivity pass (one forward + backward each).", min=1)
     price_by: str | None = option(None, "AUTO: price each Linear's candidate formats by the error GPTQ leaves on the "
                                   "sensitivity pass's inputs (gptq: one GPTQ solve per Linear and candidate format) "
@@ -174,7 +179,8 @@ class QuantizeConfig:
 
     def planner(self) -> AutoPlanner:
         return AutoPlanner(self.target_bpw, self.target_kld, self.objective, self.size_of, self.plan,
-                           self.sensitivity_samples, self.price_by or self.build_method().quantizer.pricing, self.seed)
+                           self.sensitivity_samples, self.price_by or self.build_method().quantizer.pricing, self.seed,
+                           self.for_consumer)
 
     def check(self) -> None:
         """Refuse impossible requests, and options that do not apply, before any work starts."""
@@ -247,6 +253,7 @@ class QuantizeConfig:
             given += ["--size-of"] if self.size_of != "checkpoint" else []
             given += ["--objective"] if self.objective != "size" else []
             given += ["--price-by"] if self.price_by is not None else []
+            given += ["--for"] if self.for_consumer != "llmopt" else []
             if given:
                 raise LlmoptError(f"{', '.join(given)} only apply to --scheme AUTO", "drop them, or use --scheme AUTO")
             return
