@@ -330,6 +330,19 @@ def test_sparse_checkpoint_keeps_zeros_through_save_inspect_and_gptq(tmp_path) -
         before = linear_modules(pruned.model.layers)[name].weight
         assert (module.weight[before == 0] == 0).all(), name  # GPTQ kept the mask
         assert nm_valid(module.weight, Pattern(2, 4)), name
+    # compressed-tensors' sparsity config beside the quantization config, so vLLM knows the structure
+    qconfig = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    sparsity = qconfig["sparsity_config"]
+    assert sparsity["sparsity_structure"] == "2:4" and sparsity["format"] == "dense" and sparsity["global_sparsity"] == 0.5
+    assert sparsity["targets"] == ["Linear"] and sparsity["ignore"] == qconfig["ignore"] and "lm_head" in sparsity["ignore"]
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q")  # transformers reads both configs
+    ids = torch.tensor([[1, 5, 9, 30, 44, 2, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, model(ids).logits, rtol=0, atol=1e-4)
+    # a dense (unpruned) source gets no sparsity config
+    dense_q = run_cli("quantize", str(source), "-o", str(tmp_path / "dq"), "--scheme", "W4A16", "--group-size", "32")
+    assert dense_q.exit_code == 0, dense_q.output
+    assert "sparsity_config" not in json.loads((tmp_path / "dq" / "config.json").read_text())["quantization_config"]
 
 
 def test_unstructured_checkpoint_records_exact_sparsity(tmp_path) -> None:

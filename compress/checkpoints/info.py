@@ -62,6 +62,7 @@ class ModelInfo:
     bytes_in_memory: int
     modules: list[ModuleInfo] = field(default_factory=list)
     pruning: dict | None = None  # what llmopt.json records about pruning (method, sparsity, pattern …)
+    runs_with: dict[str, str] = field(default_factory=dict)  # consumer → "loads" or why not (the model card's table)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -146,6 +147,8 @@ def _pruning_record(path: Path) -> dict | None:
 
 def inspect_checkpoint(path: Path, sparsity: bool = True) -> ModelInfo:
     """Describe a Hugging Face checkpoint directory from its config and tensor headers."""
+    from llmopt.checkpoints.model_card import consumers
+
     config = read_config(path)
     headers = _safetensor_headers(path)
     qconfig = config.get("quantization_config") or {}
@@ -201,6 +204,7 @@ def inspect_checkpoint(path: Path, sparsity: bool = True) -> ModelInfo:
         bytes_in_memory=in_memory,
         modules=modules,
         pruning=pruning,
+        runs_with=consumers(config),
     )
 
 

@@ -32,9 +32,14 @@ def write_provenance(directory: str | Path, record: dict) -> None:
     adds ``hub``: the repository id, the revision asked for and the commit it resolved to."""
     from llmopt.checkpoints.hub import hub_origin
 
+    from llmopt.checkpoints.model_card import command_line, write_model_card
+
     origin = None if "hub" in record else hub_origin(record.get("source"))
     record = {**record, "hub": origin} if origin else record
+    command = None if "command" in record else command_line()
+    record = {**record, "command": command} if command else record
     (Path(directory) / PROVENANCE_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    write_model_card(directory, record)
 
 
 def update_provenance(path: str | Path, **entries) -> None:
@@ -45,6 +50,9 @@ def update_provenance(path: str | Path, **entries) -> None:
     record.update(entries)
     with atomic_file(Path(path) / PROVENANCE_FILE, overwrite=True) as tmp:
         tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    from llmopt.checkpoints.model_card import write_model_card
+
+    write_model_card(path, record)
 
 
 def versions() -> dict:

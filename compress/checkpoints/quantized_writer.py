@@ -22,7 +22,7 @@ from llmopt.calibration import decoder_layers
 from llmopt.checkpoints.in_memory import InMemoryModel
 from llmopt.checkpoints.streaming import StreamedModel
 from llmopt.checkpoints.writer import DEFAULT_SHARD_BYTES, ShardedWriter
-from llmopt.formats.compressed import final_quantization_config, quantized_tensors, write_side_files
+from llmopt.formats.compressed import final_quantization_config, quantized_tensors, sparsity_config, write_side_files
 from llmopt.formats.schemes import QuantizedWeight
 
 
@@ -61,6 +61,9 @@ class QuantizedCheckpointWriter:
         self.shards.add_all(outer)
         self.shards.close()
         qconfig = self._stored_names(final_quantization_config(self.stream.model, weights, ignore))
+        pruned = record.get("source_sparsity")
+        if pruned:  # the source was pruned to an N:M pattern that quantization keeps (zeros stay code 0)
+            qconfig["sparsity_config"] = sparsity_config(pruned["pattern"], pruned["overall"], qconfig["ignore"])
         write_side_files(self.stream.model, tokenizer, self.out_dir, qconfig, record)
 
     def _stored_names(self, qconfig: dict) -> dict:

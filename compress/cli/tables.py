@@ -106,6 +106,7 @@ def info_tables(info) -> list[Table]:
         ("pruning (llmopt.json)", pruning_summary(info.pruning)),
         ("bytes on disk", _bytes(info.bytes_on_disk)),
         ("bytes in memory (tensors as stored)", _bytes(info.bytes_in_memory)),
+        *[(f"runs with {consumer}", note) for consumer, note in info.runs_with.items()],
     ])
     modules = Table(title="Linear modules", title_justify="left")
     for column in ("module", "shape", "format", "sparsity"):

@@ -364,6 +364,19 @@ def final_quantization_config(model: Any, weights: dict[str, QuantizedWeight], i
     return build_quantization_config(weights, ignore, _embedding_names(model)).model_dump(mode="json")
 
 
+def sparsity_config(pattern: str, sparsity: float, ignore: list[str]) -> dict:
+    """compressed-tensors' ``sparsity_config`` of a checkpoint whose quantized Linears keep an N:M
+    pattern (``2:4``) from pruning: stored dense (the codes hold the zeros), so vLLM and transformers
+    know the structure; ``ignore``: the Linears outside it (the quantization config's ignore list)."""
+    from compressed_tensors.config import SparsityCompressionConfig, SparsityStructure
+
+    known = {s.value for s in SparsityStructure}
+    structure = pattern if pattern in known else "unstructured"
+    config = SparsityCompressionConfig.load_from_registry("dense", global_sparsity=round(float(sparsity), 6),
+                                                          sparsity_structure=structure, targets=["Linear"], ignore=list(ignore))
+    return config.model_dump(mode="json")
+
+
 def quantized_tensors(weights: dict[str, QuantizedWeight], scale_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The serialized tensors (full names) of quantized Linears, each packed by its weight format
     (:mod:`llmopt.formats.registry`) as compressed-tensors' compressor for its config group packs

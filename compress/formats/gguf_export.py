@@ -447,6 +447,7 @@ def write_metadata(writer: Any, source: Source, layout: Layout, file_type: Llama
     writer.add_name(str(name).rstrip("/").rpartition("/")[2] or source.path.name)
     writer.add_file_type(int(file_type))
     writer.add_quantization_version(2)
+    _add_origin(writer, source.path)
     writer.add_block_count(layout.layers)
     writer.add_context_length(int(cfg.get("max_position_embeddings") or 2048))
     writer.add_embedding_length(layout.hidden)
@@ -465,6 +466,25 @@ def write_metadata(writer: Any, source: Source, layout: Layout, file_type: Llama
 
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
+
+
+def _add_origin(writer: Any, path: Path) -> None:
+    """general.* keys on where the weights come from: quantized_by, the base model (the source's own
+    base when it is an llmopt checkpoint, its Hub id when it came from the Hub) and its license."""
+    from llmopt.checkpoints.model_card import base_model, source_license
+    from llmopt.checkpoints.provenance import read_provenance
+
+    record = read_provenance(path)
+    writer.add_quantized_by("llmopt")
+    base = base_model(record) if record else base_model({"source": str(path)})
+    if base:
+        writer.add_base_model_count(1)
+        writer.add_base_model_name(0, base.rpartition("/")[2])
+        writer.add_base_model_organization(0, base.rpartition("/")[0] or base)
+        writer.add_base_model_repo_url(0, f"https://huggingface.co/{base}")
+    license_ = source_license(path, record)
+    if license_:
+        writer.add_license(license_)
 
 
 def _write(path: Path, arch: Arch, source: Source, layout: Layout, vocab: Vocab,

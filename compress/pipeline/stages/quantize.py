@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from llmopt.checkpoints.models import float_source, load_model
-from llmopt.checkpoints.provenance import finish_record, versions
+from llmopt.checkpoints.provenance import finish_record, read_provenance, versions
 from llmopt.core.atomic import check_output
 from llmopt.core.data import CALIB_HELP
 from llmopt.core.errors import LlmoptError
@@ -315,6 +315,9 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
         request = replace(request, plan=options["plan"], head=options["head"], embedding=options["embedding"], ignore=ignore)
         record["head"], record["embedding"] = request.head, request.embedding
     request = config.prepared(request, record, _scale_dtype(source))
+    pruned = read_provenance(source).get("sparsity") or {}
+    if pruned.get("pattern") and pruned.get("pattern_valid"):
+        record["source_sparsity"] = {"pattern": pruned["pattern"], "overall": pruned.get("overall", pruned.get("target", 0.0))}
     tune_ids = calib
     if not request.method.calibrated:
         calib = None  # the plan's sensitivities and the scale tuning use them; the method itself takes none

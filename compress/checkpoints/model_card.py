@@ -1,0 +1,122 @@
+"""README.md for every checkpoint llmopt writes: Hugging Face metadata (base model and relation,
+library, tags, pipeline, the source's license), what made it (command, scheme, method), its
+evaluation when there is one, and which consumers load it — from ``llmopt.json`` and config.json,
+rewritten whenever ``llmopt.json`` is."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+CARD = "README.md"
+VLLM_BITS = {4, 8}  # integer widths vLLM's compressed-tensors kernels take (W4A16 / W8A16 / W8A8)
+
+
+def _front_matter(text: str) -> dict[str, str]:
+    """``key: value`` lines of a README's YAML front matter (flat keys only)."""
+    found = re.match(r"^---\n(.*?)\n---", text, re.S)
+    if not found:
+        return {}
+    return dict(m.groups() for m in re.finditer(r"^([A-Za-z_]+):\s*(\S.*)$", found.group(1), re.M))
+
+
+def command_line() -> str | None:
+    """The ``llmopt …`` command line of this process, when it is the CLI (its script or ``python -m llmopt``)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    is_cli = (sys.argv and Path(sys.argv[0]).name == "llmopt") or (spec is not None and spec.name.startswith("llmopt"))
+    return "llmopt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if is_cli else None
+
+
+def consumers(config: dict) -> dict[str, str]:
+    """Per consumer (transformers, vLLM, llama.cpp, llmopt): ``loads`` or why it does not, from a
+    checkpoint's config.json."""
+    qc = config.get("quantization_config") or {}
+    if not qc:
+        return {"transformers": "loads", "vLLM": "loads", "llama.cpp": "after `llmopt export --type …` (GGUF)", "llmopt": "loads"}
+    if qc.get("quant_method") == "bitsandbytes":
+        return {"transformers": "loads (bitsandbytes)", "vLLM": "loads (bitsandbytes in-flight)",
+                "llama.cpp": "no GGUF type holds NF4: `llmopt export` writes it dequantized", "llmopt": "loads"}
+    groups = (qc.get("config_groups") or {}).values()
+    weights = [g.get("weights") or {} for g in groups]
+    targets = [t for g in groups for t in g.get("targets") or []]
+    embedding = any(re.search(r"embed_tokens|wte|word_embeddings", t) for t in targets)
+    head = any(re.search(r"(^|\.)lm_head$", t) for t in targets)
+    odd = sorted({f"{w.get('num_bits')}-bit" for w in weights if w.get("type") == "int" and w.get("num_bits") not in VLLM_BITS})
+    asym = any(w.get("symmetric") is False for w in weights)
+    grouped = len({w.get("group_size") for w in weights}) > 1
+    out = {"llmopt": "loads (`llmopt eval`, `llmopt serve`)"}
+    out["transformers"] = ("cannot load a quantized embedding (compressed-tensors); `llmopt export --format hf` writes a dense copy"
+                           if embedding else "cannot load asymmetric groups of several sizes (compressed-tensors 0.20); "
+                           "`llmopt export --format hf` writes a dense copy" if asym and grouped else "loads")
+    problems = ([f"no kernel for {', '.join(odd)} codes"] if odd else []) + (["no quantized embedding / head"] if embedding or head else [])
+    out["vLLM"] = "cannot serve it: " + "; ".join(problems) + " (quantize with `--for vllm`)" if problems else "loads"
+    out["llama.cpp"] = "after `llmopt export --type auto` (codes carried into GGUF blocks where a type holds them)"
+    return out
+
+
+def base_model(record: dict) -> str | None:
+    """The Hub id of the model a checkpoint was made from (its source's, when that came from the Hub)."""
+    from llmopt.checkpoints.hub import hub_origin
+
+    origin = record.get("hub") or hub_origin(record.get("source")) or {}
+    return origin.get("repo_id")
+
+
+def source_license(directory: Path, record: dict) -> str | None:
+    """The license a checkpoint's README states, else its source's."""
+    for folder in (Path(directory), Path(str(record.get("source") or ""))):
+        card = folder / CARD
+        found = _front_matter(card.read_text(errors="replace")).get("license") if card.is_file() else None
+        if found:
+            return found
+    return None
+
+
+def card_text(directory: Path, record: dict) -> str:
+    """The README.md of the checkpoint in ``directory`` described by ``record`` (its llmopt.json)."""
+    source = record.get("source_spec") or record.get("source") or ""
+    base = base_model(record)
+    config_file = directory / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    license_ = source_license(Path(str(record.get("source") or "")), {})
+    scheme, method = record.get("scheme"), record.get("method")
+    stage = record.get("stage") or ("quantize" if scheme else "prune" if record.get("sparsity") or record.get("depth")
+                                    or record.get("width") else "distill" if "teacher" in record else "export")
+    relation = {"quantize": "quantized", "distill": "finetune"}.get(stage)
+    tags = ["llmopt", *(["compressed-tensors"] if config.get("quantization_config") else []),
+            *([scheme.lower()] if scheme else []), *([method.lower()] if method else [])]
+    meta = ["library_name: transformers", "pipeline_tag: text-generation", "tags:", *[f"- {t}" for t in dict.fromkeys(tags)]]
+    if base:
+        meta = [f"base_model: {base}", *([f"base_model_relation: {relation}"] if relation else []), *meta]
+    if license_:
+        meta.append(f"license: {license_}")
+    what = " ".join(x for x in (scheme, "by " + method if method else None) if x) or stage
+    lines = ["---", *meta, "---", "", f"# {directory.name.removeprefix('.').split('.tmp')[0] or 'checkpoint'}", "",
+             f"{what} of `{source}` made with llmopt {record.get('versions', {}).get('llmopt', '')}.".replace("  ", " "), ""]
+    command = record.get("command")
+    if command:
+        lines += ["```bash", command, "```", ""]
+    evaluation = record.get("evaluation")
+    if isinstance(evaluation, dict):
+        figures = {k: v for k, v in evaluation.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if figures:
+            lines += ["## Evaluation", "", "| measure | value |", "|---|---:|",
+                      *[f"| {k} | {v:.4g} |" for k, v in figures.items()], ""]
+    if record.get("source_sparsity"):
+        lines += [f"Keeps its source's {record['source_sparsity']['pattern']} sparsity (compressed-tensors `sparsity_config`).", ""]
+    lines += ["## Runs with", "", "| consumer | |", "|---|---|",
+              *[f"| {name} | {note} |" for name, note in consumers(config).items()], "",
+              "How it was made, in full: `llmopt.json`.", ""]
+    return "\n".join(lines)
+
+
+def write_model_card(directory: str | Path, record: dict) -> None:
+    """Write README.md into ``directory`` (a checkpoint being built or finished) from ``record``."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        return  # not a model directory (a GGUF conversion's cache …)
+    (directory / CARD).write_text(card_text(directory, record))

@@ -1,0 +1,65 @@
+"""Every checkpoint carries a model card (README.md): Hugging Face metadata, what made it, its
+evaluation once there is one, and which consumers load it; GGUF files carry general.* origin keys."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from click.testing import CliRunner
+from conftest import save_model, tiny_llama
+
+from llmopt.checkpoints.model_card import card_text, consumers
+from llmopt.checkpoints.provenance import update_provenance
+from llmopt.cli.main import main
+
+
+def front_matter(text: str) -> list[str]:
+    found = re.match(r"^---\n(.*?)\n---\n", text, re.S)
+    assert found, text[:200]
+    return found.group(1).splitlines()
+
+
+def test_quantized_checkpoint_has_a_card_that_follows_its_record(tmp_path):
+    source = save_model(tiny_llama(seed=3), tmp_path / "src")
+    (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n# tiny\n")
+    out = tmp_path / "w4"
+    result = CliRunner().invoke(main, ["quantize", str(source), "--scheme", "W4A16", "--group-size", "32", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    card = (out / "README.md").read_text()
+    meta = front_matter(card)
+    assert {"library_name: transformers", "pipeline_tag: text-generation", "license: apache-2.0", "- llmopt",
+            "- compressed-tensors", "- w4a16", "- rtn"} <= set(meta)
+    assert not any(line.startswith("base_model") for line in meta)  # a local source has no Hub id
+    assert "| vLLM | loads |" in card and "| transformers | loads |" in card
+    assert "## Evaluation" not in card
+    update_provenance(out, evaluation={"perplexity": 12.5, "kld_mean": 0.0123, "windows": 2})
+    card = (out / "README.md").read_text()
+    assert "## Evaluation" in card and "| kld_mean | 0.0123 |" in card
+    # a Hub source names its base model and the relation
+    record = {**json.loads((out / "llmopt.json").read_text()), "hub": {"repo_id": "org/tiny", "commit": "0" * 40}}
+    meta = front_matter(card_text(out, record))
+    assert meta[:2] == ["base_model: org/tiny", "base_model_relation: quantized"]
+    # the GGUF export states where its weights come from
+    gguf = tmp_path / "w4.gguf"
+    result = CliRunner().invoke(main, ["export", str(out), "-o", str(gguf)])
+    assert result.exit_code == 0, result.output
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    assert fields["general.quantized_by"].contents() == "llmopt" and fields["general.license"].contents() == "apache-2.0"
+
+
+def test_cards_name_what_a_consumer_cannot_load():
+    def config(bits, targets, symmetric=True, group=32):
+        return {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
+            "g": {"targets": targets, "weights": {"num_bits": bits, "type": "int", "symmetric": symmetric, "group_size": group}}}}}
+
+    plain = consumers(config(4, ["Linear"]))
+    assert plain["vLLM"] == "loads" and plain["transformers"] == "loads"
+    three_bit = consumers(config(3, ["Linear"]))
+    assert three_bit["vLLM"].startswith("cannot serve it: no kernel for 3-bit codes")
+    embedded = consumers(config(4, ["Linear", "model.embed_tokens"]))
+    assert embedded["transformers"].startswith("cannot load a quantized embedding")
+    assert "no quantized embedding / head" in embedded["vLLM"]
+    assert consumers({})["vLLM"] == "loads"
