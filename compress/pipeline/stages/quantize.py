@@ -84,7 +84,7 @@ class QuantizeConfig:
     plan: str | None = option(None, "AUTO: reuse a plan (a plan.json, or a checkpoint's llmopt.json) instead of measuring.",
                               metavar="PATH")
     for_consumer: str = option("llmopt", "AUTO: plan only formats the stack that will run the checkpoint has kernels for: "
-                               "vllm (int4 groups, int8 channels; float embedding and head), llama.cpp (GGUF block types), "
+                               "vllm (int4 groups; float embedding and head), llama.cpp (GGUF block types), "
                                "transformers (symmetric formats, float embedding) or llmopt (all).",
                                choices=CONSUMERS, short="--for", metavar="CONSUMER")
     sensitivity_samples: int = option(4, "AUTO: calibration windows for the sensitivity pass (one forward + backward each).", min=1)
