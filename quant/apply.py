@@ -38,6 +38,7 @@ from llmopt.core.lockstep import Lockstep
 from llmopt.float_reference import FloatReference
 from llmopt.formats.schemes import QuantizedWeight, QuantScheme, effective_group_size, fake_quantize_activations
 from llmopt.linear_stats import LinearStats
+from llmopt.quant.imatrix import ImatrixStats
 from llmopt.quant.mappings import layer_mappings
 from llmopt.quant.method import QuantMethod, Schemes
 from llmopt.quant.request import QuantizeRequest
@@ -63,6 +64,17 @@ class QuantizeResult:
     timings: EngineTimings = field(default_factory=EngineTimings)
     starved_experts: dict[str, int] = field(default_factory=dict)  # expert Linear -> calibration tokens it saw (< MIN_EXPERT_TOKENS)
     final_hidden: torch.Tensor | None = None  # the last layer's calibration outputs when the head is quantized
+    inputs: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # Linear → (Σ x² per column, tokens)
+    record_inputs: bool = False
+
+    def observe(self, stats: Any, names: Any) -> None:
+        """Keep the sums of squared inputs of ``names`` from calibration ``stats`` (when asked)."""
+        if not self.record_inputs:
+            return
+        for name in names:
+            if stats.has(name) and name not in self.inputs:
+                n = stats.stats(name).n_tokens
+                self.inputs[name] = ((stats.hessian(name).diagonal().double() * (n / 2.0)).cpu(), n)
 
     def store(self, weights: dict[str, QuantizedWeight], lifecycle: LayerLifecycle = IN_MEMORY) -> None:
         """Keep one layer's quantized weights (on the CPU); where ``lifecycle`` takes them
@@ -170,15 +182,17 @@ def quantize_model(model: nn.Module, request: QuantizeRequest, calibration: torc
         targets = {n: m for n, m in targets.items() if n in plan}
         group_sizes = {n: plan[n].group_size for n in targets}
         notices = []
-    result = QuantizeResult(scheme, method, {}, group_sizes, notices)
+    result = QuantizeResult(scheme, method, {}, group_sizes, notices, record_inputs=request.record_inputs)
     schemes = {n: (plan[n] if plan is not None else scheme) for n in targets}
 
     if not method.calibrated:
         prefixes = _layer_prefixes(model)
 
+        weighting = ImatrixStats(request.imatrix) if request.imatrix else None
+
         def quantize_layer(index: int, layer: nn.Module) -> None:
             mods = {n: m for n, m in targets.items() if n.startswith(prefixes[index][1])}
-            result.store(method.quantizer.quantize(mods, schemes, group_sizes, None), lifecycle)
+            result.store(method.quantizer.quantize(mods, schemes, group_sizes, weighting), lifecycle)
 
         for_each_layer(model, quantize_layer, lifecycle=lifecycle, device=request.device, timings=result.timings)
     else:
@@ -254,6 +268,8 @@ def _quantize_calibrated(model: nn.Module, calibration: torch.Tensor, targets: d
                 return  # weight-only: no activation hooks to add
             with LinearStats(mods, hessian=True, channel=False, hessian_dtype=hessian_dtype) as stats:
                 run_layer()
+        if method.needs_hessian or sequential:
+            result.observe(stats, mods)
         result.store(quantizer.quantize(mods, schemes, group_sizes, stats), lifecycle)
         if not weight_only:
             kind = scheme.activations
@@ -305,6 +321,7 @@ def _one_pass(layer: nn.Module, prefix: str, mods: dict[str, nn.Linear], run_lay
             def solve(members: dict[str, nn.Linear] = {n: mods[n] for n in group}) -> None:
                 device = next(iter(members.values())).weight.device.type
                 with torch.autocast(device, enabled=False):  # (the batches' forwards run under autocast)
+                    result.observe(stats, members)
                     result.store(quantizer.quantize(members, schemes, group_sizes, stats), lifecycle)
 
             handles.append(mods[group[0]].register_forward_pre_hook(

@@ -33,6 +33,9 @@ class QuantizeRequest:
     forwards' autocast dtype (``auto``: bfloat16 where the device computes it natively).
     ``scale_dtype``: the 16-bit dtype scales are written in (bfloat16, float16; float32 if asked),
     carried by ``scheme``, the ``plan``'s schemes and the head / embedding formats alike.
+    ``imatrix``: per Linear, the mean squared input of each column from a llama.cpp importance
+    matrix (an uncalibrated method's range search weighs columns by it); ``record_inputs``: keep
+    the calibrated Linears' sums of squared inputs in the result (``QuantizeResult.inputs``).
     """
 
     scheme: QuantScheme
@@ -46,6 +49,8 @@ class QuantizeRequest:
     batch_size: int = 8
     compute_dtype: torch.dtype | str | None = "auto"
     scale_dtype: str = "bfloat16"
+    imatrix: Mapping[str, torch.Tensor] | None = None  # Linear → mean squared input per column (llama.cpp's imatrix)
+    record_inputs: bool = False  # keep each calibrated Linear's sum of squared inputs (for an imatrix file)
 
     def with_scale_dtype(self, dtype: str) -> "QuantizeRequest":
         """This request with every scale stored in ``dtype`` (super-block scales stay float32)."""

@@ -86,5 +86,5 @@ class Rtn(Quantizer):
 
     def quantize(self, mods: Mapping[str, nn.Linear], schemes: Schemes, group_sizes: GroupSizes,
                  stats: LinearStats | None) -> dict[str, QuantizedWeight]:
-        hessians = {n: stats.hessian(n) for n in mods} if self.clip_search and stats is not None else None
+        hessians = {n: stats.hessian(n) for n in mods if stats.has(n)} if self.clip_search and stats is not None else None
         return rtn_mixed(mods, schemes, group_sizes, "mse" if self.clip_search else "minmax", hessians)

@@ -87,6 +87,11 @@ class QuantizeConfig:
                                "vllm (int4 groups; float embedding and head), llama.cpp (GGUF block types), "
                                "transformers (symmetric formats, float embedding) or llmopt (all).",
                                choices=CONSUMERS, short="--for", metavar="CONSUMER")
+    imatrix: str | None = option(None, "An importance matrix in llama.cpp's format (llama-imatrix's GGUF file): --method rtn "
+                                 "searches each group's range weighing every input column by its mean squared input.",
+                                 metavar="FILE")
+    save_imatrix: str | None = option(None, "Also write the calibration's importance matrix in llama.cpp's format to FILE "
+                                      "(calibrated methods), for llama-quantize --imatrix.", metavar="FILE")
     sensitivity_samples: int = option(4, "AUTO: calibration windows for the sensitivity pass (one forward + backward each).", min=1)
     price_by: str | None = option(None, "AUTO: price each Linear's candidate formats by the error GPTQ leaves on the "
                                   "sensitivity pass's inputs (gptq: one GPTQ solve per Linear and candidate format) "
@@ -123,6 +128,8 @@ class QuantizeConfig:
         """The method object of ``--method`` with the method options given (LlmoptError if one does not apply)."""
         defaults = {f.name: f.default for f in fields(self)}
         given = {k: getattr(self, k) for k in METHOD_OPTIONS if getattr(self, k) != defaults[k]}
+        if self.imatrix is not None and self.clip_search is None:
+            given["clip_search"] = True  # the importance matrix weighs the range search
         try:
             return build_method(self.method, given)
         except ValueError as exc:
@@ -213,6 +220,7 @@ class QuantizeConfig:
         if any(re.fullmatch(p, "lm_head") for p in self.ignore) and self.head != "float":
             raise LlmoptError(f"--ignore keeps lm_head in float but --head {self.head} asks to quantize it", "drop one of them")
         self._check_auto(method)
+        self._check_imatrix(method)
         self.parse_scheme()
         self._check_tuning()
         if not self.needs_calibration and not self.is_auto:
@@ -233,6 +241,17 @@ class QuantizeConfig:
         if scheme is None or scheme.activations is not None:
             raise LlmoptError(f"--tune-steps tunes the scales of weight-only schemes, not {self.scheme}",
                               "use it with W4A16, W4A16_ASYM, W8A16, IQ4_NL or AUTO, or drop it")
+
+    def _check_imatrix(self, method: QuantMethod) -> None:
+        if self.imatrix is not None:
+            if method.calibrated or not isinstance(method.quantizer, Rtn):
+                raise LlmoptError(f"--imatrix weighs RTN's range search; method {self.method} measures its own statistics",
+                                  "use --imatrix with --method rtn, or drop it")
+            if not Path(self.imatrix).is_file():
+                raise LlmoptError(f"imatrix file {self.imatrix} does not exist", "give the file llama-imatrix wrote (-o FILE)")
+        if self.save_imatrix is not None and not method.calibrated:
+            raise LlmoptError(f"--save-imatrix writes the calibration's statistics; method {self.method} takes no calibration",
+                              "use a calibrated method (gptq, awq, awq+gptq …), or drop --save-imatrix")
 
     def _check_mixture(self, method: QuantMethod) -> None:
         if not method.takes_plan:
@@ -288,6 +307,8 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     config.check()
     output = Path(config.output)
     check_output(output, config.overwrite)
+    if config.save_imatrix is not None:
+        check_output(Path(config.save_imatrix), config.overwrite)
     source, _ = float_source(config.model, "quantized again", "quantize the original float checkpoint instead")
     start = time.perf_counter()
     record = config.record(str(source), config.model)
@@ -321,10 +342,15 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     tune_ids = calib
     if not request.method.calibrated:
         calib = None  # the plan's sensitivities and the scale tuning use them; the method itself takes none
+    if config.imatrix is not None:
+        request = replace(request, imatrix=_read_imatrix(source, Path(config.imatrix), record))
+    request = replace(request, record_inputs=config.save_imatrix is not None)
     quantized = output if not config.tune_steps else output.parent / f".{output.name}.untuned-{os.getpid()}"
     try:
-        quantize_checkpoint(source, quantized, request, calib, tokenizer=tokenizer, record=record,
-                            overwrite=config.overwrite, progress=progress, started=start)
+        done = quantize_checkpoint(source, quantized, request, calib, tokenizer=tokenizer, record=record,
+                                   overwrite=config.overwrite, progress=progress, started=start)
+        if config.save_imatrix is not None:
+            _save_imatrix(source, Path(config.save_imatrix), done.result.inputs, config)
         if config.tune_steps:
             record["scale_tuning"] = _tune(config, source, quantized, tune_ids)
     except ValueError as exc:
@@ -333,6 +359,43 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
         if quantized != output:
             shutil.rmtree(quantized, ignore_errors=True)
     return _evaluated(config, record)
+
+
+def _read_imatrix(source: Path, path: Path, record: dict) -> dict[str, torch.Tensor]:
+    """The importance matrix at ``path`` by the source's Linear names (through gguf's name map)."""
+    from llmopt.checkpoints.models import read_config
+    from llmopt.core.console import notice
+    from llmopt.quant.imatrix import gguf_names, read_imatrix
+    from llmopt.quant.llama_mixtures import checkpoint_shapes
+
+    try:
+        by_gguf = read_imatrix(path)
+        linears, _, _ = checkpoint_shapes(source)
+        names = gguf_names(read_config(source), list(linears))
+    except ValueError as exc:
+        raise LlmoptError(str(exc), "give the GGUF file llama-imatrix wrote for this model") from exc
+    found = {hf: by_gguf[g] for hf, g in names.items() if g in by_gguf and by_gguf[g].numel() == linears[hf][1]}
+    if not found:
+        raise LlmoptError(f"{path} has no entry for any Linear of {source}", "give the imatrix made for this model")
+    if len(found) < len(linears):
+        notice(f"the imatrix covers {len(found)} of {len(linears)} Linears; the others are quantized unweighted")
+    record["imatrix"] = {"file": str(path), "linears": len(found)}
+    return found
+
+
+def _save_imatrix(source: Path, path: Path, inputs: dict[str, tuple[torch.Tensor, int]], config: "QuantizeConfig") -> None:
+    """Write the calibrated Linears' input statistics as llama.cpp's imatrix file (atomically)."""
+    from llmopt.checkpoints.models import read_config
+    from llmopt.core.atomic import atomic_file
+    from llmopt.quant.imatrix import gguf_names, write_imatrix
+
+    try:
+        names = gguf_names(read_config(source), list(inputs))
+    except LlmoptError as exc:
+        raise LlmoptError(f"--save-imatrix: {exc.args[0]}", "drop --save-imatrix for this architecture") from exc
+    entries = {names[n]: value for n, value in inputs.items() if n in names}
+    with atomic_file(path, config.overwrite) as tmp:
+        write_imatrix(tmp, entries, config.calib, config.calib_samples, config.calib_seq_len)
 
 
 def _mixture_plan(source: Path, mixture: str) -> tuple[dict, dict]:
