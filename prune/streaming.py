@@ -10,7 +10,6 @@ whole-model path (``llmopt.pipeline.stages.prune``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from llmopt.calibration import LayerLifecycle
+from llmopt.checkpoints.provenance import write_provenance
 from llmopt.checkpoints.streaming import StreamedModel
 from llmopt.checkpoints.writer import DEFAULT_SHARD_BYTES, ShardedWriter
 from llmopt.core.atomic import atomic_dir
@@ -86,7 +86,7 @@ def prune_streaming(
                 tokenizer.save_pretrained(tmp)
             record["weights_bytes"] = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
             record = provenance(record) if provenance is not None else record
-            (tmp / "llmopt.json").write_text(json.dumps(record, indent=2) + "\n")
+            write_provenance(tmp, record)
     finally:
         stream.close()
     return record

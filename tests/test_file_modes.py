@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXT = (CORPORA / "gutenberg" / "persuasion.txt").read_text()[5000:25000]
 CALIB = ["--calib-samples", "2", "--calib-seq-len", "16"]
-SIDE = {"config.json", "generation_config.json", "llmopt.json", "tokenizer.json", "tokenizer_config.json"}
+SIDE = {"README.md", "config.json", "generation_config.json", "llmopt.json", "tokenizer.json", "tokenizer_config.json"}
 SMALL_SHARD = 20_000  # bytes: the tiny model's weights stream out as several shards
 
 

@@ -120,6 +120,4 @@ def card_text(directory: Path, record: dict) -> str:
 def write_model_card(directory: str | Path, record: dict) -> None:
     """Write README.md into ``directory`` (a checkpoint being built or finished) from ``record``."""
     directory = Path(directory)
-    if not (directory / "config.json").is_file():
-        return  # not a model directory (a GGUF conversion's cache …)
     (directory / CARD).write_text(card_text(directory, record))
