@@ -13,7 +13,6 @@ and the rules of the IQ1–IQ3 mixtures (not offered here).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,7 +229,9 @@ def mixture_plan(source: Path, mixture: str, scale_dtype: str = "bfloat16") -> t
     """``(options, record)`` for quantizing ``source`` as llama.cpp's ``mixture``: options as an AUTO
     plan gives them (``plan``: per-Linear schemes, ``head`` / ``embedding`` format names), the record
     naming every tensor's GGUF type."""
-    config = json.loads((Path(source) / "config.json").read_text())
+    from llmopt.checkpoints.models import read_config
+
+    config = read_config(Path(source))
     facts = ModelFacts.of_config(config)
     linears, embedding, head = checkpoint_shapes(Path(source))
     types = linear_types(mixture, linears, facts)

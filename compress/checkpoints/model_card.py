@@ -53,8 +53,8 @@ def consumers(config: dict) -> dict[str, str]:
                            if embedding else "cannot load asymmetric groups of several sizes (compressed-tensors 0.20); "
                            "`llmopt export --format hf` writes a dense copy" if asym and grouped else "loads")
     problems = ([f"no kernel for {', '.join(odd)} codes"] if odd else []) + (["no quantized embedding / head"] if embedding or head else [])
-    weight_only_8 = any(w.get("type") == "int" and w.get("num_bits") == 8 for g in groups for w in [g.get("weights") or {}]
-                        if not g.get("input_activations"))
+    weight_only_8 = any((g.get("weights") or {}).get("num_bits") == 8 and (g.get("weights") or {}).get("type") == "int"
+                        and not g.get("input_activations") for g in groups)
     out["vLLM"] = ("cannot serve it: " + "; ".join(problems) + " (quantize with `--for vllm`)" if problems
                    else "loads on GPUs; its CPU build has no 8-bit weight-only kernel" if weight_only_8 else "loads")
     out["llama.cpp"] = "after `llmopt export --type auto` (codes carried into GGUF blocks where a type holds them)"

@@ -476,7 +476,7 @@ def _add_origin(writer: Any, path: Path) -> None:
 
     record = read_provenance(path)
     writer.add_quantized_by("llmopt")
-    base = base_model(record) if record else base_model({"source": str(path)})
+    base = base_model(record or {"source": str(path)})
     if base:
         writer.add_base_model_count(1)
         writer.add_base_model_name(0, base.rpartition("/")[2])

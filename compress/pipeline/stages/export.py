@@ -77,12 +77,11 @@ def _export_mixture(config: ExportConfig, progress=None):
     """A GGUF file of llama.cpp's mixture ``config.type``: a checkpoint quantized as that mixture is
     carried exactly; a float checkpoint is first rounded to the mixture's types (RTN, into a scratch
     checkpoint beside the output, removed afterwards)."""
-    import json
     import os
     import shutil
     from pathlib import Path
 
-    from llmopt.checkpoints.models import resolve_model
+    from llmopt.checkpoints.models import read_config, resolve_model
     from llmopt.checkpoints.provenance import read_provenance
     from llmopt.formats.export import export_model
     from llmopt.pipeline.stages.quantize import QuantizeConfig, run_quantize
@@ -92,7 +91,7 @@ def _export_mixture(config: ExportConfig, progress=None):
         raise LlmoptError(f"--type {mixture} sets every tensor's type: --dense-type / --requantize do not apply",
                           "drop them")
     path = resolve_model(config.model)
-    settings = json.loads((path / "config.json").read_text())
+    settings = read_config(path)
     options = dict(requantize=False, overwrite=config.overwrite, verify=config.verify, verify_text=config.verify_text,
                    mixture=mixture)
     if settings.get("quantization_config"):
