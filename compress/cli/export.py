@@ -36,9 +36,11 @@ def _gguf_tables(report) -> list[Table]:
         check = Table(title="transformers' GGUF loader vs the source", title_justify="left", show_header=False)
         check.add_column("field")
         check.add_column("value")
-        if "error" in v:
-            check.add_row("load", v["error"])
+        if "error" in v or "limitation" in v:
+            check.add_row("load", v.get("error") or v["limitation"])
         else:
+            if "config" in v:
+                check.add_row("config", v["config"])
             check.add_row("token ids match", "yes" if v["token_ids_match"] else "NO")
             check.add_row("chat template match", "yes" if v["chat_template_match"] else "NO")
             check.add_row("tokens compared", str(v["tokens"]))
@@ -58,8 +60,9 @@ def export_command(as_json: bool, **params):
     """Export MODEL to OUTPUT as GGUF (llama.cpp), dense safetensors (hf) or compressed-tensors.
 
     GGUF: our int4/int8 checkpoints keep their integer codes unchanged (only scales become fp16);
-    dense checkpoints are quantized to --type. Llama-family naming, the q/k permutation llama.cpp
-    expects, the tokenizer (vocabulary, merges, special tokens, chat template) and model metadata
+    dense checkpoints are quantized to --type. Llama, Mistral, Qwen2 / Qwen3, Gemma 2 / 3, Phi-3,
+    Mixtral and Qwen2 / Qwen3-MoE are written with gguf's tensor names (experts stacked per
+    projection, Gemma norms as 1 + w, the q/k permutation llama.cpp expects), the tokenizer (vocabulary, merges, special tokens, chat template) and model metadata
     are written. The file is read back and every tensor compared with the source before it is
     moved into place; nothing is left behind on error.
 

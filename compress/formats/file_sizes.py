@@ -75,7 +75,7 @@ def _gguf_fixed(path: Path, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[st
     from transformers import AutoTokenizer
 
     from llmopt.checkpoints.models import read_config
-    from llmopt.formats.gguf_export import IGNORED_KEYS, _gguf_name, write_metadata
+    from llmopt.formats.gguf_arch import TensorNames, write_metadata
     from llmopt.formats.gguf_source import Source, check_architecture, read_layout
     from llmopt.formats.gguf_vocab import build_vocab, write_vocab
 
@@ -83,16 +83,22 @@ def _gguf_fixed(path: Path, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[st
     arch = check_architecture(config)
     source = Source(path, config, {k: torch.empty(s, device="meta") for k, s in shapes.items()}, {}, "dense")
     layout = read_layout(source)
-    tied = bool(config.get("tie_word_embeddings", False))
-    names = {k: n for k in shapes if not IGNORED_KEYS.search(k) and (n := _gguf_name(k, layout, tied))}
+    to_gguf = TensorNames(arch, layout, bool(config.get("tie_word_embeddings", False)))
+    names = {k: n for k in shapes if (n := to_gguf(k))}
+    stacked: dict[str, tuple[int, ...]] = {}  # experts share one tensor: [experts, rows, cols]
+    for key, name in names.items():
+        if to_gguf.expert(key) is None:
+            stacked[name] = shapes[key]
+        else:
+            stacked[name] = (stacked[name][0] + 1 if name in stacked else 1, *shapes[key])
     vocab = build_vocab(AutoTokenizer.from_pretrained(path), layout.vocab, path)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fixed.gguf"
         writer = GGUFWriter(str(out), arch.gguf)
-        write_metadata(writer, source, layout, GGMLQuantizationType.F16)
+        write_metadata(writer, source, layout, GGMLQuantizationType.F16, arch)
         write_vocab(writer, vocab)
-        for key, name in names.items():
-            writer.add_tensor_info(name, shapes[key], np.dtype(np.float32), 0, GGMLQuantizationType.F32)
+        for name, shape in stacked.items():
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), 0, GGMLQuantizationType.F32)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()

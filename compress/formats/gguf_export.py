@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +52,8 @@ from llmopt.core.atomic import atomic_file, check_output
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.gguf_vocab import Vocab, build_vocab, write_vocab
 from llmopt.checkpoints.models import resolve_model
+from llmopt.formats.gguf_arch import TensorNames, write_metadata
 from llmopt.formats.gguf_source import (
-    LAYER_KEY,
     Arch,
     Layout,
     Source,
@@ -83,27 +83,6 @@ F16_MAX = 65504.0
 SUPERBLOCK_ENCODERS = {T.IQ4_XS: blocks.encode_iq4_xs, T.Q2_K: blocks.encode_q2_k, T.Q3_K: blocks.encode_q3_k,
                        T.Q4_K: blocks.encode_q4_k, T.Q5_K: blocks.encode_q5_k, T.Q6_K: blocks.encode_q6_k}
 
-TOP_LEVEL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-IN_LAYER = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-IGNORED_KEYS = re.compile(r"(rotary_emb\.inv_freq|\.weight_shape)$")
-
-
 def parse_type(name: str) -> T | None:
     """The GGML type for a user-facing name (``auto`` → None)."""
     if name.lower() == "auto":
@@ -131,12 +110,29 @@ class Planned:
     note: str = ""
     expected_codes: np.ndarray | None = None  # carried codes as stored (for the read-back check)
     expected_d: np.ndarray | None = None  # their fp16 block scales, as float32
+    parts: list[Planned] | None = None  # experts stacked into this one 3-D tensor, in order
 
     def reference(self) -> torch.Tensor:
         """The source values this tensor should reproduce, in float32."""
+        if self.parts:
+            return torch.stack([p.reference() for p in self.parts])
         if isinstance(self.value, torch.Tensor):
             return self.value.float()
         return self.value.dequantize(torch.float32)
+
+    @property
+    def weights(self) -> int:
+        """How many values the tensor holds."""
+        if self.parts:
+            return sum(p.weights for p in self.parts)
+        return int(np.prod(self.value.shape if isinstance(self.value, torch.Tensor) else self.value.codes.shape))
+
+    def stored_codes(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The carried codes and block scales the file must hold (experts one after another)."""
+        parts = self.parts or [self]
+        if any(p.expected_codes is None for p in parts):
+            return None
+        return np.concatenate([p.expected_codes for p in parts]), np.concatenate([p.expected_d for p in parts])
 
 
 @dataclass
@@ -297,10 +293,13 @@ def _carry(name: str, source: str, qw: Any, qtype: T, fmt: str, note: str) -> Pl
                    expected_codes=codes.numpy().astype(np.int8), expected_d=d16.float().numpy())
 
 
-def _plan_float(name: str, source: str, t: torch.Tensor, opts: Options, is_output: bool, quantized_source: bool) -> Planned:
+def _plan_float(name: str, source: str, t: torch.Tensor, opts: Options, is_output: bool, quantized_source: bool,
+                router: bool = False) -> Planned:
     fmt = _float_format(t)
     if t.dim() == 1:
         return Planned(name, source, t, T.F32, "stored", fmt)
+    if router:  # llama.cpp keeps expert routers in float32 whatever the file's type
+        return Planned(name, source, t, T.F32, "stored" if t.dtype == torch.float32 else "cast", fmt, "expert router kept in F32")
     cols = t.shape[1]
     note = ""
     if opts.dense_type is not None:
@@ -327,44 +326,68 @@ def _plan_float(name: str, source: str, t: torch.Tensor, opts: Options, is_outpu
 
 
 def plan_tensors(source: Source, arch: Arch, layout: Layout, opts: Options) -> tuple[list[Planned], list[str]]:
-    """Every output tensor with its GGUF name, type and value (q/k rows permuted)."""
+    """Every output tensor with its GGUF name, type and value (q/k rows permuted, Gemma norms
+    shifted, experts stacked into one tensor per projection)."""
     tied = bool(source.config.get("tie_word_embeddings", False))
+    names = TensorNames(arch, layout, tied)
     entries: list[tuple[str, str, Any]] = []  # (gguf name, source key, value)
     notes: list[str] = []
     for key, t in source.floats.items():
-        if IGNORED_KEYS.search(key):
-            continue
-        entries.append((_gguf_name(key, layout, tied), key, t))
+        if arch.norm_shift and key.endswith("norm.weight"):
+            t = t.float() + arch.norm_shift
+        entries.append((names(key), key, t))
     for module, qw in source.quantized.items():
-        entries.append((_gguf_name(f"{module}.weight", layout, tied), f"{module}.weight", qw))
+        entries.append((names(f"{module}.weight"), f"{module}.weight", qw))
     entries = [e for e in entries if e[0]]
     has_output = any(name == "output.weight" for name, _, _ in entries)
-    if tied and "lm_head.weight" in source.floats:
+    if tied and arch.output_required and not has_output:
+        embed = next(e for e in entries if e[0] == "token_embd.weight")
+        entries.append(("output.weight", embed[1], embed[2]))
+        has_output = True
+        notes.append(f"the tied embedding is written twice, as token_embd and output (llama.cpp's {arch.gguf} needs both)")
+    elif tied and "lm_head.weight" in source.floats:
         notes.append("lm_head is tied to the embedding: written once, as token_embd")
-    plans = []
+    if arch.norm_shift:
+        notes.append("Gemma norms stored as 1 + weight (llama.cpp scales by the stored weight)")
+    plans: list[Planned] = []
+    stacks: dict[str, list[tuple[int, Planned]]] = {}
     for name, key, value in sorted(entries, key=lambda e: _order(e[0])):
         block = re.match(r"blk\.(\d+)\.(attn_q|attn_k)\.", name)
         if arch.permute_qk and block:
             i = int(block.group(1))
             value = _permute(value, layout.n_head[i] if block.group(2) == "attn_q" else layout.n_kv[i])
         is_output = name == "output.weight" or (name == "token_embd.weight" and not has_output)
+        router = "ffn_gate_inp" in name
+        if router and isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == 1:
+            value = value[0]  # a one-row gate (Qwen2-MoE's shared-expert gate) is a vector in llama.cpp
         if isinstance(value, torch.Tensor):
-            plans.append(_plan_float(name, key, value, opts, is_output, source.is_quantized))
+            planned = _plan_float(name, key, value, opts, is_output, source.is_quantized, router)
         else:
-            plans.append(_plan_quantized(name, key, value, opts))
+            planned = _plan_quantized(name, key, value, opts)
+        expert = names.expert(key)
+        if expert is None:
+            plans.append(planned)
+            continue
+        if name not in stacks:
+            plans.append(planned)  # holds the stack's place; replaced below
+        stacks.setdefault(name, []).append((expert, planned))
+    for name, parts in stacks.items():
+        at = next(j for j, p in enumerate(plans) if p.name == name)
+        plans[at] = _stack(name, [p for _, p in sorted(parts, key=lambda e: e[0])], opts)
     return plans, notes
 
 
-def _gguf_name(key: str, layout: Layout, tied: bool) -> str | None:
-    """GGUF name of a source tensor (None: not written), or an error for an unknown tensor."""
-    if key in TOP_LEVEL:
-        if key == "lm_head.weight" and tied:
-            return None
-        return TOP_LEVEL[key]
-    m = LAYER_KEY.match(key)
-    if m and m.group(2) in IN_LAYER:
-        return f"blk.{layout.layer_map[int(m.group(1))]}.{IN_LAYER[m.group(2)]}.{m.group(3)}"
-    raise UnsupportedArchitectureError(f"no GGUF name for tensor '{key}'", "export a plain Llama-family checkpoint")
+def _stack(name: str, parts: list[Planned], opts: Options) -> Planned:
+    """The experts of one projection as one 3-D tensor; all share one GGUF type (with ``auto``,
+    F16 when their carried types differ)."""
+    if len({(p.qtype, p.how) for p in parts}) > 1:
+        if opts.qtype is not None:
+            raise UnmappableTypeError(f"{name}: the experts' weights need different GGUF types "
+                                      f"({', '.join(sorted({p.qtype.name for p in parts}))})", "export with --type auto")
+        parts = [replace(p, qtype=T.F16, how="cast", note="experts of different formats: F16 (near-lossless)",
+                         expected_codes=None, expected_d=None) for p in parts]
+    first = parts[0]
+    return replace(first, source=re.sub(r"\.experts\.\d+\.", ".experts.*.", first.source), parts=parts)
 
 
 def _order(name: str) -> tuple:
@@ -382,6 +405,9 @@ def encode(p: Planned) -> tuple[np.ndarray, T | None]:
     """The array handed to ``GGUFWriter.add_tensor`` and its raw type (None: from the dtype)."""
     from gguf import quants
 
+    if p.parts:
+        arrays = [encode(part) for part in p.parts]
+        return np.stack([a for a, _ in arrays]), arrays[0][1]
     if p.how == "carried codes":
         qw = p.value
         codes = p.expected_codes
@@ -395,8 +421,7 @@ def encode(p: Planned) -> tuple[np.ndarray, T | None]:
             return blocks.encode_iq4_nl(codes, p.expected_d), T.IQ4_NL
         if p.qtype in SUPERBLOCK_ENCODERS:
             d, k = _factors(qw, p.qtype)
-            encode = SUPERBLOCK_ENCODERS[p.qtype]
-            return encode(codes, d.numpy(), k.numpy()), p.qtype
+            return SUPERBLOCK_ENCODERS[p.qtype](codes, d.numpy(), k.numpy()), p.qtype
         cols = codes.shape[1]
         group = qw.group_size or cols
         scale = qw.scale.float().repeat_interleave(group // blocks.QK, dim=1)
@@ -430,61 +455,8 @@ def _file_type(plans: list[Planned], opts: Options) -> T:
     for p in plans:
         if isinstance(p.value, torch.Tensor) and p.value.dim() == 1:
             continue
-        shape = p.value.shape if isinstance(p.value, torch.Tensor) else p.value.codes.shape
-        weights[p.qtype] += int(np.prod(shape))
+        weights[p.qtype] += p.weights
     return weights.most_common(1)[0][0] if weights else T.F32
-
-
-def write_metadata(writer: Any, source: Source, layout: Layout, file_type: LlamaFileType) -> None:
-    """General and architecture keys (``llama.block_count`` …) from the config and the tensors."""
-    cfg = source.config
-    rope = rope_parameters(cfg)
-
-    def scalar_or_list(values: list[int]) -> int | list[int]:
-        return values[0] if len(set(values)) == 1 else values
-
-    name = cfg.get("_name_or_path") or source.path.name
-    writer.add_name(str(name).rstrip("/").rpartition("/")[2] or source.path.name)
-    writer.add_file_type(int(file_type))
-    writer.add_quantization_version(2)
-    _add_origin(writer, source.path)
-    writer.add_block_count(layout.layers)
-    writer.add_context_length(int(cfg.get("max_position_embeddings") or 2048))
-    writer.add_embedding_length(layout.hidden)
-    writer.add_feed_forward_length(scalar_or_list(layout.ffn))
-    writer.add_head_count(scalar_or_list(layout.n_head))
-    writer.add_head_count_kv(scalar_or_list(layout.n_kv))
-    writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
-    writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    writer.add_vocab_size(layout.vocab)
-    writer.add_rope_dimension_count(layout.head_dim)
-    if layout.n_head and layout.head_dim * max(layout.n_head) != layout.hidden:
-        writer.add_key_length(layout.head_dim)
-        writer.add_value_length(layout.head_dim)
-    if (rope.get("rope_type") or rope.get("type")) == "linear":
-        from gguf import RopeScalingType
-
-        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(rope["factor"]))
-
-
-def _add_origin(writer: Any, path: Path) -> None:
-    """general.* keys on where the weights come from: quantized_by, the base model (the source's own
-    base when it is an llmopt checkpoint, its Hub id when it came from the Hub) and its license."""
-    from llmopt.checkpoints.model_card import base_model, source_license
-    from llmopt.checkpoints.provenance import read_provenance
-
-    record = read_provenance(path)
-    writer.add_quantized_by("llmopt")
-    base = base_model(record or {"source": str(path)})
-    if base:
-        writer.add_base_model_count(1)
-        writer.add_base_model_name(0, base.rpartition("/")[2])
-        writer.add_base_model_organization(0, base.rpartition("/")[0] or base)
-        writer.add_base_model_repo_url(0, f"https://huggingface.co/{base}")
-    license_ = source_license(path, record)
-    if license_:
-        writer.add_license(license_)
 
 
 def _write(path: Path, arch: Arch, source: Source, layout: Layout, vocab: Vocab,
@@ -492,7 +464,7 @@ def _write(path: Path, arch: Arch, source: Source, layout: Layout, vocab: Vocab,
     from gguf import GGUFWriter
 
     writer = GGUFWriter(str(path), arch.gguf)
-    write_metadata(writer, source, layout, file_type)
+    write_metadata(writer, source, layout, file_type, arch)
     write_vocab(writer, vocab)
     for p in plans:
         array, raw = encode(p)
@@ -543,9 +515,11 @@ def read_back(path: Path, plans: list[Planned], layout: Layout, vocab: Vocab) ->
         err = float(np.abs(values - ref_np).max()) if values.size else 0.0
         scale = float(np.abs(ref_np).max()) if ref_np.size else 0.0
         identical = None
-        if p.how == "carried codes":
-            codes, d = blocks.stored_codes(t.data, t.tensor_type, shape[0])
-            identical = bool(np.array_equal(codes, p.expected_codes) and np.array_equal(d, p.expected_d))
+        expected = p.stored_codes() if p.how == "carried codes" else None
+        if expected is not None:
+            rows = int(np.prod(shape[:-1]))
+            codes, d = blocks.stored_codes(np.asarray(t.data).reshape(rows, -1), t.tensor_type, rows)
+            identical = bool(np.array_equal(codes, expected[0]) and np.array_equal(d, expected[1]))
             if not identical:
                 raise VerificationError(f"{p.name}: carried codes or scales differ after writing")
         reports.append(TensorReport(p.name, p.source, shape, p.source_format, p.qtype.name, p.how, p.note,

@@ -16,21 +16,42 @@ DEFAULT_VERIFY_TEXT = (
 )
 
 
+# Architectures whose GGUF keys transformers' loader reads only in part (Gemma's attention scale,
+# soft-capping and per-layer windows; the experts' widths): their tensors are checked with the
+# source's config.json; llama.cpp reads the keys themselves.
+SOURCE_CONFIG = {"gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe"}
+NOT_LOADABLE = {"mixtral": "transformers' GGUF loader has no mapping for llama-architecture files with experts (Mixtral); "
+                           "llama.cpp runs them"}
+
+
 def verify_with_transformers(gguf_path: Path, source: Source, text: str | None = None) -> dict:
     """Load the GGUF through transformers' GGUF loader; compare token ids and logits with the source.
 
     Returns the tokenizer agreement, max |Δlogit| (absolute and relative to the largest logit),
-    mean KL(source ‖ gguf) over positions and top-1 agreement.
+    mean KL(source ‖ gguf) over positions and top-1 agreement; ``limitation`` instead where
+    transformers cannot load the architecture from GGUF.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     text = text or DEFAULT_VERIFY_TEXT
     gguf_path = Path(gguf_path)
     result: dict[str, Any] = {"text": text}
+    model_type = source.config.get("model_type")
+    if model_type in NOT_LOADABLE:
+        result["limitation"] = NOT_LOADABLE[model_type]
+        return result
+    kwargs: dict[str, Any] = {}
+    if model_type in SOURCE_CONFIG:
+        config = AutoConfig.from_pretrained(source.path)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the GGUF's weights are dequantized on load
+        kwargs["config"] = config
+        result["config"] = "the source's config.json (transformers' GGUF loader does not read all of this architecture's keys)"
     src_tok = AutoTokenizer.from_pretrained(source.path)
     try:
         gg_tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        gg_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+        gg_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32,
+                                                        **kwargs).eval()
     except Exception as exc:  # any failure of the loader is a finding to report, not a crash
         result["error"] = f"transformers could not load the GGUF: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
         return result
