@@ -479,6 +479,37 @@ def test_disconnects_release_slots_and_blocks(server):
                "both non-streaming disconnects to be counted as 499")
 
 
+def test_disconnects_in_prefill_release_slots_and_blocks(server):
+    """The client leaves while its prompt's forward pass runs (blocks allocated, no token yet),
+    streaming and not: its slot and blocks come back once the pass ends."""
+    runner = server.loop.engine.runner
+    real = runner.run
+    in_prefill: list[bool] = []
+
+    def slow_run(items, prompt_rows=None):
+        in_prefill.append(any(seq.num_computed < seq.num_prompt_tokens for seq, _ in items))
+        time.sleep(1.0)
+        return real(items, prompt_rows)
+
+    runner.run = slow_run
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            server.post("/v1/completions", completion(max_tokens=8, prompt="p" * 150), timeout=0.4)
+        assert in_prefill == [True] and server.loop.engine.has_unfinished()
+        server.assert_no_leaks()
+        with httpx.stream("POST", f"{server.base}/v1/chat/completions", json=chat("q" * 150, max_tokens=8, stream=True),
+                          headers=AUTH, timeout=httpx.Timeout(60, read=0.4)) as r:
+            lines = r.iter_lines()
+            assert r.status_code == 200 and next(lines).startswith("data: {")  # the role event, before any token
+            with pytest.raises(httpx.ReadTimeout):
+                next(line for line in lines if line)  # (events are separated by empty lines)
+            blocks = server.loop.engine.block_manager
+            assert in_prefill == [True, True] and blocks.num_free_blocks < blocks.num_blocks
+    finally:
+        del runner.run
+    server.assert_no_leaks()
+
+
 # -- an engine that keeps failing is dead: /health 503, the server stops ------------------------------
 
 def _always_failing(served: Served, monkeypatch) -> None:
