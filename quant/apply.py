@@ -136,6 +136,9 @@ def resolve_group_sizes(
     for (g, n_in), names in fallbacks.items():
         kinds = ", ".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in names))
         what = f"{len(names)} layer{'s' if len(names) > 1 else ''} ({kinds})"
+        if scheme.is_fp4:
+            raise ValueError(f"{scheme.name} quantizes in groups of {scheme.group_size}, which do not divide the {n_in} "
+                             f"input features of {what}; keep them in float with --ignore")
         if strict:
             raise ValueError(
                 f"group size {scheme.group_size} does not divide the {n_in} input features of "

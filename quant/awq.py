@@ -161,6 +161,8 @@ class Awq(ScaleTransform):
     clip: bool = False
 
     def check(self, scheme: QuantScheme) -> None:
+        if scheme.is_fp4:
+            raise ValueError(f"awq does not search scales for {scheme.name}'s FP4 weights; use rtn or gptq")
         if scheme.activations is not None:
             raise ValueError(
                 f"AWQ optimizes weight-only quantization and does not account for {scheme.name}'s activation "

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
+from llmopt.formats.fp4 import round_to_e2m1
 from llmopt.formats.schemes import FP8_MAX, QuantScheme, round_to_grid
 
 SMALL_STEP = 1 << 21  # elements a step touches below which its ops are latency-bound: one thread
@@ -41,6 +42,9 @@ def quantize_column(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and dequantized values (both float32) of one weight column, exactly as
     :func:`~.formats.quantize` / :func:`~.formats.dequantize` compute them."""
+    if scheme.is_fp4:
+        code = round_to_e2m1(w / scale)
+        return code, code * scale
     if scheme.is_float:
         code = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
         return code, code * scale

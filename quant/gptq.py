@@ -15,6 +15,7 @@ from torch import nn
 
 from llmopt.checkpoints.estimate import IN_PLACE_FACTOR_MIN
 from llmopt.core.errors import NumericalError
+from llmopt.formats import fp4
 from llmopt.formats.schemes import QuantizedWeight, QuantScheme, compute_qparams, search_qparams
 from llmopt.quant.code_descent import descend_codes
 from llmopt.quant.columns import column_loop_threads, quantize_column
@@ -239,8 +240,11 @@ def gptq_quantize_weight(
     (:mod:`llmopt.quant.scale_refit`; one more float32 copy of the Hessian and of the weights),
     then ``DESCENT_ROUNDS`` rounds of exact coordinate descent on the codes
     (:mod:`llmopt.quant.code_descent`) alternated with least-squares scales (none by default); no
-    row's error rises at any step.
+    row's error rises at any step. An NVFP4 scheme without a global scale takes ``weight``'s own
+    (for q/k/v stacked by the caller: one for all three, as vLLM's fused layer needs).
     """
+    if scheme.needs_global_scale and scheme.global_scale is None:
+        scheme = scheme.with_global_scale(fp4.global_scale(weight))
     if refit:
         return _gptq_refit(weight, hessian, scheme, group_size, block_size=block_size, damp=damp,
                            act_order=act_order, static_groups=static_groups, clip=clip, mask=mask,

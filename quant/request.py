@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from llmopt.formats.schemes import GROUPED_SCHEMES, PRESETS, QuantScheme, get_scheme
+from llmopt.formats.schemes import FP4_SCHEMES, GROUPED_SCHEMES, PRESETS, QuantScheme, get_scheme
 from llmopt.quant.method import QuantMethod
 from llmopt.quant.registry import build_method
 
@@ -65,6 +65,9 @@ def resolve_scheme(name: str, group_size: int | None = None) -> QuantScheme:
         raise ValueError(f"unknown scheme {name!r}: choose one of {', '.join(PRESETS)}")
     if group_size is not None and group_size < 0:
         raise ValueError(f"group size must be positive (or 0 for per-channel), got {group_size}")
+    if key in FP4_SCHEMES and group_size is not None and group_size != PRESETS[key].group_size:
+        raise ValueError(f"{key} quantizes in fixed groups of {PRESETS[key].group_size} input features "
+                         f"(compressed-tensors' format); drop --group-size (got {group_size})")
     if group_size and key not in GROUPED_SCHEMES:
         raise ValueError(
             f"scheme {key} is per-channel and takes no group size (got {group_size}); "

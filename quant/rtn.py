@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
+from llmopt.formats import fp4
 from llmopt.quant.clipping import search_qparams_hessian
 from llmopt.formats.schemes import QuantizedWeight, QuantScheme, compute_qparams, search_qparams
 from llmopt.linear_stats import LinearStats
@@ -27,8 +28,11 @@ def rtn_quantize_weight(
     """Quantize one weight matrix ``[out, in]``.
 
     ``clip="mse"`` searches the range shrink per (row, group); with a calibration ``hessian``
-    the search minimises the output error, otherwise the weight error.
+    the search minimises the output error, otherwise the weight error. An NVFP4 scheme without
+    a global scale takes ``w``'s own (:func:`~llmopt.formats.fp4.global_scale`).
     """
+    if scheme.needs_global_scale and scheme.global_scale is None:
+        scheme = scheme.with_global_scale(fp4.global_scale(w))
     if clip == "minmax":
         scale, zp = compute_qparams(w, scheme, group_size)
     elif clip == "mse":
@@ -48,14 +52,34 @@ def rtn_quantize_modules(
     clip: ClipMode = "minmax",
     hessians: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, QuantizedWeight]:
-    """RTN-quantize ``modules`` (name → Linear); writes the dequantized weights in place."""
+    """RTN-quantize ``modules`` (name → Linear); writes the dequantized weights in place. NVFP4
+    Linears that engines fuse (q/k/v, gate/up) share one global scale (:func:`fused_global_scales`)."""
     out: dict[str, QuantizedWeight] = {}
+    globals_ = fused_global_scales(modules) if scheme.needs_global_scale else {}
     with torch.no_grad():
         for name, module in modules.items():
             h = hessians.get(name) if hessians else None
-            qw = rtn_quantize_weight(module.weight.data, scheme, group_sizes[name], clip, h)
+            own = scheme.with_global_scale(globals_[name]) if name in globals_ else scheme
+            qw = rtn_quantize_weight(module.weight.data, own, group_sizes[name], clip, h)
             module.weight.data.copy_(qw.dequantize(module.weight.dtype))
             out[name] = qw
+    return out
+
+
+FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def fused_global_scales(modules: Mapping[str, nn.Linear]) -> dict[str, torch.Tensor]:
+    """NVFP4 global scales of ``modules``, tied (the smallest) across the q/k/v and gate/up
+    projections of one parent, as llm-compressor ties them for vLLM's fused layers."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name in modules:
+        parent, _, leaf = name.rpartition(".")
+        groups.setdefault((parent, FUSED.get(leaf, name)), []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for names in groups.values():
+        tied = fp4.tied_global_scale([modules[n].weight.data for n in names])
+        out.update({n: tied for n in names})
     return out
 
 

@@ -11,7 +11,7 @@ import torch
 from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.quantization import QuantizationScheme
 
-from llmopt.formats import compressed
+from llmopt.formats import compressed, fp4
 from llmopt.formats.registry import FORMATS, LINEAR_CANDIDATES, OUTER_CANDIDATES, format_for, format_of, kernel_for_codes
 from llmopt.formats.schemes import QuantizedWeight, compute_qparams, search_qparams
 
@@ -19,12 +19,14 @@ ROWS, COLS = 40, 256  # 256 columns: the super-block formats' scales factor; 40 
 
 
 def _group(fmt) -> int | None:
-    return None if fmt.name in ("int8", "fp8") else 16 if fmt.name in ("int6x", "int3x") else 32
+    return None if fmt.name in ("int8", "fp8") else 16 if fmt.name in ("int6x", "int3x", "nvfp4") else 32
 
 
 def _quantized(fmt, scale_dtype: str = "bfloat16", activations: str | None = None) -> QuantizedWeight:
     scheme = replace(fmt.scheme(_group(fmt), scale_dtype), activations=activations)
     w = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(len(fmt.name))) * 0.05
+    if scheme.needs_global_scale:  # NVFP4: scales relative to the tensor's global scale
+        scheme = scheme.with_global_scale(fp4.global_scale(w))
     scale, zp = (search_qparams if fmt.grid is not None else compute_qparams)(w, scheme, scheme.group_size)
     return QuantizedWeight.from_weight(w, scheme, scheme.group_size, scale, zp)
 
@@ -45,9 +47,12 @@ def test_every_format_round_trips_and_declares_its_bytes(name):
     assert set(tensors) == set(fmt.checkpoint_tensors())
     written = sum(t.numel() * t.element_size() for t in tensors.values())
     assert fmt.checkpoint_bytes(ROWS, COLS, qw.group_size) == written
-    # scales in 16 bits, except super-block (k·d) scales: float32, exactly as the quantizer chose them
-    want = torch.float32 if fmt.scale_steps else torch.bfloat16
-    assert tensors["weight_scale"].dtype == want and torch.equal(tensors["weight_scale"].float(), qw.scale)
+    # scales in 16 bits, except super-block (k·d) scales: float32, exactly as the quantizer chose them;
+    # FP4: FP8 times the global scale (NVFP4), E8M0 exponents (MXFP4)
+    want = torch.float32 if fmt.scale_steps else qw.scheme.stored_scale_dtype if fmt.fp4 else torch.bfloat16
+    assert tensors["weight_scale"].dtype == want
+    if not fmt.fp4:
+        assert torch.equal(tensors["weight_scale"].float(), qw.scale)
     # read back as a checkpoint is: the scheme from the config, the format recognized from the values
     scheme = _read_back_scheme(qw)
     back = format_for(scheme).unpack(tensors, scheme, qw.group_size)
@@ -56,7 +61,8 @@ def test_every_format_round_trips_and_declares_its_bytes(name):
     assert torch.equal(fmt.dequantize(back), qw.dequantize())
     # compressed-tensors' own choice of layout is the format's
     ct = QuantizationScheme(targets=["Linear"], weights=compressed._weight_args(qw.scheme, qw.group_size))
-    assert (infer_module_format(torch.nn.Linear, ct).value == "pack-quantized") == fmt.packs()
+    want_format = {"e4m3": "nvfp4-pack-quantized", "e8m0": "mxfp4-pack-quantized"}.get(fmt.fp4, "pack-quantized")
+    assert (infer_module_format(torch.nn.Linear, ct).value == want_format) == (fmt.packs() or fmt.fp4 is not None)
     assert fmt.kernel == kernel_for_codes(qw.codes, qw.zero_point)  # the narrowest kernel holding its codes
 
 

@@ -11,6 +11,10 @@ Per Linear ``<name>``, by compression format (chosen by compressed-tensors' ``in
   bits first), ``<name>.weight_shape`` int64 ``[2]``, ``<name>.weight_scale`` ``[out, n_groups]``
   and, when asymmetric, ``<name>.weight_zero_point`` packed the same way along the *output* dim:
   int32 ``[ceil(out*bits/32), n_groups]``.
+* ``nvfp4-pack-quantized`` (NVFP4A16) / ``mxfp4-pack-quantized`` (MXFP4A16): ``<name>.weight_packed``
+  uint8 ``[out, in/2]`` (E2M1 codes two a byte, :mod:`~llmopt.formats.fp4`), ``<name>.weight_scale``
+  float8_e4m3fn ``[out, in/16]`` (times the global scale) / uint8 E8M0 exponents ``[out, in/32]``,
+  and for NVFP4 ``<name>.weight_global_scale`` float32 ``[1]``.
 * ``int-quantized`` (W8A8), ``float-quantized`` (FP8_DYNAMIC), ``naive-quantized`` (weight-only
   FP8): ``<name>.weight`` int8 / float8_e4m3fn ``[out, in]`` and ``<name>.weight_scale``
   (plus an int8 ``weight_zero_point`` ``[out, n_groups]`` for asymmetric schemes).
@@ -78,8 +82,16 @@ __all__ = [
 # Config: our schemes <-> compressed-tensors QuantizationScheme
 
 
+FP4_PRESETS = {"e4m3": "NVFP4A16", "e8m0": "MXFP4A16"}  # our FP4 scale formats → compressed-tensors' presets
+
+
 def _weight_args(scheme: QuantScheme, group_size: int | None) -> QuantizationArgs:
-    """compressed-tensors weight QuantizationArgs for one layer's scheme and group size."""
+    """compressed-tensors weight QuantizationArgs for one layer's scheme and group size (FP4:
+    compressed-tensors' own preset's, strategy, scale and zero-point dtypes included)."""
+    if scheme.is_fp4:
+        from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+        return PRESET_SCHEMES[FP4_PRESETS[scheme.scale_format]]["weights"].model_copy(deep=True)
     return QuantizationArgs(
         num_bits=scheme.num_bits,
         type=QuantizationType.FLOAT if scheme.is_float else QuantizationType.INT,
@@ -117,7 +129,7 @@ def _ct_scheme(scheme: QuantScheme, group_size: int | None, targets: list[str]) 
 def _group_key(qw: QuantizedWeight) -> tuple:
     """Layers sharing this key share one config group."""
     s = qw.scheme
-    return (s.num_bits, s.weight_type, s.symmetric, s.activations, qw.group_size)
+    return (s.num_bits, s.weight_type, s.symmetric, s.activations, qw.group_size, s.scale_format)
 
 
 def build_quantization_config(
@@ -152,6 +164,8 @@ def _scheme_from_ct(ct: QuantizationScheme) -> tuple[QuantScheme, int | None]:
     w = ct.weights
     if w is None:
         raise ValueError(f"config group targeting {ct.targets} has no weight quantization")
+    if w.type == QuantizationType.FLOAT and w.num_bits == 4:
+        return _fp4_scheme(ct), w.group_size
     if w.strategy not in (QuantizationStrategy.GROUP, QuantizationStrategy.CHANNEL):
         raise ValueError(f"unsupported weight strategy {w.strategy!r}")
     group_size = w.group_size if w.strategy == QuantizationStrategy.GROUP else None
@@ -166,6 +180,20 @@ def _scheme_from_ct(ct: QuantizationScheme) -> tuple[QuantScheme, int | None]:
             return candidate, group_size
     name = f"{'FP' if wtype == 'float' else 'W'}{w.num_bits}{'' if acts else 'A16'}"
     return QuantScheme(name, w.num_bits, wtype, group_size, w.symmetric, acts), group_size
+
+
+def _fp4_scheme(ct: QuantizationScheme) -> QuantScheme:
+    """NVFP4A16 / MXFP4A16 for an FP4 config group, chosen by its group size as compressed-tensors
+    chooses the compressor (16: nvfp4-pack-quantized, 32: mxfp4-pack-quantized)."""
+    w = ct.weights
+    if ct.input_activations is not None:
+        raise ValueError(f"config group targeting {ct.targets} quantizes activations to FP4 (NVFP4 / MXFP4 with "
+                         "activations): llmopt reads weight-only FP4 (NVFP4A16, MXFP4A16) only")
+    for preset in (PRESETS["NVFP4A16"], PRESETS["MXFP4A16"]):
+        if w.group_size == preset.group_size and w.symmetric:
+            return preset
+    raise ValueError(f"config group targeting {ct.targets}: FP4 weights in groups of {w.group_size} are neither "
+                     "NVFP4 (16) nor MXFP4 (32)")
 
 
 def scheme_of_config(quantization_config: dict | QuantizationConfig) -> dict[str, tuple[QuantScheme, int | None, str]]:

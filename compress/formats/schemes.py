@@ -8,6 +8,9 @@ Each (row, group) has a ``scale`` and, for asymmetric schemes, an integer ``zero
     W_hat = (q - zero_point) * scale                          # dequantized
 
 FP8 (e4m3) weights have a per-row scale and no zero point; the codes are float8 values.
+FP4 weights (NVFP4, MXFP4: ``QuantScheme.scale_format``) have E2M1 codes, held as float8 values,
+and scales of their own formats (FP8 relative to a per-tensor global scale, or powers of two):
+see :mod:`llmopt.formats.fp4`. ``QuantizedWeight.scale`` holds the effective float32 scales.
 
 A *grid* scheme (``QuantScheme.grid``) restricts the int8 codes to a fixed set of values: each
 weight rounds to the nearest ``scale * g`` over ``g`` in the grid. ``IQ4_NL_GRID`` is llama.cpp's
@@ -41,6 +44,8 @@ from typing import Literal
 
 import torch
 
+from llmopt.formats import fp4
+
 FP8_MAX = 448.0  # largest finite float8 e4m3fn value
 WeightType = Literal["int", "float"]
 ActType = Literal["int8", "fp8"]
@@ -58,8 +63,12 @@ class QuantScheme:
     activations: ActType | None = None  # dynamic per-token activation quantization
     grid: tuple[int, ...] | None = None  # allowed integer codes, ascending (None: every code)
     scale_steps: int | None = None  # scales are k * d per super-block, -steps/2 <= k < steps/2 (symmetric only)
+    # FP4 scales (E2M1 codes): "e4m3" (NVFP4: FP8 relative to a float32 global scale), "e8m0" (MXFP4)
+    scale_format: fp4.ScaleFormat | None = None
     # dtype the scales are stored (and rounded) in: bfloat16 / float16 / float32 (super-block scales: always float32)
     scale_dtype: str = field(default="bfloat16", compare=False)
+    # NVFP4: the tensor's float32 global scale (set per weight by the quantizer, fp4.global_scale)
+    global_scale: float | None = field(default=None, compare=False)
 
     # Integer codes are signed for both symmetric and asymmetric schemes (asymmetric ones add a
     # signed zero point), matching compressed-tensors.
@@ -80,9 +89,31 @@ class QuantScheme:
         return not self.symmetric
 
     @property
+    def is_fp4(self) -> bool:
+        """E2M1 codes with NVFP4 / MXFP4 scales."""
+        return self.scale_format is not None
+
+    @property
+    def needs_global_scale(self) -> bool:
+        """NVFP4: scales relative to a per-tensor global scale (set by :meth:`with_global_scale`)."""
+        return self.scale_format == "e4m3"
+
+    def with_global_scale(self, value: torch.Tensor | float) -> "QuantScheme":
+        """This NVFP4 scheme for one tensor of global scale ``value`` (a float32 value)."""
+        return replace(self, global_scale=float(torch.as_tensor(value, dtype=torch.float32).reshape(-1)[0]))
+
+    def global_scale_tensor(self) -> torch.Tensor:
+        """The global scale as compressed-tensors stores it: float32 ``[1]``."""
+        if self.global_scale is None:
+            raise ValueError(f"{self.name} scales are relative to the tensor's global scale: set it with with_global_scale")
+        return torch.tensor([self.global_scale], dtype=torch.float32)
+
+    @property
     def stored_scale_dtype(self) -> torch.dtype:
         """The dtype the scales are written in: ``scale_dtype``, float32 for super-block scales
         (``k * d`` products, exact only in float32)."""
+        if self.is_fp4:
+            return torch.float8_e4m3fn if self.scale_format == "e4m3" else torch.uint8
         return torch.float32 if self.scale_steps is not None else SCALE_DTYPES[self.scale_dtype]
 
     @property
@@ -124,6 +155,10 @@ def round_scales(scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """``scale`` (float32) rounded to the scheme's stored scale dtype: what is written is what the
     codes were chosen for. A scale that would round to zero keeps its sign and the dtype's
     smallest normal magnitude."""
+    if scheme.scale_format == "e4m3":
+        return fp4.e4m3_scales(scale, scheme.global_scale_tensor())
+    if scheme.scale_format == "e8m0":
+        return fp4.e8m0_scales(scale)
     dtype = scheme.stored_scale_dtype
     if dtype == torch.float32:
         return scale.float()
@@ -142,7 +177,11 @@ PRESETS: dict[str, QuantScheme] = {
     "FP8_DYNAMIC": QuantScheme("FP8_DYNAMIC", 8, weight_type="float", activations="fp8"),
     # llama.cpp's IQ4_NL grid (defined below), held as int8 grid values in compressed-tensors
     "IQ4_NL": QuantScheme("IQ4_NL", 8, group_size=32, grid=(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)),
+    # E2M1 codes (see llmopt.formats.fp4); their group sizes are the formats' own
+    "NVFP4A16": QuantScheme("NVFP4A16", 4, "float", group_size=16, scale_format="e4m3"),
+    "MXFP4A16": QuantScheme("MXFP4A16", 4, "float", group_size=32, scale_format="e8m0"),
 }
+FP4_SCHEMES = {"NVFP4A16", "MXFP4A16"}
 GROUPED_SCHEMES = {"W4A16", "W4A16_ASYM", "IQ4_NL"}
 
 
@@ -240,6 +279,10 @@ def compute_qparams(
     :func:`round_scales`) and ``zero_point [out, n_groups]`` (int32) or None.
     """
     wg = _grouped(w.float(), group_size)
+    if scheme.scale_format == "e8m0":
+        return fp4.mx_scales(wg.abs().amax(dim=-1) * clip_ratio), None
+    if scheme.scale_format == "e4m3":
+        return round_scales(wg.abs().amax(dim=-1) * clip_ratio / fp4.FP4_MAX, scheme), None
     if scheme.is_float:
         absmax = wg.abs().amax(dim=-1) * clip_ratio
         return round_scales((absmax / FP8_MAX).clamp(min=1e-12), scheme), None
@@ -267,9 +310,11 @@ def quantize(
     scheme: QuantScheme,
     group_size: int | None = None,
 ) -> torch.Tensor:
-    """Integer codes (int8 tensor, or float8_e4m3fn for FP8) of ``w`` with the given qparams."""
+    """Integer codes (int8 tensor, or float8_e4m3fn for FP8 and FP4's E2M1 values) of ``w`` with the given qparams."""
     wg = _grouped(w.float(), group_size)
     s = scale.float().unsqueeze(-1)
+    if scheme.is_fp4:
+        return fp4.round_to_e2m1(wg / s).to(torch.float8_e4m3fn).reshape(w.shape)
     if scheme.is_float:
         q = (wg / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return q.reshape(w.shape)

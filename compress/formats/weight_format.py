@@ -4,8 +4,9 @@ kernel runs it. The registered formats are in :mod:`llmopt.formats.registry`.
 
 A format is *how a Linear's weight is stored* — ``int4`` (symmetric 4-bit codes), ``int5a``
 (asymmetric 5-bit), ``nl4`` (int8 codes on llama.cpp's IQ4_NL grid), ``nl4x`` (the same with
-super-block scales: IQ4_XS), ``int6x`` / ``int3x`` (Q6_K / Q3_K), ``fp8`` … — independent of
-the group size, which a :class:`~llmopt.formats.schemes.QuantScheme` adds.
+super-block scales: IQ4_XS), ``int6x`` / ``int3x`` (Q6_K / Q3_K), ``fp8``, ``nvfp4`` / ``mxfp4``
+(E2M1 codes, :mod:`llmopt.formats.fp4`) … — independent of the group size, which a
+:class:`~llmopt.formats.schemes.QuantScheme` adds (the FP4 formats have their own: 16, 32).
 
 Sizes are exact: :meth:`WeightFormat.checkpoint_bytes` is the number of bytes of the tensors
 :meth:`WeightFormat.pack` writes for one ``[out, in]`` weight (codes packed as compressed-tensors
@@ -23,7 +24,9 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32,
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from llmopt.formats import fp4 as fp4_codes
 from llmopt.formats.schemes import (
+    PRESETS,
     QuantizedWeight,
     QuantScheme,
     get_scheme,
@@ -97,7 +100,8 @@ class WeightFormat:
     group scales are ``k · d`` per 256 features (GGUF K-quant / IQ4_XS scales); ``float_codes``:
     float8 e4m3 codes; ``kernel``: the runtime kernel that runs it (int4, int8, nl4, fp8);
     ``gguf``: block types carrying it exactly, best first; ``info_bits``: bits of information
-    per code (what a kernel reads: nl4 runs 4-bit grid indices)."""
+    per code (what a kernel reads: nl4 runs 4-bit grid indices); ``fp4``: E2M1 codes (held as
+    float8 values) with NVFP4 (``e4m3``) or MXFP4 (``e8m0``) scales, packed two a byte."""
 
     name: str
     bits: int
@@ -108,11 +112,17 @@ class WeightFormat:
     kernel: str = "int8"
     gguf: tuple[GgufCarrier, ...] = ()
     description: str = ""
+    fp4: str | None = None
 
     # ----- schemes
 
     def scheme(self, group_size: int | None, scale_dtype: str = "bfloat16") -> QuantScheme:
         """The weight-only scheme of this format with ``group_size`` (None: one scale per row)."""
+        if self.fp4 is not None:
+            preset = next(p for p in PRESETS.values() if p.scale_format == self.fp4)
+            if group_size != preset.group_size:
+                raise ValueError(f"{self.name} quantizes in groups of {preset.group_size}, not {group_size}")
+            return preset
         if self.float_codes:
             return replace(get_scheme("FP8"), group_size=group_size, scale_dtype=scale_dtype)
         if self.grid is not None:
@@ -123,6 +133,8 @@ class WeightFormat:
 
     def describes(self, scheme: QuantScheme) -> bool:
         """Whether ``scheme`` is this format exactly (as a quantizer is asked for it)."""
+        if scheme.scale_format != self.fp4:
+            return False
         if scheme.is_float or self.float_codes:
             return scheme.is_float == self.float_codes
         return ((scheme.num_bits, scheme.symmetric, scheme.grid, scheme.scale_steps)
@@ -132,6 +144,8 @@ class WeightFormat:
         """Whether ``qw`` is of this format: its scheme says so, or (a checkpoint read back names
         neither grids nor super-block scales) its codes lie on the grid / its scales factor."""
         s = qw.scheme
+        if s.scale_format != self.fp4:
+            return False
         if s.is_float or self.float_codes:
             return s.is_float == self.float_codes
         if (s.num_bits, s.symmetric) != (self.bits, self.symmetric):
@@ -149,6 +163,9 @@ class WeightFormat:
 
     def random_codes(self, rows: int, cols: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Codes of this format drawn uniformly (int8; benchmarks and tests)."""
+        if self.fp4 is not None:
+            grid = torch.tensor(fp4_codes.E2M1_GRID)
+            return grid[torch.randint(len(grid), (rows, cols), generator=generator)].to(torch.float8_e4m3fn)
         if self.grid is not None:
             grid = torch.tensor(self.grid, dtype=torch.int8)
             return grid[torch.randint(len(grid), (rows, cols), generator=generator)]
@@ -161,6 +178,8 @@ class WeightFormat:
 
     def stored_scale_dtype(self, scale_dtype: str = "bfloat16") -> torch.dtype:
         """The dtype its scales are written in (super-block scales: float32, see ``schemes``)."""
+        if self.fp4 is not None:
+            return torch.float8_e4m3fn if self.fp4 == "e4m3" else torch.uint8
         return self.scheme(None, scale_dtype).stored_scale_dtype
 
     def checkpoint_bytes(self, out_features: int, in_features: int, group_size: int | None,
@@ -168,6 +187,8 @@ class WeightFormat:
         """Bytes of the tensors :meth:`pack` writes for one ``[out, in]`` weight."""
         groups = in_features // (group_size or in_features)
         scale = out_features * groups * self.stored_scale_dtype(scale_dtype).itemsize
+        if self.fp4 is not None:  # two codes a byte, one-byte scales, NVFP4's float32 global scale
+            return out_features * in_features // 2 + scale + (4 if self.fp4 == "e4m3" else 0)
         if self.packs(activations):
             codes = out_features * math.ceil(in_features * self.bits / 32) * 4 + SHAPE_BYTES
             zero = 0 if self.symmetric else math.ceil(out_features * self.bits / 32) * groups * 4
@@ -178,6 +199,8 @@ class WeightFormat:
 
     def checkpoint_tensors(self, activations: str | None = None) -> tuple[str, ...]:
         """The local names of the tensors :meth:`pack` writes."""
+        if self.fp4 is not None:
+            return ("weight_packed", "weight_scale", "weight_global_scale")[: 3 if self.fp4 == "e4m3" else 2]
         names = ("weight_packed", "weight_shape", "weight_scale") if self.packs(activations) else ("weight", "weight_scale")
         return names if self.symmetric else (*names, "weight_zero_point")
 
@@ -185,12 +208,15 @@ class WeightFormat:
 
     def packs(self, activations: str | None = None) -> bool:
         """Whether compressed-tensors packs the codes densely (``pack-quantized``: integer codes of
-        a weight-only scheme), rather than one int8 / float8 byte a code."""
+        a weight-only scheme), rather than one int8 / float8 byte a code; FP4 codes pack two a byte
+        in formats of their own (``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``)."""
         return not self.float_codes and activations is None
 
     def pack(self, qw: QuantizedWeight, scale_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The compressed-tensors tensors (local names) of ``qw``: codes packed as compressed-tensors'
         own compressors pack them, scales in ``scale_dtype`` (None: the scheme's stored dtype)."""
+        if self.fp4 is not None:
+            return self._pack_fp4(qw)
         dtype = scale_dtype or qw.scheme.stored_scale_dtype
         out: dict[str, torch.Tensor] = {"weight_scale": qw.scale.to(dtype).contiguous()}
         codes = qw.codes.contiguous()
@@ -208,6 +234,8 @@ class WeightFormat:
     def unpack(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, group_size: int | None) -> QuantizedWeight:
         """Inverse of :meth:`pack`: the QuantizedWeight (scales float32; ``scheme`` records the
         dtype they were stored in)."""
+        if self.fp4 is not None:
+            return self._unpack_fp4(tensors, scheme, group_size)
         stored = tensors["weight_scale"]
         if stored.dtype in (torch.bfloat16, torch.float16, torch.float32) and scheme.scale_steps is None:
             scheme = scheme.with_scale_dtype(stored.dtype)
@@ -223,6 +251,32 @@ class WeightFormat:
             codes = codes if self.float_codes else codes.to(torch.int8)
         zp = None if zp is None or self.symmetric else zp.to(torch.int32)
         return QuantizedWeight(codes, scale, zp, scheme, group_size)
+
+    def _pack_fp4(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+        """compressed-tensors' nvfp4 / mxfp4-pack-quantized tensors: E2M1 codes two a byte, FP8
+        scales times the global scale (NVFP4) or E8M0 exponents (MXFP4); scales are not re-rounded
+        (the scheme's scales always come from :func:`~llmopt.formats.schemes.round_scales`)."""
+        out = {"weight_packed": fp4_codes.pack_e2m1(qw.codes)}
+        if self.fp4 == "e4m3":
+            g = qw.scheme.global_scale_tensor()
+            out["weight_scale"] = fp4_codes.stored_e4m3(qw.scale, g).contiguous()
+            out["weight_global_scale"] = g
+        else:
+            out["weight_scale"] = fp4_codes.e8m0_exponents(qw.scale).contiguous()
+        return out
+
+    def _unpack_fp4(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, group_size: int | None) -> QuantizedWeight:
+        """Inverse of :meth:`_pack_fp4`: effective float32 scales as compressed-tensors computes them
+        (FP8 scale / global scale; ``2^(e - 127)``)."""
+        codes = fp4_codes.unpack_e2m1(tensors["weight_packed"])
+        stored = tensors["weight_scale"]
+        if self.fp4 == "e4m3":
+            g = tensors["weight_global_scale"].to(torch.float32).reshape(1)
+            scheme = scheme.with_global_scale(g)
+            scale = stored.to(torch.float32) / g
+        else:
+            scale = fp4_codes.e8m0_values(stored)
+        return QuantizedWeight(codes, scale, None, scheme, group_size)
 
     def dequantize(self, qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight: ``(codes - zero point) · scale`` per group (grid codes are the grid's values)."""
