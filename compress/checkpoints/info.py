@@ -13,7 +13,8 @@ from llmopt.checkpoints.provenance import read_provenance
 
 LAYER = re.compile(r"^(.*layers)\.(\d+)\.(.+)$")
 # Tensors that describe a quantized weight rather than being parameters of their own.
-AUX_SUFFIXES = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "input_scale", "input_zero_point")
+AUX_SUFFIXES = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight_global_scale", "input_scale",
+                "input_zero_point")
 BNB_AUX = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\..*)$")
 
 
@@ -162,7 +163,10 @@ def inspect_checkpoint(path: Path, sparsity: bool = True) -> ModelInfo:
             continue
         module = name.rsplit(".", 1)[0]
         info = None
-        if name.endswith(".weight_packed"):
+        if name.endswith(".weight_packed") and dtype == "U8":  # FP4 (E2M1) codes two a byte, no weight_shape
+            info = _quantized(module, "fp4", dtype, [shape[0], shape[1] * 2], headers, activations)
+            info.bytes = _nbytes(dtype, shape)
+        elif name.endswith(".weight_packed"):
             true_shape = [int(x) for x in _read_tensor(file, f"{module}.weight_shape").tolist()]
             info = _quantized(module, "int4", dtype, true_shape, headers, activations)
             info.bytes = _nbytes(dtype, shape)
@@ -212,14 +216,14 @@ def _quantized(module: str, fmt: str, dtype: str, shape: list[int], headers: dic
     scale_shape = headers[f"{module}.weight_scale"][1]
     groups = scale_shape[1] if len(scale_shape) > 1 else 1
     group_size = None if groups <= 1 else shape[1] // groups
-    symmetric = None if fmt == "fp8" else f"{module}.weight_zero_point" not in headers
+    symmetric = None if fmt in ("fp8", "fp4") else f"{module}.weight_zero_point" not in headers
     return ModuleInfo(module, fmt, dtype, shape, group_size, symmetric, activations)
 
 
 def _apply_config_schemes(modules: list[ModuleInfo], qconfig: dict) -> None:
     """Take group size and symmetry from a compressed-tensors config (one group spanning a whole
     row looks per-channel from the tensor shapes alone)."""
-    quantized = [m for m in modules if m.format in ("int4", "int8", "fp8")]
+    quantized = [m for m in modules if m.format in ("int4", "int8", "fp8", "fp4")]
     if qconfig.get("quant_method") != "compressed-tensors" or not quantized:
         return
     from llmopt.formats.compressed import module_schemes
@@ -230,7 +234,8 @@ def _apply_config_schemes(modules: list[ModuleInfo], qconfig: dict) -> None:
         return  # a config we cannot map: keep what the tensor shapes say
     for module in quantized:
         scheme, group_size = schemes[module.name]
-        module.format = "fp8" if scheme.is_float else f"int{scheme.num_bits}"  # packed int8 exists too
+        module.format = (scheme.name[:5].lower() if scheme.is_fp4 else "fp8" if scheme.is_float
+                         else f"int{scheme.num_bits}")  # packed int8 exists too; FP4: nvfp4 / mxfp4
         module.group_size = group_size
         module.symmetric = None if scheme.is_float else scheme.symmetric
 
