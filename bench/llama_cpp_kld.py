@@ -76,20 +76,30 @@ def write_base(path: Path, tokens: np.ndarray, logits_of: Callable[[torch.Tensor
             f.write(records.tobytes())
 
 
-def run_kld(bin_dir: Path, gguf: Path, base: Path, n_ctx: int, threads: int = 2, timeout: int = 600) -> dict:
-    """llama-perplexity's KL divergence of ``gguf`` against ``base``: mean, p99, top-1 agreement."""
+def run_kld(bin_dir: Path, gguf: Path, base: Path, n_ctx: int, threads: int = 2, timeout: int = 600, tries: int = 3) -> dict:
+    """llama-perplexity's KL divergence of ``gguf`` against ``base``: mean, p99, top-1 agreement.
+
+    llama.cpp prints through a logging thread that the process sometimes leaves unflushed at exit
+    (seen here: the statistics missing from a run that exited 0); such a run is repeated."""
     cmd = [str(bin_dir / "llama-perplexity"), "-m", str(gguf), "--kl-divergence-base", str(base), "--kl-divergence",
            "-c", str(n_ctx), "-b", str(n_ctx), "-t", str(threads)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    text = done.stdout + done.stderr
-    if done.returncode != 0:
-        tail = [line for line in text.splitlines() if line.strip()][-3:]
-        raise RuntimeError(f"llama-perplexity failed ({done.returncode}): {' | '.join(tail)}")
+    for attempt in range(tries):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        text = done.stdout + done.stderr
+        if done.returncode != 0:
+            tail = [line for line in text.splitlines() if line.strip()][-3:]
+            raise RuntimeError(f"llama-perplexity failed ({done.returncode}): {' | '.join(tail)}")
+        if re.search(r"Same top p\s*:", text):
+            break
+    return _statistics(text)
 
+
+def _statistics(text: str) -> dict:
     def stat(pattern: str) -> float:
         found = re.search(pattern + r"\s*:\s*([-0-9.]+)", text)
         if not found:
-            raise RuntimeError(f"no '{pattern}' in llama-perplexity's output")
+            tail = " | ".join(line for line in text.splitlines()[-4:] if line.strip())
+            raise RuntimeError(f"no '{pattern}' in llama-perplexity's output (it ends: {tail})")
         return float(found.group(1))
 
     return {"kld_mean": stat(r"Mean\s+KLD"), "kld_p99": stat(r"99\.0%\s+KLD"), "top1": stat(r"Same top p") / 100}

@@ -178,10 +178,9 @@ def _load(spec: str | os.PathLike, dtype: str):
     config = read_config(path)
     check_architecture(config)
     try:
-        if _needs_own_dequantization(config):
-            from llmopt.formats.compressed import load_dequantized
-
-            model = load_dequantized(path, getattr(torch, dtype))
+        own = _own_dequantization(config)
+        if own is not None:
+            model = own(path, getattr(torch, dtype))
             model.llmopt_dequantized = str(path)  # float weights on a quantized grid: not to be compressed again
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
@@ -192,13 +191,22 @@ def _load(spec: str | os.PathLike, dtype: str):
     return model, tokenizer
 
 
-def _needs_own_dequantization(config: dict) -> bool:
-    """compressed-tensors checkpoints are loaded by our own reader: dequantized once into a
-    float model (with per-token activation quantization for W8A8 / FP8_DYNAMIC). transformers'
-    own path decompresses on every forward (slow) and cannot load asymmetric checkpoints in
-    transformers 5.x; the tests check both give the same logits where both work."""
+def _own_dequantization(config: dict):
+    """Our loader for a quantized checkpoint, or None for transformers' own.
+
+    compressed-tensors checkpoints are dequantized once by our reader into a float model (with
+    per-token activation quantization for W8A8 / FP8_DYNAMIC): transformers' own path decompresses
+    on every forward (slow) and cannot load asymmetric checkpoints in transformers 5.x. NF4
+    (bitsandbytes 4-bit) checkpoints are dequantized once too: bitsandbytes' CPU matmul multiplies
+    in reduced precision. The tests check both give the same logits where both work."""
+    from llmopt.formats.compressed import load_dequantized, load_nf4_dequantized
+
     qconfig = config.get("quantization_config") or {}
-    return qconfig.get("quant_method") == "compressed-tensors"
+    if qconfig.get("quant_method") == "compressed-tensors":
+        return load_dequantized
+    if qconfig.get("quant_method") == "bitsandbytes" and qconfig.get("bnb_4bit_quant_type") == "nf4" and qconfig.get("load_in_4bit"):
+        return load_nf4_dequantized
+    return None
 
 
 def check_architecture(config: dict) -> None:

@@ -394,14 +394,17 @@ def final_quantization_config(model: Any, weights: dict[str, QuantizedWeight], i
 
 def sparsity_config(pattern: str, sparsity: float, ignore: list[str]) -> dict:
     """compressed-tensors' ``sparsity_config`` of a checkpoint whose quantized Linears keep an N:M
-    pattern (``2:4``) from pruning: stored dense (the codes hold the zeros), so vLLM and transformers
-    know the structure; ``ignore``: the Linears outside it (the quantization config's ignore list)."""
+    pattern (``2:4``) from pruning: stored dense (the codes hold the zeros), the structure and the
+    overall sparsity recorded; ``ignore``: the Linears outside it (the quantization config's ignore
+    list). ``targets`` stays empty: vLLM 0.32 removed its sparse kernels and refuses any checkpoint
+    whose sparsity config targets layers (measured by bench/interop.py), while an empty list loads
+    as the dense model it is, in vLLM and in transformers."""
     from compressed_tensors.config import SparsityCompressionConfig, SparsityStructure
 
     known = {s.value for s in SparsityStructure}
     structure = pattern if pattern in known else "unstructured"
     config = SparsityCompressionConfig.load_from_registry("dense", global_sparsity=round(float(sparsity), 6),
-                                                          sparsity_structure=structure, targets=["Linear"], ignore=list(ignore))
+                                                          sparsity_structure=structure, targets=[], ignore=list(ignore))
     return config.model_dump(mode="json")
 
 
@@ -485,24 +488,38 @@ def load_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
     between the stored and the in-memory layout (per-expert MoE tensors fused into 3-D experts,
     renamed keys) applies here too.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.auto_factory import _get_model_class
-
     path = Path(path)
-    config = AutoConfig.from_pretrained(path)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
     weights, _ = read_compressed(path)
+    config = _float_config(path)
     target = dtype or config.dtype or torch.float32
     # a quantized Linear's packed tensors are replaced by its dequantized weight; its bias stays
     state = {k: v.to(target) if v.is_floating_point() else v for k, v in _load_tensors(path).items()
              if k.rpartition(".")[0] not in weights or k.rpartition(".")[2] == "bias"}
     for name, qw in weights.items():
         state[f"{name}.weight"] = qw.dequantize(target)
+    model = _float_model(config, state, target)
+    add_activation_quantization(model, _in_memory_names(model, weights))
+    return model.eval()
+
+
+def _float_config(path: Path) -> Any:
+    """The checkpoint's config without its quantization_config: a plain float model's."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
+def _float_model(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Any:
+    """``config``'s model built from ``state`` (the stored layout) through transformers' own loading,
+    refusing a state that does not fit it."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+
     model_class = _get_model_class(config, AutoModelForCausalLM._model_mapping)
-    model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=target,
-                                              output_loading_info=True)
-    del state
+    model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype, output_loading_info=True)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     missing = [k for k in info.get("missing_keys", []) if k not in tied]
     unexpected = list(info.get("unexpected_keys", []))
@@ -510,8 +527,18 @@ def load_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
     if missing or unexpected or mismatched:
         raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}, "
                          f"mismatched {mismatched}")
-    add_activation_quantization(model, _in_memory_names(model, weights))
-    return model.eval()
+    return model
+
+
+def load_nf4_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
+    """A plain float transformers model from an NF4 (bitsandbytes) checkpoint, its 4-bit weights
+    dequantized once. bitsandbytes' own CPU matmul multiplies in reduced precision (outputs of
+    magnitude 9 off by 0.04, measured by bench/interop.py), so the exact weights are used instead."""
+    path = Path(path)
+    config = _float_config(path)
+    target = dtype or config.dtype or torch.float32
+    state = {k: v.to(target) if v.is_floating_point() else v for k, v in nf4_dequantized_state(path, target).items()}
+    return _float_model(config, state, target).eval()
 
 
 def _in_memory_names(model: Any, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:

@@ -269,17 +269,14 @@ def read_layout(source: Source) -> Layout:
 
 def source_model(source: Source) -> Any:
     """The source checkpoint as a float32 transformers model (quantized Linears dequantized by us)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if source.kind == "compressed-tensors":
         from llmopt.formats.compressed import load_dequantized
 
         return load_dequantized(source.path, torch.float32)
     if source.kind == "bitsandbytes":
-        config = AutoConfig.from_pretrained(source.path)
-        del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict({k: v.float() for k, v in source.floats.items()}, strict=False)
-        model.tie_weights()
-        return model.eval()
+        from llmopt.formats.compressed import load_nf4_dequantized
+
+        return load_nf4_dequantized(source.path, torch.float32)
     return AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()

