@@ -33,6 +33,7 @@ from llmopt.quant.consumers import CONSUMERS
 from llmopt.quant.llama_mixtures import MIXTURES
 from llmopt.quant.planner import AutoPlanner
 from llmopt.quant.registry import build_method, method_names
+from llmopt.quant.rotation import ROTATIONS
 from llmopt.quant.request import QuantizeRequest, resolve_scheme
 from llmopt.quant.rtn import Rtn
 from llmopt.quant.streaming import StreamedQuantization
@@ -59,6 +60,10 @@ class QuantizeConfig:
                               "--method on those types' grids, carried exactly by a GGUF export).",
                          metavar="SCHEME")
     method: str = option("rtn", f"{', '.join(method_names())} (a scale transform then a quantizer).", metavar="METHOD")
+    rotate: str = option("none", "Rotate the model first (QuaRot / SpinQuant's offline rotations, fused into the "
+                         "weights): hadamard (randomized Hadamard on the residual stream and per attention head) or "
+                         "orthogonal (random orthogonal); the output stays an ordinary checkpoint, its head untied.",
+                         choices=ROTATIONS)
     group_size: int | None = option(None, "int4 / IQ4_NL group size (32/64/128; 0: per-channel). Default 128 (IQ4_NL: 32).", min=0)
     strict_groups: bool = option(False, "Refuse layers the group size does not divide instead of using the largest divisor.")
     calib: str = option("austen", CALIB_HELP)
@@ -300,9 +305,7 @@ class QuantizeConfig:
 
 def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     """Quantize ``config.model`` and save it; returns the provenance record written to ``llmopt.json``."""
-    from llmopt.core.data import calibration_ids
-    from llmopt.formats.compressed import save_nf4
-    from llmopt.self_calibration import sampler
+    from llmopt.quant.rotation import rotate_checkpoint
 
     config.check()
     output = Path(config.output)
@@ -312,6 +315,24 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     source, _ = float_source(config.model, "quantized again", "quantize the original float checkpoint instead")
     start = time.perf_counter()
     record = config.record(str(source), config.model)
+    if config.rotate == "none":
+        return _quantize(config, source, record, start, progress)
+    rotated = output.parent / f".{output.name}.rotated-{os.getpid()}"  # a float scratch copy, removed at the end
+    shutil.rmtree(rotated, ignore_errors=True)
+    try:
+        record["rotation"] = rotate_checkpoint(source, rotated, config.rotate, config.seed)
+        return _quantize(config, rotated, record, start, progress)
+    finally:
+        shutil.rmtree(rotated, ignore_errors=True)
+
+
+def _quantize(config: "QuantizeConfig", source: Path, record: dict, start: float, progress) -> dict:
+    """Quantize the float checkpoint ``source`` as ``config`` asks (after any rotation)."""
+    from llmopt.core.data import calibration_ids
+    from llmopt.formats.compressed import save_nf4
+    from llmopt.self_calibration import sampler
+
+    output = Path(config.output)
     if config.scheme == NF4:
         model, tokenizer = load_model(source)
         record["ignore"] = ["lm_head", *config.ignore]

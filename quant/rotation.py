@@ -1,0 +1,214 @@
+"""Offline rotations (QuaRot / SpinQuant's R1 and R2) fused into a checkpoint's weights.
+
+An orthogonal ``Q`` applied to the residual stream leaves the model's function unchanged once
+every RMSNorm's scale is folded into the Linears that read its output (RMS normalisation itself
+commutes with rotations): the embedding becomes ``E Q``, every Linear reading the residual
+``W Q``, every Linear writing it ``Qᵀ W`` and the head ``W diag(w) Q``. A second rotation ``H``
+per attention head turns each value head into ``Hᵀ v`` and the output projection's matching
+columns into ``W H``. The result is an ordinary checkpoint of the same architecture (norm scales
+all one, the head untied from the embedding), run by every consumer; its weights have their
+outliers spread over all features, which is what makes them easier to quantize.
+
+``Q`` is a Hadamard matrix with random signs (Sylvester's construction times a Paley one, for
+widths 2^a · (p + 1) with p a prime ≡ 3 mod 4, which covers the usual hidden sizes), scaled to
+be orthogonal; widths without one get a random orthogonal matrix, and the record says so.
+The checkpoint is rewritten tensor by tensor (bounded memory), in float64 then cast back to each
+tensor's stored dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmopt.core.errors import LlmoptError
+
+ROTATIONS = ("none", "hadamard", "orthogonal")
+READERS_ATTN = ("q_proj", "k_proj", "v_proj", "qkv_proj")
+READERS_MLP = ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "gate", "shared_expert_gate")
+WRITERS = ("o_proj", "down_proj", "w2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+# ---------------------------------------------------------------------------------------------
+# Matrices
+
+
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % d for d in range(2, int(n ** 0.5) + 1))
+
+
+def _sylvester(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def _paley(q: int) -> torch.Tensor:
+    """Paley's construction I: a Hadamard matrix of order q + 1 for a prime q ≡ 3 (mod 4)."""
+    squares = {(i * i) % q for i in range(1, q)}
+    chi = torch.tensor([0.0] + [1.0 if i in squares else -1.0 for i in range(1, q)], dtype=torch.float64)
+    idx = torch.arange(q)
+    jacobsthal = chi[(idx[None, :] - idx[:, None]) % q]  # antisymmetric for q ≡ 3 mod 4
+    c = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+    c[0, 1:] = 1.0
+    c[1:, 0] = -1.0
+    c[1:, 1:] = jacobsthal
+    return c + torch.eye(q + 1, dtype=torch.float64)
+
+
+def hadamard(n: int) -> torch.Tensor | None:
+    """A ±1 matrix ``H`` of order ``n`` with ``H Hᵀ = n I``, or None when this construction has none."""
+    power = 1
+    while n % (power * 2) == 0:
+        power *= 2
+    while power >= 1:
+        m = n // power
+        if m == 1:
+            return _sylvester(n)
+        if m % 4 == 0 and _is_prime(m - 1) and (m - 1) % 4 == 3:
+            return torch.kron(_paley(m - 1), _sylvester(power))
+        power //= 2
+    return None
+
+
+def rotation(n: int, kind: str, generator: torch.Generator) -> tuple[torch.Tensor, str]:
+    """An orthogonal ``n × n`` float64 matrix and how it was made."""
+    if kind == "hadamard":
+        h = hadamard(n)
+        if h is not None:
+            signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.float64) * 2 - 1
+            return h * signs[None, :] / n ** 0.5, "randomized Hadamard"
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))[None, :], "random orthogonal" + (" (no Hadamard of this order)" if kind == "hadamard" else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint
+
+
+def _role(rest: str) -> str | None:
+    """``reads-attn`` / ``reads-mlp`` / ``writes`` for a layer's Linear (``self_attn.q_proj`` …), else None."""
+    leaf = rest.rpartition(".")[2]
+    if rest.startswith("self_attn.") and leaf in READERS_ATTN:
+        return "reads-attn"
+    if leaf in WRITERS:
+        return "writes"
+    if not rest.startswith("self_attn.") and leaf in READERS_MLP:
+        return "reads-mlp"
+    return None
+
+
+def check_rotatable(config: dict) -> None:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED:
+        why = " (its norms after attention and MLP cannot be folded into a Linear)" if str(model_type).startswith("gemma") else ""
+        raise LlmoptError(f"--rotate does not support the '{model_type}' architecture{why}",
+                          f"rotate a {', '.join(SUPPORTED)} model, or drop --rotate")
+
+
+def _tied(source: Path) -> bool:
+    """Whether the head is the embedding (transformers' effective setting, defaults included)."""
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(source)
+    return bool(getattr(loaded.get_text_config(), "tie_word_embeddings", False))
+
+
+def rotate_checkpoint(source: Path, output: Path, kind: str, seed: int = 0, progress: Any = None) -> dict:
+    """Write ``source`` rotated by ``kind`` (hadamard / orthogonal) to ``output``; returns the record."""
+    from llmopt.checkpoints.lazy import LazyCheckpoint, safetensors_files
+    from llmopt.checkpoints.models import read_config
+    from llmopt.checkpoints.writer import ShardedWriter
+
+    config = read_config(source)
+    check_rotatable(config)
+    hidden = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    generator = torch.Generator().manual_seed(seed)
+    q, made = rotation(hidden, kind, generator)
+    h, head_made = rotation(head_dim, kind, generator)
+    tied = _tied(source)
+    output.mkdir(parents=True)
+    shards = set(safetensors_files(source))
+    for file in source.iterdir():
+        if file.is_file() and file.name not in shards and not file.name.endswith(".index.json"):
+            shutil.copy2(file, output / file.name)
+    writer = ShardedWriter(output)
+    with LazyCheckpoint(source) as ckpt:
+        keys = list(ckpt.keys())
+        layers = sorted({int(m.group(1)) for k in keys if (m := LAYER.match(k))})
+        top = [k for k in keys if not LAYER.match(k)]
+        if "model.norm.weight" not in keys or "model.embed_tokens.weight" not in keys:
+            raise LlmoptError(f"{source} has no model.norm / model.embed_tokens weights", "rotate a Llama-style checkpoint")
+        final_norm = ckpt.get("model.norm.weight").double()
+        embed = ckpt.get("model.embed_tokens.weight")
+        writer.add("model.embed_tokens.weight", (embed.double() @ q).to(embed.dtype))
+        head = ckpt.get("lm_head.weight") if "lm_head.weight" in keys and not tied else embed
+        writer.add("lm_head.weight", ((head.double() * final_norm[None, :]) @ q).to(head.dtype))
+        writer.add("model.norm.weight", torch.ones_like(ckpt.get("model.norm.weight")))
+        for key in top:
+            if key not in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+                writer.add(key, ckpt.get(key))
+        for i in layers:
+            prefix = f"model.layers.{i}."
+            norms = {"reads-attn": ckpt.get(prefix + "input_layernorm.weight").double(),
+                     "reads-mlp": ckpt.get(prefix + "post_attention_layernorm.weight").double()}
+            for key in [k for k in keys if k.startswith(prefix)]:
+                rest, _, kind_of = key[len(prefix):].rpartition(".")
+                tensor = ckpt.get(key)
+                writer.add(key, _rotated(rest, kind_of, tensor, norms, q, h, heads, kv_heads, head_dim))
+            if progress is not None:
+                progress(i + 1, len(layers))
+    writer.close()
+    cfg = json.loads((output / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (output / "config.json").write_text(json.dumps(cfg, indent=2))
+    return {"kind": kind, "residual": f"{made}, {hidden} × {hidden}", "heads": f"{head_made}, {head_dim} × {head_dim}",
+            "seed": seed, "untied_head": tied}
+
+
+def _rotated(rest: str, part: str, tensor: torch.Tensor, norms: dict[str, torch.Tensor], q: torch.Tensor, h: torch.Tensor,
+             heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """One layer tensor after the rotations (``rest``: its module path in the layer; ``part``: weight / bias)."""
+    if rest in ("input_layernorm", "post_attention_layernorm"):
+        return torch.ones_like(tensor)
+    role = _role(rest)
+    x = tensor.double()
+    leaf = rest.rpartition(".")[2]
+    if role is None:
+        if tensor.dim() >= 2:
+            raise LlmoptError(f"--rotate does not know how to rotate {rest} ({part})", "drop --rotate for this model")
+        return tensor  # q_norm / k_norm act per head, after the projections: unchanged
+    if role == "writes":
+        if leaf == "o_proj" and part == "weight":  # the value heads' rotation, undone on the inputs
+            x = (x.reshape(x.shape[0], heads, head_dim) @ h).reshape(x.shape)
+        return (q.T @ x).to(tensor.dtype)
+    # a reader: the output rows of v (or of v inside a fused qkv) are rotated per head
+    v_rows = _value_rows(leaf, x.shape[0], heads, kv_heads, head_dim)
+    if v_rows is not None:
+        v = x[v_rows]
+        v = (h.T @ v.reshape(kv_heads, head_dim, -1)).reshape(v.shape)
+        x = x.clone()
+        x[v_rows] = v
+    if part == "weight":
+        x = (x * norms[role][None, :]) @ q
+    return x.to(tensor.dtype)
+
+
+def _value_rows(leaf: str, rows: int, heads: int, kv_heads: int, head_dim: int) -> slice | None:
+    if leaf == "v_proj":
+        return slice(0, rows)
+    if leaf == "qkv_proj":
+        start = (heads + kv_heads) * head_dim
+        return slice(start, start + kv_heads * head_dim)
+    return None
