@@ -18,6 +18,7 @@ from llmopt.quant.method import QuantMethod
 from llmopt.quant.registry import build_method
 
 DEFAULT_IGNORE = ("lm_head",)
+FP4_ACTIVATION_SCHEMES = ("NVFP4", "MXFP4")  # compressed-tensors' presets with FP4 activations: refused
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class QuantizeRequest:
 def resolve_scheme(name: str, group_size: int | None = None) -> QuantScheme:
     """The preset ``name`` with ``group_size`` (None: its default; 0: per-channel), or ``ValueError``."""
     key = name.upper()
+    if key in FP4_ACTIVATION_SCHEMES:
+        raise ValueError(f"{key} (FP4 activations as well as weights) is not offered: llmopt quantizes FP4 weights only, "
+                         f"use {'NVFP4A16' if key.startswith('NV') else 'MXFP4A16'}")
     if key not in PRESETS:
         raise ValueError(f"unknown scheme {name!r}: choose one of {', '.join(PRESETS)}")
     if group_size is not None and group_size < 0:

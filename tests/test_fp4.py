@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import CORPORA, byte_tokenizer, save_model, tiny_llama
+from conftest import CORPORA, byte_tokenizer, correlated_inputs, out_err, save_model, tiny_llama
 
 from llmopt.checkpoints.models import load_model
 from llmopt.cli.main import main
@@ -214,6 +214,30 @@ def test_runtime_runs_fp4(source, tmp_path, scheme):
 # GPTQ and the command line
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("act_order", [True, False])
+def test_gptq_beats_rtn_on_the_output_error(scheme, act_order):
+    """GPTQ (static groups with act-order, dynamic without) on E2M1 codes: codes on the grid, scales of
+    the format, and a lower output error than RTN's on correlated inputs."""
+    from llmopt.quant.gptq import gptq_quantize_weight
+
+    torch.manual_seed(4)
+    x = correlated_inputs(512, 128)
+    w = torch.randn(48, 128) * 0.05
+    h = 2 * x.T.double() @ x.double() / x.shape[0]
+    s = get_scheme(scheme)
+    qw = gptq_quantize_weight(w, h, s, s.group_size, act_order=act_order)
+    rtn = rtn_quantize_weight(w, s, s.group_size)
+    assert fp4.on_e2m1(qw.codes) and format_of(qw).name == scheme[:5].lower()
+    if scheme == "NVFP4A16":
+        assert qw.scheme.global_scale == rtn.scheme.global_scale  # the weight's own, computed up front
+        g = qw.scheme.global_scale_tensor()
+        assert torch.equal(fp4.stored_e4m3(qw.scale, g).float() / g, qw.scale)
+    else:
+        assert torch.equal(torch.log2(qw.scale), torch.log2(qw.scale).round())
+    assert out_err(x, w, qw.dequantize()) < 0.8 * out_err(x, w, rtn.dequantize())
+
+
 def _cli(*args: str):
     return CliRunner().invoke(main, list(args))
 
@@ -254,7 +278,8 @@ def test_rtn_through_the_cli(source, tmp_path):
     (("--scheme", "MXFP4A16", "--group-size", "16"), "MXFP4A16 quantizes in fixed groups of 32"),
     (("--scheme", "NVFP4A16", "--method", "hqq"), "hqq quantizes plain integer weights"),
     (("--scheme", "MXFP4A16", "--method", "awq", "--calib", CALIB), "awq does not search scales for MXFP4A16"),
-    (("--scheme", "NVFP4"), "unknown scheme"),
+    (("--scheme", "NVFP4"), "NVFP4 (FP4 activations as well as weights) is not offered"),
+    (("--scheme", "mxfp4"), "MXFP4 (FP4 activations as well as weights) is not offered: llmopt quantizes FP4 weights only, use MXFP4A16"),
 ])
 def test_options_that_do_not_apply_are_refused_in_one_line(source, tmp_path, args, expected):
     result = _cli("quantize", str(source), "-o", str(tmp_path / "x"), *args)

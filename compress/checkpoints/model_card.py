@@ -63,6 +63,7 @@ def consumers(config: dict) -> dict[str, str]:
                                "float32 load fails in its first matmul)")
         out["vLLM"] = "loads on GPUs with FP4 kernels (not measured by llmopt)"
         out["llmopt"] = "loads (`llmopt eval`, `llmopt serve`: E2M1 codes run on the fp8 kernel)"
+        out["llama.cpp"] = "after `llmopt export --type auto`, in F16 (the GGUF export carries no FP4 codes)"
     return out
 
 

@@ -41,10 +41,10 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Each value of ``x`` (float32) replaced by the nearest E2M1 value, ties to the even mantissa,
     beyond ±6 clamped to ±6; the sign kept (small negatives give -0.0, as compressed-tensors does)."""
     a = x.float().abs()
-    index = torch.zeros_like(a, dtype=torch.int64)
+    index = torch.zeros_like(a, dtype=torch.uint8)
     for threshold, up in _THRESHOLDS:
         index += (a >= threshold) if up else (a > threshold)
-    values = torch.tensor(E2M1_VALUES, device=x.device)[index]
+    values = torch.tensor(E2M1_VALUES, device=x.device)[index.to(torch.int32)]
     return torch.where(torch.signbit(x.float()), -values, values)
 
 
@@ -117,7 +117,7 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     x = codes.float()
     table = torch.zeros(13, dtype=torch.uint8)  # 2·|code| → index
     table[torch.tensor([int(2 * v) for v in E2M1_VALUES])] = torch.arange(len(E2M1_VALUES), dtype=torch.uint8)
-    nibble = table[(x.abs() * 2).long().cpu()] | (torch.signbit(x).cpu().to(torch.uint8) << 3)
+    nibble = table[(x.abs() * 2).to(torch.int32).cpu()] | (torch.signbit(x).cpu().to(torch.uint8) << 3)
     nibble = nibble.reshape(rows, cols // 2, 2)
     return (nibble[..., 0] | (nibble[..., 1] << 4)).contiguous()
 
