@@ -70,8 +70,10 @@ def test_e2m1_rounding_is_compressed_tensors_and_the_reference():
 
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -7.0])
     x = torch.cat([ties, torch.randn(4000, generator=torch.Generator().manual_seed(0)) * 3])
+    x = torch.cat([x, torch.tensor([0.0, -0.0, -0.1, 0.1, 6.0, 100.0, -100.0])])
     ours = fp4.round_to_e2m1(x)
-    assert torch.equal(ours, cast_to_fp4(x.clone().clamp(-6, 6)))
+    theirs = cast_to_fp4(x.clone().clamp(-6, 6))
+    assert torch.equal(ours, theirs) and torch.equal(torch.signbit(ours), torch.signbit(theirs))  # -0 where theirs is
     assert torch.equal(ours, ref_e2m1(x))
     assert fp4.on_e2m1(ours.to(torch.float8_e4m3fn))
 

@@ -33,19 +33,20 @@ E8M0_BIAS = 127
 MX_OFFSET = 2  # floor(log2(FP4_MAX)): the group max maps into [4, 8)
 
 ScaleFormat = Literal["e4m3", "e8m0"]
-# (threshold, ties go up): |x| passes a threshold when above it, or equal to it where the tie goes up
-_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+# midpoints between neighbouring magnitudes; a tie goes to the even mantissa (0, 1, 2, 4): down at 0.25, 1.25,
+# 2.5, 5 and up at 0.75, 1.75, 3.5, where the boundary is moved one float32 step down so that the tie passes it
+_TIES_UP = (0.75, 1.75, 3.5)
+_BOUNDARIES = tuple(float(torch.nextafter(torch.tensor(b), torch.tensor(0.0))) if b in _TIES_UP else b
+                    for b in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0))
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Each value of ``x`` (float32) replaced by the nearest E2M1 value, ties to the even mantissa,
-    beyond ±6 clamped to ±6; the sign kept (small negatives give -0.0, as compressed-tensors does)."""
-    a = x.float().abs()
-    index = torch.zeros_like(a, dtype=torch.uint8)
-    for threshold, up in _THRESHOLDS:
-        index += (a >= threshold) if up else (a > threshold)
-    values = torch.tensor(E2M1_VALUES, device=x.device)[index.to(torch.int32)]
-    return torch.where(torch.signbit(x.float()), -values, values)
+    beyond ±6 clamped to ±6; the sign kept as compressed-tensors' ``cast_to_fp4`` keeps it (bit for bit)."""
+    xf = x.float()
+    boundaries = torch.tensor(_BOUNDARIES, device=x.device)
+    index = torch.bucketize(xf.abs(), boundaries, out_int32=True)  # boundaries passed (a tie passes none)
+    return torch.tensor(E2M1_VALUES, device=x.device)[index] * torch.sign(xf)  # as cast_to_fp4: -0.1 → -0, -0 → +0
 
 
 def on_e2m1(codes: torch.Tensor) -> bool:
@@ -108,23 +109,34 @@ def mx_scales(absmax: torch.Tensor) -> torch.Tensor:
     return e8m0_values(exponent.clamp(0, 254).to(torch.uint8))
 
 
+def _nibble_table() -> torch.Tensor:
+    """float8_e4m3fn bit pattern (0..255) → nibble of that E2M1 value (others: 0)."""
+    table = torch.zeros(256, dtype=torch.uint8)
+    values = torch.tensor(E2M1_VALUES)
+    for sign in (0, 1):
+        bits = (values * (1 - 2 * sign)).to(torch.float8_e4m3fn).view(torch.uint8).long()
+        table[bits] = torch.arange(len(E2M1_VALUES), dtype=torch.uint8) | (sign << 3)
+    table[0x80] = 8  # -0.0
+    return table
+
+
+_NIBBLE = _nibble_table()
+_FP8_OF_NIBBLE = torch.cat([torch.tensor(E2M1_VALUES), -torch.tensor(E2M1_VALUES)]).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes ``[rows, cols]`` (cols even) packed as uint8 ``[rows, cols / 2]``: the even
-    column in the low nibble, each nibble ``sign << 3 | index of |code| in E2M1_VALUES``."""
+    """E2M1 codes ``[rows, cols]`` (cols even; float8_e4m3fn or float values) packed as uint8
+    ``[rows, cols / 2]``: the even column in the low nibble, each nibble ``sign << 3 | index of
+    |code| in E2M1_VALUES``."""
     rows, cols = codes.shape
     if cols % 2:
         raise ValueError(f"FP4 packing needs an even number of columns, got {cols}")
-    x = codes.float()
-    table = torch.zeros(13, dtype=torch.uint8)  # 2·|code| → index
-    table[torch.tensor([int(2 * v) for v in E2M1_VALUES])] = torch.arange(len(E2M1_VALUES), dtype=torch.uint8)
-    nibble = table[(x.abs() * 2).to(torch.int32).cpu()] | (torch.signbit(x).cpu().to(torch.uint8) << 3)
-    nibble = nibble.reshape(rows, cols // 2, 2)
+    fp8 = codes if codes.dtype == torch.float8_e4m3fn else codes.float().to(torch.float8_e4m3fn)
+    nibble = _NIBBLE[fp8.cpu().view(torch.uint8).to(torch.int32)].reshape(rows, cols // 2, 2)
     return (nibble[..., 0] | (nibble[..., 1] << 4)).contiguous()
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_e2m1`: the codes as float8_e4m3fn ``[rows, 2 · packed cols]``."""
-    low, high = packed & 0xF, packed >> 4
-    nibble = torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1).long()
-    values = torch.tensor(E2M1_VALUES)[nibble & 7]
-    return torch.where((nibble & 8) != 0, -values, values).to(torch.float8_e4m3fn)
+    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    return _FP8_OF_NIBBLE.to(packed.device)[nibbles.to(torch.int32)].view(torch.float8_e4m3fn)
