@@ -71,7 +71,8 @@ def tied_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
 
 def e4m3_scales(scale: torch.Tensor, global_: torch.Tensor) -> torch.Tensor:
     """Effective float32 scales rounded so that ``scale · global`` is an FP8 E4M3 value (the stored
-    scale), returned as ``stored / global``; a zero (or negative) scale takes 0.125."""
+    scale), returned as ``stored / global``: a negative scale (a least-squares refit's) takes its
+    magnitude, one that rounds to zero 0.125 (compressed-tensors' FP8 eps)."""
     g = global_.float().to(scale.device)
     stored = (scale.float().abs() * g).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
     stored = torch.where(stored == 0, torch.full_like(stored, E4M3_EPS), stored)
