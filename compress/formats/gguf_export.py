@@ -194,7 +194,7 @@ def describe_quantized(qw: Any) -> str:
     fmt = format_of(qw)
     group = f"g{qw.group_size}" if qw.group_size else "per-channel"
     if fmt.float_codes:
-        return f"fp8_e4m3 {group}"
+        return f"{fmt.name} {group}" if fmt.fp4 else f"fp8_e4m3 {group}"
     if fmt.grid is not None:
         return f"nl4 (IQ4_NL grid) {group}"
     return f"int{fmt.bits} {'sym' if fmt.symmetric else 'asym'} {group}"
