@@ -56,7 +56,7 @@ def scores(model, ids: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
 def main() -> None:
     from llmopt.accuracy import eval_data
     from llmopt.checkpoints.models import load_model, resolve_model
-    from llmopt.quant.rotation import rotate_checkpoint
+    from llmopt.pipeline.rotate import rotate_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=4)

@@ -12,17 +12,13 @@ outliers spread over all features, which is what makes them easier to quantize.
 ``Q`` is a Hadamard matrix with random signs (Sylvester's construction times a Paley one, for
 widths 2^a · (p + 1) with p a prime ≡ 3 mod 4, which covers the usual hidden sizes), scaled to
 be orthogonal; widths without one get a random orthogonal matrix, and the record says so.
-The checkpoint is rewritten tensor by tensor (bounded memory), in float64 then cast back to each
-tensor's stored dtype.
+Each tensor is rotated in float64 and cast back to its stored dtype; :mod:`llmopt.pipeline.rotate`
+rewrites a checkpoint with them tensor by tensor (bounded memory).
 """
 
 from __future__ import annotations
 
-import json
-import re
-import shutil
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +29,6 @@ READERS_ATTN = ("q_proj", "k_proj", "v_proj", "qkv_proj")
 READERS_MLP = ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "gate", "shared_expert_gate")
 WRITERS = ("o_proj", "down_proj", "w2")
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
-LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,7 +86,7 @@ def rotation(n: int, kind: str, generator: torch.Generator) -> tuple[torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------
-# The checkpoint
+# Tensors
 
 
 def _role(rest: str) -> str | None:
@@ -114,67 +109,42 @@ def check_rotatable(config: dict) -> None:
                           f"rotate a {', '.join(SUPPORTED)} model, or drop --rotate")
 
 
-def _tied(source: Path) -> bool:
-    """Whether the head is the embedding (transformers' effective setting, defaults included)."""
-    from transformers import AutoConfig
+@dataclass
+class Rotation:
+    """The residual rotation ``q`` and the per-head rotation ``h`` for one model, and how to apply them."""
 
-    loaded = AutoConfig.from_pretrained(source)
-    return bool(getattr(loaded.get_text_config(), "tie_word_embeddings", False))
+    q: torch.Tensor
+    h: torch.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int
+    record: dict
 
+    @classmethod
+    def for_config(cls, config: dict, kind: str, seed: int = 0) -> Rotation:
+        check_rotatable(config)
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        generator = torch.Generator().manual_seed(seed)
+        q, made = rotation(hidden, kind, generator)
+        h, head_made = rotation(head_dim, kind, generator)
+        record = {"kind": kind, "residual": f"{made}, {hidden} × {hidden}", "heads": f"{head_made}, {head_dim} × {head_dim}",
+                  "seed": seed}
+        return cls(q, h, heads, kv_heads, head_dim, record)
 
-def rotate_checkpoint(source: Path, output: Path, kind: str, seed: int = 0, progress: Any = None) -> dict:
-    """Write ``source`` rotated by ``kind`` (hadamard / orthogonal) to ``output``; returns the record."""
-    from llmopt.checkpoints.lazy import LazyCheckpoint, safetensors_files
-    from llmopt.checkpoints.models import read_config
-    from llmopt.checkpoints.writer import ShardedWriter
+    def embedding(self, weight: torch.Tensor) -> torch.Tensor:
+        return (weight.double() @ self.q).to(weight.dtype)
 
-    config = read_config(source)
-    check_rotatable(config)
-    hidden = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    generator = torch.Generator().manual_seed(seed)
-    q, made = rotation(hidden, kind, generator)
-    h, head_made = rotation(head_dim, kind, generator)
-    tied = _tied(source)
-    output.mkdir(parents=True)
-    shards = set(safetensors_files(source))
-    for file in source.iterdir():
-        if file.is_file() and file.name not in shards and not file.name.endswith(".index.json"):
-            shutil.copy2(file, output / file.name)
-    writer = ShardedWriter(output)
-    with LazyCheckpoint(source) as ckpt:
-        keys = list(ckpt.keys())
-        layers = sorted({int(m.group(1)) for k in keys if (m := LAYER.match(k))})
-        top = [k for k in keys if not LAYER.match(k)]
-        if "model.norm.weight" not in keys or "model.embed_tokens.weight" not in keys:
-            raise LlmoptError(f"{source} has no model.norm / model.embed_tokens weights", "rotate a Llama-style checkpoint")
-        final_norm = ckpt.get("model.norm.weight").double()
-        embed = ckpt.get("model.embed_tokens.weight")
-        writer.add("model.embed_tokens.weight", (embed.double() @ q).to(embed.dtype))
-        head = ckpt.get("lm_head.weight") if "lm_head.weight" in keys and not tied else embed
-        writer.add("lm_head.weight", ((head.double() * final_norm[None, :]) @ q).to(head.dtype))
-        writer.add("model.norm.weight", torch.ones_like(ckpt.get("model.norm.weight")))
-        for key in top:
-            if key not in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
-                writer.add(key, ckpt.get(key))
-        for i in layers:
-            prefix = f"model.layers.{i}."
-            norms = {"reads-attn": ckpt.get(prefix + "input_layernorm.weight").double(),
-                     "reads-mlp": ckpt.get(prefix + "post_attention_layernorm.weight").double()}
-            for key in [k for k in keys if k.startswith(prefix)]:
-                rest, _, kind_of = key[len(prefix):].rpartition(".")
-                tensor = ckpt.get(key)
-                writer.add(key, _rotated(rest, kind_of, tensor, norms, q, h, heads, kv_heads, head_dim))
-            if progress is not None:
-                progress(i + 1, len(layers))
-    writer.close()
-    cfg = json.loads((output / "config.json").read_text())
-    cfg["tie_word_embeddings"] = False
-    (output / "config.json").write_text(json.dumps(cfg, indent=2))
-    return {"kind": kind, "residual": f"{made}, {hidden} × {hidden}", "heads": f"{head_made}, {head_dim} × {head_dim}",
-            "seed": seed, "untied_head": tied}
+    def head(self, weight: torch.Tensor, final_norm: torch.Tensor) -> torch.Tensor:
+        """The output head with the final norm's scale folded in, reading the rotated stream."""
+        return ((weight.double() * final_norm.double()[None, :]) @ self.q).to(weight.dtype)
+
+    def layer_tensor(self, rest: str, part: str, tensor: torch.Tensor, norms: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One decoder-layer tensor (``rest``: its module path in the layer; ``part``: weight / bias);
+        ``norms``: the layer's input norms' scales by reader role (``reads-attn``, ``reads-mlp``)."""
+        return _rotated(rest, part, tensor, norms, self.q, self.h, self.heads, self.kv_heads, self.head_dim)
 
 
 def _rotated(rest: str, part: str, tensor: torch.Tensor, norms: dict[str, torch.Tensor], q: torch.Tensor, h: torch.Tensor,

@@ -15,7 +15,8 @@ from test_export_gguf_archs import build
 
 from llmopt.cli import main
 from llmopt.checkpoints.models import load_model
-from llmopt.quant.rotation import hadamard, rotate_checkpoint, rotation
+from llmopt.pipeline.rotate import rotate_checkpoint
+from llmopt.quant.rotation import hadamard, rotation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

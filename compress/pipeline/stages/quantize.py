@@ -305,7 +305,7 @@ class QuantizeConfig:
 
 def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     """Quantize ``config.model`` and save it; returns the provenance record written to ``llmopt.json``."""
-    from llmopt.quant.rotation import rotate_checkpoint
+    from llmopt.pipeline.rotate import rotate_checkpoint
 
     config.check()
     output = Path(config.output)
