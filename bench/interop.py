@@ -369,6 +369,9 @@ def first_error(text: str) -> str:
     import re
 
     lines = [x.strip() for x in text.splitlines() if x.strip()]
+    root = [m.group(1) for x in lines if (m := re.search(r"\] ((?:\w+Error|\w+Exception): .*)$", x))]
+    if root:  # a worker process's own exception, which the main process only reports as "initialization failed"
+        return root[-1][:300]
     exception = re.compile(r"^([\w.]+(Error|Exception|Warning)|pydantic[\w.]*)\b.*:")
     for pick in (lambda x: exception.match(x), lambda x: " ERROR " in x or "Value error" in x):
         found = [i for i, x in enumerate(lines) if pick(x)]
