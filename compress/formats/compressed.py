@@ -490,7 +490,7 @@ def load_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
     """
     path = Path(path)
     weights, _ = read_compressed(path)
-    config = _float_config(path)
+    config = float_config(path)
     target = dtype or config.dtype or torch.float32
     # a quantized Linear's packed tensors are replaced by its dequantized weight; its bias stays
     state = {k: v.to(target) if v.is_floating_point() else v for k, v in _load_tensors(path).items()
@@ -502,7 +502,7 @@ def load_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
     return model.eval()
 
 
-def _float_config(path: Path) -> Any:
+def float_config(path: Path) -> Any:
     """The checkpoint's config without its quantization_config: a plain float model's."""
     from transformers import AutoConfig
 
@@ -535,7 +535,7 @@ def load_nf4_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
     dequantized once. bitsandbytes' own CPU matmul multiplies in reduced precision (outputs of
     magnitude 9 off by 0.04, measured by bench/interop.py), so the exact weights are used instead."""
     path = Path(path)
-    config = _float_config(path)
+    config = float_config(path)
     target = dtype or config.dtype or torch.float32
     state = {k: v.to(target) if v.is_floating_point() else v for k, v in nf4_dequantized_state(path, target).items()}
     return _float_model(config, state, target).eval()

@@ -31,7 +31,7 @@ def verify_with_transformers(gguf_path: Path, source: Source, text: str | None =
     mean KL(source ‖ gguf) over positions and top-1 agreement; ``limitation`` instead where
     transformers cannot load the architecture from GGUF.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     text = text or DEFAULT_VERIFY_TEXT
     gguf_path = Path(gguf_path)
@@ -42,10 +42,9 @@ def verify_with_transformers(gguf_path: Path, source: Source, text: str | None =
         return result
     kwargs: dict[str, Any] = {}
     if model_type in SOURCE_CONFIG:
-        config = AutoConfig.from_pretrained(source.path)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config  # the GGUF's weights are dequantized on load
-        kwargs["config"] = config
+        from llmopt.formats.compressed import float_config
+
+        kwargs["config"] = float_config(source.path)  # the GGUF's weights are dequantized on load
         result["config"] = "the source's config.json (transformers' GGUF loader does not read all of this architecture's keys)"
     src_tok = AutoTokenizer.from_pretrained(source.path)
     try:
