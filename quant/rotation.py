@@ -144,35 +144,28 @@ class Rotation:
     def layer_tensor(self, rest: str, part: str, tensor: torch.Tensor, norms: dict[str, torch.Tensor]) -> torch.Tensor:
         """One decoder-layer tensor (``rest``: its module path in the layer; ``part``: weight / bias);
         ``norms``: the layer's input norms' scales by reader role (``reads-attn``, ``reads-mlp``)."""
-        return _rotated(rest, part, tensor, norms, self.q, self.h, self.heads, self.kv_heads, self.head_dim)
-
-
-def _rotated(rest: str, part: str, tensor: torch.Tensor, norms: dict[str, torch.Tensor], q: torch.Tensor, h: torch.Tensor,
-             heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """One layer tensor after the rotations (``rest``: its module path in the layer; ``part``: weight / bias)."""
-    if rest in ("input_layernorm", "post_attention_layernorm"):
-        return torch.ones_like(tensor)
-    role = _role(rest)
-    x = tensor.double()
-    leaf = rest.rpartition(".")[2]
-    if role is None:
-        if tensor.dim() >= 2:
-            raise LlmoptError(f"--rotate does not know how to rotate {rest} ({part})", "drop --rotate for this model")
-        return tensor  # q_norm / k_norm act per head, after the projections: unchanged
-    if role == "writes":
-        if leaf == "o_proj" and part == "weight":  # the value heads' rotation, undone on the inputs
-            x = (x.reshape(x.shape[0], heads, head_dim) @ h).reshape(x.shape)
-        return (q.T @ x).to(tensor.dtype)
-    # a reader: the output rows of v (or of v inside a fused qkv) are rotated per head
-    v_rows = _value_rows(leaf, x.shape[0], heads, kv_heads, head_dim)
-    if v_rows is not None:
-        v = x[v_rows]
-        v = (h.T @ v.reshape(kv_heads, head_dim, -1)).reshape(v.shape)
-        x = x.clone()
-        x[v_rows] = v
-    if part == "weight":
-        x = (x * norms[role][None, :]) @ q
-    return x.to(tensor.dtype)
+        if rest in ("input_layernorm", "post_attention_layernorm"):
+            return torch.ones_like(tensor)
+        role = _role(rest)
+        x = tensor.double()
+        leaf = rest.rpartition(".")[2]
+        if role is None:
+            if tensor.dim() >= 2:
+                raise LlmoptError(f"--rotate does not know how to rotate {rest} ({part})", "drop --rotate for this model")
+            return tensor  # q_norm / k_norm act per head, after the projections: unchanged
+        if role == "writes":
+            if leaf == "o_proj" and part == "weight":  # the value heads' rotation, undone on the inputs
+                x = (x.reshape(x.shape[0], self.heads, self.head_dim) @ self.h).reshape(x.shape)
+            return (self.q.T @ x).to(tensor.dtype)
+        # a reader: the output rows of v (or of v inside a fused qkv) are rotated per head
+        v_rows = _value_rows(leaf, x.shape[0], self.heads, self.kv_heads, self.head_dim)
+        if v_rows is not None:
+            v = x[v_rows]
+            x = x.clone()
+            x[v_rows] = (self.h.T @ v.reshape(self.kv_heads, self.head_dim, -1)).reshape(v.shape)
+        if part == "weight":
+            x = (x * norms[role][None, :]) @ self.q
+        return x.to(tensor.dtype)
 
 
 def _value_rows(leaf: str, rows: int, heads: int, kv_heads: int, head_dim: int) -> slice | None:
