@@ -171,6 +171,11 @@ def training_record(student: Student, settings: TrainSettings, seq_len: int, tra
 
 
 def _save(student: Student, record: dict, request: DistillRequest) -> None:
+    if student.fake_quant is not None:  # the quantized checkpoint again, with its trained codes and scales
+        from llmopt.distillation.quantized import save_quantized
+
+        save_quantized(student, record, request.output, request.overwrite)
+        return
     model = student.model
     model.config.use_cache = True
     with atomic_dir(request.output, overwrite=request.overwrite) as tmp:

@@ -42,11 +42,14 @@ class StudentRequest:
     calib_seq_len: int = 256
     seed: int = 0
     drop_indices: list[int] | None = None  # drop these blocks instead of ranking them
+    quantized: bool = False  # the student is a quantized checkpoint whose codes and scales train
 
     def validate(self) -> None:
         """Refuse incomplete or contradictory requests before anything is loaded."""
         if (self.student is None) == (self.student_from is None):
             raise LlmoptError("give exactly one of --student and --student-from", "e.g. --student-from demo --drop-layers 8, or --student DIR")
+        if self.quantized and self.student is None:
+            raise LlmoptError("--quantized trains a quantized checkpoint's codes", "give it as --student DIR (made by `llmopt quantize`)")
         if self.student is not None and (self.drop_layers is not None or self.width is not None):
             raise LlmoptError("--drop-layers and --width make a student from a model", "use them with --student-from, not --student")
         if self.student_from is not None:
@@ -69,6 +72,7 @@ class Student:
     tokenizer: object
     layer_map: list[tuple[int, int]] | None
     record: dict = field(default_factory=dict)
+    fake_quant: object | None = None  # a quantized student's trainable codes (llmopt.quant.fake_quant.FakeQuantModel)
 
 
 def width_pruning():
@@ -127,6 +131,10 @@ def build_student(request: StudentRequest, teacher: nn.Module, teacher_tokenizer
 
     request.validate()
     n_teacher = len(decoder_layers(teacher))
+    if request.quantized:
+        from llmopt.distillation.quantized import quantized_student
+
+        return quantized_student(request.student, teacher, teacher_tokenizer)
     if request.student is not None:
         model, tokenizer = load_model(request.student)
         check_vocab(teacher, teacher_tokenizer, model, tokenizer)

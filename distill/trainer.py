@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from llmopt.core.errors import LlmoptError
+from llmopt.quant.fake_quant import CODE_PARAMETER
 
 from llmopt.distillation import checkpoint
 from llmopt.distillation.data import DataOrder, PackedText
@@ -53,6 +54,7 @@ class TrainSettings:
     seed: int = 0
     precision: str = "auto"
     teacher_top_k: int = 0
+    code_lr: float = 0.0  # quantized students: Adam's step on the latent codes, in code units (0: not one)
     # bookkeeping only: no effect on the weights
     save_every: int = 0
     eval_every: int = 0
@@ -69,6 +71,7 @@ class TrainSettings:
             (self.batch_size >= 1, f"--batch-size {self.batch_size}", "use at least 1"),
             (self.grad_accum >= 1, f"--grad-accum {self.grad_accum}", "use at least 1"),
             (self.lr > 0, f"--lr {self.lr}", "use a positive learning rate, e.g. 2e-4"),
+            (self.code_lr >= 0, f"--code-lr {self.code_lr}", "use a positive step in code units, e.g. 5e-3"),
             (0 <= self.warmup <= self.steps, f"--warmup {self.warmup}", f"use 0 to {self.steps} steps"),
             (0 <= self.min_lr_ratio <= 1, f"min lr ratio {self.min_lr_ratio}", "use a value in [0, 1]"),
             (self.max_grad_norm > 0, f"--max-grad-norm {self.max_grad_norm}", "use a positive norm, e.g. 1.0"),
@@ -137,9 +140,15 @@ def make_accelerator(settings: TrainSettings):
 
 def build_optimizer(model: torch.nn.Module, settings: TrainSettings):
     """AdamW (weight decay on matrices only) and its warmup + cosine LambdaLR schedule."""
-    matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    others = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    codes = [p for name, p in trainable if name.rpartition(".")[2] == CODE_PARAMETER]
+    matrices = [p for name, p in trainable if p.dim() >= 2 and name.rpartition(".")[2] != CODE_PARAMETER]
+    others = [p for name, p in trainable if p.dim() < 2]
     groups = [{"params": matrices, "weight_decay": settings.weight_decay}, {"params": others, "weight_decay": 0.0}]
+    if codes:  # a quantized student's latent codes: their own step (code units), never decayed
+        if not settings.code_lr > 0:
+            raise LlmoptError("a quantized student's codes need a step size", "set --code-lr, e.g. 5e-3")
+        groups.append({"params": codes, "weight_decay": 0.0, "lr": settings.code_lr})
     optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95), eps=1e-8)
     schedule = WarmupCosine(settings.warmup, settings.steps, settings.min_lr_ratio)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -336,6 +345,9 @@ class Trainer:
             self.teacher.eval().requires_grad_(False)
             self.teacher.to(acc.device)
         optimizer, scheduler = build_optimizer(self.student, s)
+        bounded = [m for m in self.student.modules() if hasattr(m, "clamp_")]  # keep their parameters in range
+        if bounded:
+            optimizer.register_step_post_hook(lambda *_: [m.clamp_() for m in bounded])
         self.model, self.optimizer = acc.prepare(self.student, optimizer)
         self.scheduler = scheduler  # stepped by hand, once per optimizer step, on every process
         self.history: list[dict] = []

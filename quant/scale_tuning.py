@@ -95,13 +95,18 @@ class TunableScales:
         """``multiplier`` per group: one per row broadcasts, one per super-block repeats."""
         return multiplier if multiplier.shape[1] == 1 else multiplier.repeat_interleave(self.per_unit, dim=1)
 
+    def weight_scale(self) -> torch.Tensor:
+        """Each weight's scale ``[out, in]`` at the current multipliers (differentiable in them)."""
+        scale = self.scale * self._expanded(self.log_multiplier.exp())
+        return scale.repeat_interleave(self.group, dim=1)
+
     def weight(self) -> torch.Tensor:
         """The dequantized weight at the current multipliers (differentiable in them)."""
-        scale = self.scale * self._expanded(self.log_multiplier.exp())
-        return self.codes * scale.repeat_interleave(self.group, dim=1)
+        return self.codes * self.weight_scale()
 
-    def tuned(self) -> QuantizedWeight:
-        """The weight with its tuned scales, rounded as they are stored (codes unchanged)."""
+    def tuned(self, codes: torch.Tensor | None = None) -> QuantizedWeight:
+        """The weight with its tuned scales, rounded as they are stored (``codes``: new codes in
+        the stored dtype, zero points included; None keeps the original ones)."""
         qw = self.original
         multiplier = self.log_multiplier.detach().exp().cpu()
         if self.factors is not None:  # a new float16 d per super-block; the integer multiples stay
@@ -113,7 +118,7 @@ class TunableScales:
                 scale = round_scales(scale, qw.scheme)
             elif not qw.scheme.is_float:  # float32 integer scales: float16, as their GGUF blocks hold them
                 scale = scale.to(torch.float16).float()
-        return QuantizedWeight(qw.codes, scale, qw.zero_point, qw.scheme, qw.group_size)
+        return QuantizedWeight(qw.codes if codes is None else codes, scale, qw.zero_point, qw.scheme, qw.group_size)
 
 
 def norm_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmopt.core.errors import LlmoptError
 from llmopt.pipeline.stages.base import option
+
+DEFAULT_CODE_LR = 5e-3  # --quantized: about 100 consistent steps move a code by one
 
 
 @dataclass
@@ -43,6 +46,10 @@ class DistillConfig:
     save_every: int = option(0, "Checkpoint every N steps (0: only on Ctrl-C).")
     eval_every: int = option(0, "Validation perplexity every N steps (0: never).")
     val_samples: int = option(16, "Held-out sequences scored at each validation.")
+    quantized: bool = option(False, "Quantization-aware distillation: --student is a checkpoint made by `llmopt quantize`; its codes "
+                             "(latent, on the format's grid, straight-through) and scales train against the teacher, and it is "
+                             "saved in the same format (--lr: the scale multipliers' step).")
+    code_lr: float | None = option(None, "With --quantized: Adam's step on the latent codes, in code units [default: 5e-3].")
     seed: int = option(0, "Seed for data order, initialization and block ranking.")
     resume: bool = option(False, "Continue from the last checkpoint of this output.")
     checkpoint_dir: str | None = option(None, "Where checkpoints go [default: OUTPUT.checkpoints].")
@@ -59,17 +66,23 @@ class DistillConfig:
             steps=self.steps, batch_size=self.batch_size, grad_accum=self.grad_accum, lr=self.lr, warmup=warmup,
             weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, loss=self.loss, temperature=self.temperature,
             beta=self.beta, kd_weight=self.kd_weight, ce_weight=self.ce_weight, hidden_weight=self.hidden_weight, seed=self.seed,
-            precision=self.precision, teacher_top_k=self.teacher_top_k, save_every=self.save_every,
+            precision=self.precision, teacher_top_k=self.teacher_top_k, code_lr=self._code_lr(), save_every=self.save_every,
             eval_every=self.eval_every, val_samples=self.val_samples,
         )
         return DistillRequest(
             teacher=self.teacher, output=Path(self.output),
             student=StudentRequest(student=self.student, student_from=self.student_from, drop_layers=self.drop_layers,
-                                   width=self.width, layer_method=self.layer_method, calib=self.calib, seed=self.seed),
+                                   width=self.width, layer_method=self.layer_method, calib=self.calib, seed=self.seed,
+                                   quantized=self.quantized),
             settings=settings, data=self.data, validation=None if self.validation.lower() == "none" else self.validation,
             seq_len=self.seq_len, resume=self.resume, overwrite=self.overwrite,
             checkpoint_dir=Path(self.checkpoint_dir) if self.checkpoint_dir else None, show_progress=show_progress,
         )
+
+    def _code_lr(self) -> float:
+        if self.code_lr is not None and not self.quantized:
+            raise LlmoptError("--code-lr applies only with --quantized", "add --quantized (and a quantized --student), or drop --code-lr")
+        return (DEFAULT_CODE_LR if self.code_lr is None else self.code_lr) if self.quantized else 0.0
 
     def check(self) -> None:
         request = self.request()
