@@ -45,7 +45,7 @@ def gram_seconds(width: int, dtype: torch.dtype, repeats: int) -> float:
 def output_errors(layers: int, samples: int) -> list[dict]:
     """Per Linear of the first ``layers`` layers: GPTQ's output error from float32- and
     bfloat16-product Hessians, both measured on the float32 one."""
-    from llmopt.calibration import _call_layer, capture_layer_inputs, decoder_layers, linear_modules
+    from llmopt.calibration import call_layer, capture_layer_inputs, decoder_layers, linear_modules
     from llmopt.linear_stats import LinearStats
     from llmopt.checkpoints.models import load_model, resolve_model
     from llmopt.core.data import calibration_ids
@@ -65,7 +65,7 @@ def output_errors(layers: int, samples: int) -> list[dict]:
         for dtype in (torch.float32, torch.bfloat16):
             with torch.no_grad(), LinearStats(mods, hessian=True, channel=False, hessian_dtype=dtype, stop_early=False) as stats:
                 for h, kw in zip(hidden, inputs.kwargs):
-                    _call_layer(layer, h, kw)
+                    call_layer(layer, h, kw)
             hessians[dtype] = {n: stats.hessian(n) for n in mods}
         for name, module in mods.items():
             exact = hessians[torch.float32][name]
@@ -77,7 +77,7 @@ def output_errors(layers: int, samples: int) -> list[dict]:
             rows.append({"layer": index, "linear": name, **error, "ratio": error["bfloat16"] / error["float32"]})
             print(f"layer {index} {name}: bf16 / fp32 products {rows[-1]['ratio']:.3f}", flush=True)
         with torch.no_grad():
-            hidden = [_call_layer(layer, h, kw) for h, kw in zip(hidden, inputs.kwargs)]
+            hidden = [call_layer(layer, h, kw) for h, kw in zip(hidden, inputs.kwargs)]
     return rows
 
 

@@ -29,7 +29,7 @@ FORMATS = ["int4_g128", "int4_g32", "int4a_g32", "nl4_g32", "nl4x_g32", "int5_g3
 
 
 def measure(layers: list[int], samples: int, formats: list[str]) -> list[dict]:
-    from llmopt.calibration import _call_layer, capture_layer_inputs, decoder_layers, linear_modules
+    from llmopt.calibration import call_layer, capture_layer_inputs, decoder_layers, linear_modules
     from llmopt.linear_stats import LinearStats
     from llmopt.checkpoints.models import load_model, resolve_model
     from llmopt.core.data import calibration_ids
@@ -48,7 +48,7 @@ def measure(layers: list[int], samples: int, formats: list[str]) -> list[dict]:
             with torch.no_grad(), LinearStats(mods, hessian=True, channel=False, hessian_dtype=torch.float32,
                                               stop_early=False) as stats:
                 for h, kw in zip(hidden, inputs.kwargs):
-                    _call_layer(layer, h, kw)
+                    call_layer(layer, h, kw)
             for name, module in mods.items():
                 hessian, weight = stats.hessian(name), module.weight.detach().float()
                 for fmt in formats:
@@ -64,7 +64,7 @@ def measure(layers: list[int], samples: int, formats: list[str]) -> list[dict]:
                     rows.append(result)
                     print(f"layer {index} {name} {fmt}: {result['ratio']:.3f}", flush=True)
         with torch.no_grad():
-            hidden = [_call_layer(layer, h, kw) for h, kw in zip(hidden, inputs.kwargs)]
+            hidden = [call_layer(layer, h, kw) for h, kw in zip(hidden, inputs.kwargs)]
     return rows
 
 

@@ -118,7 +118,8 @@ def capture_layer_inputs(
     return LayerInputs(hidden, kwargs_list)
 
 
-def _call_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+def call_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """One decoder layer on ``hidden`` with the keyword arguments :func:`capture_layer_inputs` caught; its hidden output."""
     extra = [kwargs[k] for k in sorted(k for k in kwargs if k.startswith("__arg"))]
     kw = {k: v for k, v in kwargs.items() if not k.startswith("__arg")}
     out = layer(hidden, *extra, **kw)
@@ -310,7 +311,7 @@ def run_sequential(
 
         def call(layer: nn.Module, h: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor:
             with torch.autocast(run_device.type, dtype=compute_dtype, enabled=use_autocast):
-                return _call_layer(layer, h, kw).to(model_dtype)
+                return call_layer(layer, h, kw).to(model_dtype)
 
         def bar_context() -> Any:
             if progress is not None:

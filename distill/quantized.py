@@ -63,9 +63,10 @@ def code_changes(fake: FakeQuantModel, original: dict) -> dict:
 
 
 def save_quantized(student: Student, record: dict, output: Path, overwrite: bool) -> None:
-    """Write the student's checkpoint again with its trained codes and scales (everything else copied)."""
+    """Write the student's checkpoint again with its trained codes and scales (everything else
+    copied); ``record`` gets how many codes moved."""
     source = Path(student.record["checkpoint"])
     original, _ = read_compressed(source)
     trained = student.fake_quant.trained_weights()
-    record = {**record, **code_changes(student.fake_quant, original)}
+    record.update(code_changes(student.fake_quant, original))  # reported by the caller too
     rewrite_tensors(source, output, quantized_tensors(trained), {"quantization_aware_distillation": record}, overwrite)

@@ -138,6 +138,7 @@ def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
 
         cache = TeacherCache.for_run(model_fingerprint(teacher_path), train.ids, request.settings.teacher_top_k,
                                      request.settings.temperature, resolve_precision(request.settings.precision, cpu))
+    blocks = _block_phase(request, student, teacher, train)
     display = TrainDisplay(err, enabled=request.show_progress and state.is_main_process, log_every=request.settings.log_every)
     trainer = Trainer(student.model, teacher, train, request.settings, request.checkpoints, val_ids,
                       student.layer_map, cache, display, on_step)
@@ -146,6 +147,8 @@ def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
     record = {"source": str(teacher_path), "teacher": request.teacher,
               **training_record(student, request.settings, request.seq_len, train, val, val_ids, result),
               "teacher_cache": None if cache is None else str(cache.root)}
+    if blocks is not None:
+        record["block_phase"] = blocks
     if result.interrupted:
         return DistillOutcome(record, result, interrupted=True)
     record["total_seconds"] = round(time.perf_counter() - start, 1)
@@ -154,6 +157,23 @@ def run_distill(request: DistillRequest, on_step=None) -> DistillOutcome:
         shutil.rmtree(request.checkpoints, ignore_errors=True)
     state.wait_for_everyone()
     return DistillOutcome(record, result, output=request.output)
+
+
+def _block_phase(request: DistillRequest, student: Student, teacher, train: PackedText) -> dict | None:
+    """A quantized student's block-wise phase (:mod:`llmopt.distillation.blocks`), before the
+    end-to-end training; skipped when resuming from a checkpoint (it holds the trained codes)."""
+    s = request.settings
+    if student.fake_quant is None or not s.block_steps:
+        return None
+    if request.resume and checkpoint.latest(request.checkpoints) is not None:
+        return {"skipped": "resumed from a checkpoint of the end-to-end phase"}
+    from llmopt.core.console import progress_task
+    from llmopt.distillation.blocks import BlockSettings, train_blocks
+
+    settings = BlockSettings(s.block_steps, s.lr, s.code_lr, s.batch_size, s.seed)
+    layers = student.model.config.num_hidden_layers
+    with progress_task("block-wise phase (one decoder layer at a time)", layers) as advance:
+        return train_blocks(student.model, teacher, student.fake_quant, spread(train, s.block_windows), settings, advance)
 
 
 def training_record(student: Student, settings: TrainSettings, seq_len: int, train: PackedText, val: PackedText | None,

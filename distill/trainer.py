@@ -55,6 +55,8 @@ class TrainSettings:
     precision: str = "auto"
     teacher_top_k: int = 0
     code_lr: float = 0.0  # quantized students: Adam's step on the latent codes, in code units (0: not one)
+    block_steps: int = 0  # quantized students: steps per decoder layer of the block-wise phase first (0: none)
+    block_windows: int = 32  # training windows the block-wise phase reads
     # bookkeeping only: no effect on the weights
     save_every: int = 0
     eval_every: int = 0
@@ -72,6 +74,8 @@ class TrainSettings:
             (self.grad_accum >= 1, f"--grad-accum {self.grad_accum}", "use at least 1"),
             (self.lr > 0, f"--lr {self.lr}", "use a positive learning rate, e.g. 2e-4"),
             (self.code_lr >= 0, f"--code-lr {self.code_lr}", "use a positive step in code units, e.g. 5e-3"),
+            (self.block_steps >= 0, f"--block-steps {self.block_steps}", "use 0 (no block-wise phase) or more"),
+            (self.block_windows >= 1, f"--block-windows {self.block_windows}", "use at least 1"),
             (0 <= self.warmup <= self.steps, f"--warmup {self.warmup}", f"use 0 to {self.steps} steps"),
             (0 <= self.min_lr_ratio <= 1, f"min lr ratio {self.min_lr_ratio}", "use a value in [0, 1]"),
             (self.max_grad_norm > 0, f"--max-grad-norm {self.max_grad_norm}", "use a positive norm, e.g. 1.0"),

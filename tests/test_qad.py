@@ -166,7 +166,24 @@ def test_qad_lowers_the_kl_and_saves_the_same_format_exactly(qad_setup, tmp_path
     assert len(carried) == len(read_compressed(out)[0]) and all(t.codes_identical for t in carried)
 
 
-def test_ctrl_c_and_resume_give_the_uninterrupted_codes(qad_setup, tmp_path):
+def test_block_phase_lowers_every_layers_error_then_end_to_end_goes_further(qad_setup, tmp_path):
+    out = tmp_path / "blocks"
+    result = _distill(qad_setup, out, "--steps", "40", "--eval-every", "40", "--block-steps", "30", "--block-windows", "16")
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "llmopt.json").read_text())["quantization_aware_distillation"]
+    layers = record["block_phase"]["layers"]
+    assert [entry["layer"] for entry in layers] == [0, 1, 2] and record["block_phase"]["windows"] == 16
+    assert all(entry["mse_after"] < entry["mse_before"] for entry in layers)
+    assert layers[0]["mse_after"] < 0.9 * layers[0]["mse_before"]
+    # the validation at step 0 already sees the block-trained codes: below the untrained checkpoint's KL
+    untrained = _distill(qad_setup, tmp_path / "none", "--steps", "1", "--eval-every", "1", "--code-lr", "1e-9", "--lr", "1e-9")
+    assert untrained.exit_code == 0, untrained.output
+    start = json.loads((tmp_path / "none" / "llmopt.json").read_text())["quantization_aware_distillation"]["validation_curve"][0]
+    first, last = record["validation_curve"][0], record["validation_curve"][-1]
+    assert first["kl"] < 0.9 * start["kl"] and last["kl"] < first["kl"]
+
+
+def test_ctrl_c_and_resume_give_the_uninterrupted_codes_block_phase_included(qad_setup, tmp_path):
     from llmopt.distillation.run import run_distill
     from llmopt.pipeline.stages.distill import DistillConfig
 
@@ -175,7 +192,7 @@ def test_ctrl_c_and_resume_give_the_uninterrupted_codes(qad_setup, tmp_path):
     def config(out: Path, **extra) -> DistillConfig:
         return DistillConfig(teacher=str(teacher), student=str(quantized), quantized=True, output=str(out), steps=8,
                              data=str(root / "train.txt"), validation="none", seq_len=64, lr=2e-3, code_lr=5e-2,
-                             precision="no", **extra)
+                             block_steps=5, block_windows=8, precision="no", **extra)
 
     full = run_distill(config(tmp_path / "full").request(show_progress=False))
 
@@ -188,12 +205,15 @@ def test_ctrl_c_and_resume_give_the_uninterrupted_codes(qad_setup, tmp_path):
     assert stopped.interrupted and stopped.result.steps_done == 5 and not (tmp_path / "split").exists()
     split.resume = True
     resumed = run_distill(split.request(show_progress=False))
+    assert resumed.record["block_phase"] == {"skipped": "resumed from a checkpoint of the end-to-end phase"}
+    assert len(full.record["block_phase"]["layers"]) == 3
     a, b = load_file(full.output / "model.safetensors"), load_file(resumed.output / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("args, message", [
     (["--code-lr", "1e-2"], "--code-lr applies only with --quantized"),
+    (["--block-steps", "5"], "--block-steps applies only with --quantized"),
     (["--quantized", "--student-from", "T", "--drop-layers", "1"], "--quantized trains a quantized checkpoint's codes"),
 ])
 def test_options_that_do_not_apply_are_refused(qad_setup, tmp_path, args, message):

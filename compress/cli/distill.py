@@ -20,6 +20,8 @@ def _table(outcome) -> object:
         ("teacher", record["teacher"]),
         ("student", f"{student.get('spec')} ({student.get('kind')}, {student.get('layers')} layers)"),
         ("dropped layers", ", ".join(map(str, student["dropped"])) if student.get("dropped") else None),
+        ("codes changed", f"{record['codes_changed']:,} of {record['codes']:,} ({', '.join(student['schemes'])})"
+         if "codes_changed" in record else None),
         ("steps / tokens", f"{record['steps']} / {record['tokens']:,}"),
         ("processes / precision", f"{record['world_size']} / {record['precision']}"),
         ("train time", f"{record['train_seconds']:.1f} s"),

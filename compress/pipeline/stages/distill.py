@@ -50,6 +50,9 @@ class DistillConfig:
                              "(latent, on the format's grid, straight-through) and scales train against the teacher, and it is "
                              "saved in the same format (--lr: the scale multipliers' step).")
     code_lr: float | None = option(None, "With --quantized: Adam's step on the latent codes, in code units [default: 5e-3].")
+    block_steps: int = option(0, "With --quantized: first train each decoder layer alone for N steps against the teacher's layer "
+                                 "output (block-wise phase), then end to end.", metavar="N")
+    block_windows: int = option(32, "With --block-steps: training windows the block-wise phase reads.", metavar="N")
     seed: int = option(0, "Seed for data order, initialization and block ranking.")
     resume: bool = option(False, "Continue from the last checkpoint of this output.")
     checkpoint_dir: str | None = option(None, "Where checkpoints go [default: OUTPUT.checkpoints].")
@@ -66,7 +69,8 @@ class DistillConfig:
             steps=self.steps, batch_size=self.batch_size, grad_accum=self.grad_accum, lr=self.lr, warmup=warmup,
             weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, loss=self.loss, temperature=self.temperature,
             beta=self.beta, kd_weight=self.kd_weight, ce_weight=self.ce_weight, hidden_weight=self.hidden_weight, seed=self.seed,
-            precision=self.precision, teacher_top_k=self.teacher_top_k, code_lr=self._code_lr(), save_every=self.save_every,
+            precision=self.precision, teacher_top_k=self.teacher_top_k, code_lr=self._code_lr(), block_steps=self.block_steps, block_windows=self.block_windows,
+            save_every=self.save_every,
             eval_every=self.eval_every, val_samples=self.val_samples,
         )
         return DistillRequest(
@@ -82,6 +86,9 @@ class DistillConfig:
     def _code_lr(self) -> float:
         if self.code_lr is not None and not self.quantized:
             raise LlmoptError("--code-lr applies only with --quantized", "add --quantized (and a quantized --student), or drop --code-lr")
+        for flag, given in (("--block-steps", self.block_steps != 0), ("--block-windows", self.block_windows != 32)):
+            if given and not self.quantized:
+                raise LlmoptError(f"{flag} applies only with --quantized", f"add --quantized (and a quantized --student), or drop {flag}")
         return (DEFAULT_CODE_LR if self.code_lr is None else self.code_lr) if self.quantized else 0.0
 
     def check(self) -> None:

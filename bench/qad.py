@@ -1,0 +1,131 @@
+"""Quantization-aware distillation on the demo model: how much of the KLD gap to the float model
+that post-training quantization leaves, ``llmopt distill --quantized`` recovers.
+
+The starting point is the issue's: W4A16 g32 with an int4 head, AWQ then GPTQ (``llmopt
+quantize``, austen calibration). Each QAD variant trains that checkpoint's codes and scales
+against the float demo model's logits on the bundled Gutenberg training text (``--data
+gutenberg``; neither evaluation text is trained on) and is saved in the same format. KLD (mean,
+p99) and top-1 against the float model on WikiText-2 and on the held-out Gutenberg text,
+``--windows`` windows of 2048 tokens each. Target: recover at least 50% of the starting
+checkpoint's mean KLD (QAD KLD ≤ 0.5× the AWQ+GPTQ KLD). Results: bench/results/qad.{json,md}.
+
+    python bench/qad.py [--windows 4] [--force] [--only NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import llmopt, log, run_variants  # noqa: E402
+from rotations import TEXTS, scores  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+WORK = ROOT / "out" / "qad"
+BASE = "W4A16 g32 awq+gptq, int4 head"
+BASE_ARGS = ["--scheme", "W4A16", "--group-size", "32", "--method", "awq+gptq", "--head", "int4"]
+# name → distill options (on top of --teacher demo --student BASE --quantized --data gutenberg)
+QAD = {
+    "QAD 150 steps": ["--steps", "150", "--lr", "1e-3", "--code-lr", "1e-2"],
+}
+
+
+def main() -> None:
+    from llmopt.accuracy import eval_data
+    from llmopt.checkpoints.models import load_model, resolve_model
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--force", action="store_true")
+    parser.add_argument("--remake-base", action="store_true", help="quantize the starting checkpoint again even if out/qad/base holds it")
+    parser.add_argument("--only", nargs="*")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    path = RESULTS / "qad.json"
+    data = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "variants": {}}
+    model, tok = load_model(resolve_model("demo"))
+    ids = {name: eval_data(tok, text, 2048, args.windows).windows for name, text in TEXTS.items()}
+    with torch.inference_mode():
+        ref = {name: [model(x[None]).logits[0].float().log_softmax(-1) for x in windows] for name, windows in ids.items()}
+    del model
+    data["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "windows": args.windows,
+                    "seq_len": 2048, "load": [round(x, 2) for x in os.getloadavg()]}
+    base_dir = WORK / "base"
+
+    def measure(name: str) -> dict:
+        start = time.perf_counter()
+        if name == BASE:
+            out = base_dir
+            if args.remake_base or not (base_dir / "llmopt.json").is_file():
+                shutil.rmtree(base_dir, ignore_errors=True)
+                llmopt("quantize", "demo", *BASE_ARGS, "-o", str(base_dir))
+            made = json.loads((base_dir / "llmopt.json").read_text())
+            if (made["scheme"], made["method"], made["head"], sorted(made["group_sizes"])) != ("W4A16", "awq+gptq", "int4", ["32"]):
+                raise SystemExit(f"{base_dir} was not made by `quantize demo {' '.join(BASE_ARGS)}`: pass --remake-base")
+        else:
+            out = WORK / name.replace(" ", "_")
+            shutil.rmtree(out, ignore_errors=True)
+            log(f"distill --quantized {' '.join(QAD[name])}")
+            record = llmopt("distill", "--teacher", "demo", "--student", str(base_dir), "--quantized", "--data", "gutenberg",
+                            "--validation", "none", *QAD[name], "-o", str(out))
+        seconds = time.perf_counter() - start if name != BASE else made["total_seconds"]
+        variant, _ = load_model(out)
+        result = scores(variant, ids, ref)
+        result["seconds"] = round(seconds, 1)
+        result["bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+        if name != BASE:
+            qad = json.loads((out / "llmopt.json").read_text())["quantization_aware_distillation"]
+            result["options"] = QAD[name]
+            result["training"] = {k: qad[k] for k in ("steps", "tokens", "train_seconds", "codes_changed", "codes", "seq_len")}
+            result["training"]["batch_size"] = qad["settings"]["batch_size"]
+            result["training"]["final_loss"] = qad["loss_curve"][-1]["loss"] if qad["loss_curve"] else None
+        return result
+
+    def save() -> None:
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        write_md(data)
+
+    run_variants([BASE, *QAD], data["variants"], measure,
+                 lambda r: f"KLD wiki {r['wiki']['kld_mean']:.4f} heldout {r['heldout']['kld_mean']:.4f}", save, args.only, args.force)
+    save()
+
+
+def write_md(data: dict) -> None:
+    meta, rows = data["meta"], data["variants"]
+    lines = ["# Quantization-aware distillation (`llmopt distill --quantized`) on the demo model", "",
+             f"Written by bench/qad.py (last run {meta['date']}, load {meta['load']}): KLD against the float demo model on "
+             f"WikiText-2 and a held-out Gutenberg text, {meta['windows']} × {meta['seq_len']} tokens each. The starting "
+             f"checkpoint is `llmopt quantize demo {' '.join(BASE_ARGS)}` (austen calibration); QAD trains its codes and "
+             "scales on the bundled Gutenberg training text against the float model's logits and saves it in the same format.", "",
+             "| variant | KLD wiki (mean / p99) | top-1 wiki | KLD held-out (mean / p99) | top-1 held-out | gap recovered (wiki / held-out) | codes changed | tokens trained | seconds | safetensors bytes |",
+             "|---|---|---:|---|---:|---|---:|---:|---:|---:|"]
+    base = rows.get(BASE)
+    for name, r in rows.items():
+        w, h = r["wiki"], r["heldout"]
+        recovered = "" if base is None or name == BASE else " / ".join(
+            f"{100 * (1 - r[t]['kld_mean'] / base[t]['kld_mean']):.0f}%" for t in TEXTS)
+        train = r.get("training") or {}
+        changed = f"{train['codes_changed']:,} of {train['codes']:,}" if train else ""
+        tokens = f"{train['tokens']:,}" if train else ""
+        lines.append(f"| {name} | {w['kld_mean']:.4f} / {w['kld_p99']:.3f} | {100 * w['top1']:.1f}% | "
+                     f"{h['kld_mean']:.4f} / {h['kld_p99']:.3f} | {100 * h['top1']:.1f}% | {recovered} | {changed} | {tokens} | "
+                     f"{r['seconds']:.0f} | {r['bytes']:,} |")
+    for name, r in rows.items():
+        if r.get("options"):
+            lines.append(f"\n{name}: `llmopt distill --teacher demo --student BASE --quantized --data gutenberg {' '.join(r['options'])}`.")
+    lines.append("\nTarget: gap recovered ≥ 50% on both texts (QAD mean KLD ≤ 0.5× the AWQ+GPTQ checkpoint's).")
+    (RESULTS / "qad.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
