@@ -42,6 +42,7 @@ class FakeQuantWeight(nn.Module):
         if qw.scheme.activations is not None:
             raise ValueError(f"{qw.scheme.name} quantizes activations: only weight-only schemes train")
         self.scales = TunableScales(qw, per=per)
+        self.scales.codes = None  # its fixed float codes: the latent ones below replace them
         self.log_multiplier = nn.Parameter(self.scales.log_multiplier.detach().clone())
         self.scales.log_multiplier = self.log_multiplier
         self.register_parameter(CODE_PARAMETER, nn.Parameter(qw.codes.float()))
