@@ -14,6 +14,17 @@ it can load. ``--for`` restricts the planner to one consumer's formats:
   writes them without rounding again);
 * ``transformers``: symmetric formats (its compressed-tensors loader fails on asymmetric
   checkpoints with mixed group sizes), the embedding in float (it cannot load a quantized one).
+
+Mixture-of-experts layers: every expert's projections are priced one by one, but for every
+consumer the experts of one projection in a layer (``experts.*.gate_proj`` …) are planned as one
+tensor, the stacked ``[experts, rows, cols]`` tensor transformers holds and a GGUF file writes
+with one block type (:func:`tie`; vLLM ties a layer's experts wholly). Not a format per expert:
+an expert's cost comes from the few calibration tokens routed to it (one no window routes to
+would be priced at nothing and dropped to the smallest format, however often real text picks
+it), while summed over the layer's experts it is as well sampled as a dense Linear's; and
+experts of different formats would be cast to F16 in a GGUF file (``--size-of gguf`` would
+miss its target). A saved plan may still give experts their own formats (not ``--for
+llama.cpp`` or ``vllm``).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ FLOAT = "float"
 VLLM_LINEAR = ("int4_g128", "int4_g64", "int4_g32")
 # Linears vLLM loads as shards of one fused layer (by their last name part), and a layer's experts
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+EXPERT = re.compile(r"(.*\.experts)\.\d+\.([^.]+)$")  # (the layer's experts, the projection)
 SEP = "|"
 
 
@@ -61,12 +73,14 @@ def restrict(sens, consumer: str):
 
 def refused(formats: dict[str, str], kinds: dict[str, str], shapes: dict[str, list[int]], consumer: str) -> list[str]:
     """The tensors of a saved plan whose format ``consumer`` does not run (``name: format``), and
-    (vLLM) fused groups whose members differ."""
+    groups of tensors it needs in one format whose members differ (vLLM: its fused layers;
+    llama.cpp: a projection of a layer's experts, one stacked GGUF tensor)."""
     out = [f"{name}: {fmt}" for name, fmt in formats.items()
            if not allows(consumer, fmt, kinds.get(name, "linear"), shapes[name][1])]
-    if consumer == "vllm":
-        out += [f"{SEP.join(g)}: {' / '.join(formats[n] for n in g)}" for g in fused_groups(list(formats))
-                if len({formats[n] for n in g}) > 1]
+    groups = {"vllm": fused_groups, "llama.cpp": expert_groups}.get(consumer)
+    if groups is not None:
+        out += [f"{g[0]} and {len(g) - 1} more: {' / '.join(sorted(found))}" for g in groups(list(formats))
+                if len(found := {formats[n] for n in g}) > 1]
     return out
 
 
@@ -75,7 +89,7 @@ def fused_groups(names: list[str]) -> list[list[str]]:
     groups: dict[tuple[str, int], list[str]] = {}
     for name in names:
         prefix, _, leaf = name.rpartition(".")
-        expert = re.match(r"(.*\.experts)\.\d+$", prefix)
+        expert = EXPERT.match(name)
         if expert:
             groups.setdefault((expert.group(1), -1), []).append(name)
             continue
@@ -85,14 +99,26 @@ def fused_groups(names: list[str]) -> list[list[str]]:
     return [g for g in groups.values() if len(g) > 1]
 
 
+def expert_groups(names: list[str]) -> list[list[str]]:
+    """Groups of ``names`` that are one projection of one layer's experts (two or more members)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name in names:
+        if expert := EXPERT.match(name):
+            groups.setdefault(expert.groups(), []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
+
+
 def tie(sens, consumer: str):
-    """``(sens, members)``: for vLLM, each fused group of Linears as one tensor named by its members
-    joined with ``|`` (costs added, bits per weight as the group stores them), so the planner gives
-    the group one format; ``members`` maps those names back. Other consumers: unchanged."""
-    if consumer != "vllm":
+    """``(sens, members)``: each group of Linears that gets one format as one tensor named by its
+    members joined with ``|`` (costs added, bits per weight as the group stores them), so the
+    planner gives the group one format; ``members`` maps those names back. The groups: for vLLM
+    its fused layers (:func:`fused_groups`), for the others each projection of a layer's experts
+    (:func:`expert_groups`)."""
+    linears = [t.name for t in sens.tensors if t.kind == "linear"]
+    groups = fused_groups(linears) if consumer == "vllm" else expert_groups(linears)
+    if not groups:
         return sens, {}
     by_name = {t.name: t for t in sens.tensors}
-    groups = fused_groups([t.name for t in sens.tensors if t.kind == "linear"])
     grouped = {n for g in groups for n in g}
     tensors = [t for t in sens.tensors if t.name not in grouped]
     members = {}

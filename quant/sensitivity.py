@@ -10,8 +10,15 @@ Measured on calibration windows with one forward and one backward pass of the fl
 * the output head: measured exactly — the mean KL divergence of the logits computed with the
   quantized head from the cached final hidden states.
 
-A tied embedding/head is one matrix: its cost is the sum of both roles. Costs are assumed to
-add across tensors (validated against end-to-end KLD in ``bench/mixed_precision.py``).
+A tied embedding/head is one matrix: its cost is the sum of both roles. A mixture-of-experts
+model's fused experts are first unfused (:func:`~llmopt.checkpoints.moe.unfuse_experts`, as the
+quantizer does) so each expert projection is a Linear priced on the tokens routed to it: ``H``
+is its inputs' mean over those ``n_e`` tokens and ``F`` is summed over them but divided by all
+``n`` tokens, so the cost is the expected cost per token (the expert runs on ``n_e / n`` of them);
+an expert no window routes to costs nothing. Costs are assumed to
+add across tensors (validated against end-to-end KLD in ``bench/mixed_precision.py``). Second
+order misses a routing choice flipped by an earlier tensor's error: on tiny random MoE models
+the last layer's experts cost what is predicted, earlier tensors about twice as much.
 ``ΔW`` is the round-to-nearest error (min-max ranges for Linears, the clipping search of
 :func:`~llmopt.quant.outer.quantize_matrix` for the embedding/head, as each is applied by RTN;
 with ``head_gptq`` the head's error is that of GPTQ on its inputs, its most probable rows on their
@@ -30,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llmopt.checkpoints.moe import stored_key, unfuse_experts
 from llmopt.core.console import progress_task
 from llmopt.formats.file_sizes import (
     SAFETENSORS_FIXED,
@@ -145,6 +153,12 @@ class FileSizes:
         self.fallback = next(model.parameters()).dtype
         floats = [d for d in layout.dtypes.values() if d.is_floating_point]
         self.scale_dtype = scale_dtype_for(max(set(floats), key=floats.count) if floats else self.fallback)
+        self.model_type = getattr(getattr(model, "config", None), "model_type", None)
+
+    def _key(self, key: str) -> str:
+        """The name the files store the model's tensor ``key`` under (Mixtral's experts and router:
+        ``block_sparse_moe.…``, :func:`~llmopt.checkpoints.moe.stored_key`)."""
+        return stored_key(key, self.model_type)
 
     def _stored(self, key: str) -> torch.dtype:
         return self.layout.dtypes.get(key, self.fallback)
@@ -153,12 +167,12 @@ class FileSizes:
         """Bits per weight of ``module``'s weight in format ``fmt`` (``float``: as the source stores it)."""
         numel = shape[0] * shape[1]
         if fmt == FLOAT:
-            key = f"{module}.weight"
+            key = self._key(f"{module}.weight")
             nbytes = numel * self._stored(key).itemsize + safetensors_entry_bytes(key, self._stored(key), shape)
             return nbytes * 8 / numel
         cand = candidate(fmt)
         nbytes = cand.checkpoint_bytes(shape, self.scale_dtype)
-        nbytes += sum(safetensors_entry_bytes(f"{module}.{local}", torch.int32, shape)
+        nbytes += sum(safetensors_entry_bytes(self._key(f"{module}.{local}"), torch.int32, shape)
                       for local in cand.format.checkpoint_tensors())
         return nbytes * 8 / numel
 
@@ -170,7 +184,8 @@ class FileSizes:
             cand = candidate(fmt)
             carrier = cand.format.gguf_carrier(shape[1], cand.scheme(shape[1]).group_size)
         data = numel * GGUF_FLOAT_BITS // 8 if carrier is None else shape[0] * (shape[1] // carrier.block) * carrier.type_bytes
-        name = self.layout.gguf_names.get(f"{module}.weight", f"{module}.weight")
+        key = self._key(f"{module}.weight")
+        name = self.layout.gguf_names.get(key, key)
         return (gguf_data_bytes(data) + gguf_index_bytes(name, 2)) * 8 / numel
 
     def others(self, params: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -178,7 +193,7 @@ class FileSizes:
         files' fixed bytes included (GGUF: header, metadata and tokenizer, tensor index)."""
         checkpoint = 8 * SAFETENSORS_FIXED
         gguf = 8 * (self.layout.gguf_fixed_bytes or 0)
-        for key, p in params.items():
+        for key, p in ((self._key(k), p) for k, p in params.items()):
             dtype = self._stored(key)
             checkpoint += 8 * (p.numel() * dtype.itemsize + safetensors_entry_bytes(key, dtype, tuple(p.shape)))
             element = 4 if p.dim() < 2 else GGUF_FLOAT_BITS // 8  # vectors F32, matrices F16
@@ -206,6 +221,19 @@ def _gptq_error(w: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme) -> 
     return qw.dequantize() - w.float()
 
 
+def _linear_costs(w: torch.Tensor, hessian: torch.Tensor | None, fisher: torch.Tensor, gptq: bool) -> dict[str, float]:
+    """Nats per token of each Linear format of ``w``: ``½ Σ_j F_j (ΔW H ΔWᵀ)_jj`` (``hessian``
+    None: the Linear saw no token, an expert nothing was routed to, and costs nothing)."""
+    if hessian is None:
+        return dict.fromkeys(LINEAR_FORMATS, 0.0)
+    costs = {}
+    for fmt in LINEAR_FORMATS:
+        scheme = format_scheme(fmt, w.shape[1])
+        dw = _gptq_error(w, hessian, scheme) if gptq else _weight_error(w, scheme)
+        costs[fmt] = 0.5 * float((fisher * ((dw @ hessian) * dw).sum(1)).sum())
+    return costs
+
+
 def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0,
                         head_chunk: int = 256, head_gptq: bool = False, linear_gptq: bool = False,
                         source: Path | str | None = None) -> Sensitivity:
@@ -214,12 +242,14 @@ def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0
     calibrated quantization stores it, instead of RTN with the clipping search; ``linear_gptq``:
     the decoder Linears' errors likewise GPTQ's on their inputs' second moments. ``source``: the
     checkpoint directory the model was loaded from (default: the model's ``name_or_path``), whose
-    stored dtypes and tokenizer the sizes are counted with (:class:`FileSizes`)."""
+    stored dtypes and tokenizer the sizes are counted with (:class:`FileSizes`). Fused experts
+    of ``model`` are unfused in place (one Linear per expert projection, each priced)."""
     model.eval()
+    unfuse_experts(model)
     sizes = FileSizes(source_layout(source if source is not None else getattr(model, "name_or_path", None)), model)
     linears = _decoder_linears(model)
-    dim = {n: m.in_features for n, m in linears.items()}
-    hess = {n: torch.zeros(d, d, dtype=torch.float64) for n, d in dim.items()}
+    hess: dict[str, torch.Tensor] = {}  # Σ x xᵀ over the tokens each Linear saw (allocated on its first input)
+    rows: dict[str, int] = {}  # how many tokens: all of them, or those routed to an expert
     fisher = {n: torch.zeros(m.out_features, dtype=torch.float64) for n, m in linears.items()}
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
@@ -240,7 +270,11 @@ def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0
             else:
                 inputs[id(args[0])] = (args[0], name)
                 x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-                hess[name] += x.T @ x
+                if name in hess:
+                    hess[name] += x.T @ x
+                else:
+                    hess[name] = x.T @ x
+                rows[name] = rows.get(name, 0) + x.shape[0]
             def grad_hook(g: torch.Tensor) -> None:
                 fisher[name].add_(g.detach().reshape(-1, g.shape[-1]).double().pow(2).sum(0))
 
@@ -289,13 +323,9 @@ def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0
     pricing = progress_task("pricing formats by GPTQ", len(linears)) if linear_gptq else nullcontext(lambda: None)
     with torch.no_grad(), pricing as advance:
         for name, m in linears.items():
-            h = (hess[shared.get(name, name)] / tokens).float()
-            f = (fisher[name] / tokens).float()
-            costs = {}
-            for fmt in LINEAR_FORMATS:
-                scheme = format_scheme(fmt, dim[name])
-                dw = _gptq_error(m.weight, h, scheme) if linear_gptq else _weight_error(m.weight, scheme)
-                costs[fmt] = 0.5 * float((f * ((dw @ h) * dw).sum(1)).sum())
+            seen = shared.get(name, name)  # the Linear whose inputs' moments this one shares
+            h = (hess[seen] / rows[seen]).float() if seen in hess else None
+            costs = _linear_costs(m.weight, h, (fisher[name] / tokens).float(), linear_gptq)
             shape = tuple(m.weight.shape)
             costs[FLOAT] = 0.0
             bits = {fmt: sizes.checkpoint(name, shape, fmt) for fmt in costs}

@@ -484,3 +484,28 @@ def test_vllm_fused_groups_and_tied_planning():
     assert merged.shape == (192, 128) and merged.costs["int4_g32"] == 1.0 + 2.0 + 3.0 and merged.bits["int4_g32"] == 4.5
     formats = untie({t.name: "int4_g32" for t in tied.tensors}, members)
     assert sorted(formats) == sorted(names)
+
+
+def test_expert_projections_planned_as_one_tensor():
+    """Each projection of a layer's experts is one planning unit for every consumer (vLLM: all the
+    layer's experts); a saved plan whose experts of one projection differ is run by llmopt but
+    refused for llama.cpp (one GGUF type per stacked tensor) and vLLM."""
+    from llmopt.quant.consumers import expert_groups, refused, tie, untie
+
+    experts = [f"m.layers.0.mlp.experts.{j}.{p}" for j in range(3) for p in ("gate_proj", "up_proj", "down_proj")]
+    names = [*experts, "m.layers.0.self_attn.q_proj", "m.layers.0.mlp.shared_expert.gate_proj"]
+    assert sorted(sorted(g) for g in expert_groups(names)) == [sorted(experts[i::3]) for i in (2, 0, 1)]
+    tensors = [TensorCost(n, "linear", (64, 128), {"int4_g32": 1.0 + i, "float": 0.0}, {"int4_g32": 4.5, "float": 16.0},
+                          {"int4_g32": 4.5, "float": 16.0}) for i, n in enumerate(names)]
+    sens = Sensitivity(tensors, other_bits=0, tokens=1)
+    for consumer, units in (("llmopt", 5), ("llama.cpp", 5), ("transformers", 5), ("vllm", 3)):
+        tied, members = tie(sens, consumer)
+        assert len(tied.tensors) == units, consumer
+        assert sorted(untie({t.name: "int4_g32" for t in tied.tensors}, members)) == sorted(names)
+    gate = next(t for t in tie(sens, "llmopt")[0].tensors if t.name == "|".join(experts[0::3]))
+    assert gate.shape == (192, 128) and gate.costs["int4_g32"] == 1.0 + 4.0 + 7.0 and gate.gguf["int4_g32"] == 4.5
+    formats = {**dict.fromkeys(names, "int4_g32"), experts[0]: "int4_g128"}
+    shapes = dict.fromkeys(names, [64, 128])
+    assert refused(formats, {}, shapes, "llmopt") == []
+    for consumer in ("llama.cpp", "vllm"):
+        assert [r for r in refused(formats, {}, shapes, consumer) if experts[0] in r], consumer
