@@ -131,10 +131,6 @@ def build_student(request: StudentRequest, teacher: nn.Module, teacher_tokenizer
 
     request.validate()
     n_teacher = len(decoder_layers(teacher))
-    if request.quantized:
-        from llmopt.distillation.quantized import quantized_student
-
-        return quantized_student(request.student, teacher, teacher_tokenizer)
     if request.student is not None:
         model, tokenizer = load_model(request.student)
         check_vocab(teacher, teacher_tokenizer, model, tokenizer)
