@@ -32,12 +32,20 @@ from rotations import TEXTS, scores  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 WORK = ROOT / "out" / "qad"
-BASE = "W4A16 g32 awq+gptq, int4 head"
-BASE_ARGS = ["--scheme", "W4A16", "--group-size", "32", "--method", "awq+gptq", "--head", "int4"]
-# name → distill options (on top of --teacher demo --student BASE --quantized --data gutenberg)
-QAD = {
-    "QAD 150 steps": ["--steps", "150", "--lr", "1e-3", "--code-lr", "1e-2"],
+W4 = "W4A16 g32 awq+gptq, int4 head"
+Q3 = "Q3_K_M gptq"
+# name → (folder, quantize options, what its llmopt.json must say)
+BASES = {
+    W4: ("w4g32", ["--scheme", "W4A16", "--group-size", "32", "--method", "awq+gptq", "--head", "int4"],
+         {"scheme": "W4A16", "method": "awq+gptq", "head": "int4"}),
+    Q3: ("q3km", ["--scheme", "Q3_K_M", "--method", "gptq"], {"scheme": "Q3_K_M", "method": "gptq"}),
 }
+# name → (starting checkpoint, distill options on top of --teacher demo --student BASE --quantized --data gutenberg)
+QAD = {
+    f"{W4} + QAD (end to end, 150 steps)": (W4, ["--steps", "150", "--lr", "1e-3", "--code-lr", "1e-2"]),
+}
+RENAMED = {"QAD 150 steps": f"{W4} + QAD (end to end, 150 steps)"}  # rows of earlier runs, by their current names
+TARGETS = {W4: 0.5, Q3: 0.4}  # the share of the gap to float that QAD must recover
 
 
 def main() -> None:
@@ -53,6 +61,7 @@ def main() -> None:
     torch.set_num_threads(2)
     path = RESULTS / "qad.json"
     data = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "variants": {}}
+    data["variants"] = {RENAMED.get(k, k): v for k, v in data["variants"].items()}
     model, tok = load_model(resolve_model("demo"))
     ids = {name: eval_data(tok, text, 2048, args.windows).windows for name, text in TEXTS.items()}
     with torch.inference_mode():
@@ -60,42 +69,52 @@ def main() -> None:
     del model
     data["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "windows": args.windows,
                     "seq_len": 2048, "load": [round(x, 2) for x in os.getloadavg()]}
-    base_dir = WORK / "base"
+
+    def base_checkpoint(name: str) -> tuple[Path, dict]:
+        folder, options, expected = BASES[name]
+        out = WORK / folder
+        if args.remake_base or not (out / "llmopt.json").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            llmopt("quantize", "demo", *options, "-o", str(out))
+        made = json.loads((out / "llmopt.json").read_text())
+        if any(made.get(k) != v for k, v in expected.items()):
+            raise SystemExit(f"{out} was not made by `quantize demo {' '.join(options)}`: pass --remake-base")
+        return out, made
 
     def measure(name: str) -> dict:
         start = time.perf_counter()
-        if name == BASE:
-            out = base_dir
-            if args.remake_base or not (base_dir / "llmopt.json").is_file():
-                shutil.rmtree(base_dir, ignore_errors=True)
-                llmopt("quantize", "demo", *BASE_ARGS, "-o", str(base_dir))
-            made = json.loads((base_dir / "llmopt.json").read_text())
-            if (made["scheme"], made["method"], made["head"], sorted(made["group_sizes"])) != ("W4A16", "awq+gptq", "int4", ["32"]):
-                raise SystemExit(f"{base_dir} was not made by `quantize demo {' '.join(BASE_ARGS)}`: pass --remake-base")
+        if name in BASES:
+            out, made = base_checkpoint(name)
+            seconds, base = made["total_seconds"], name
         else:
-            out = WORK / name.replace(" ", "_")
+            base, options = QAD[name]
+            student, _ = base_checkpoint(base)
+            out = WORK / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
             shutil.rmtree(out, ignore_errors=True)
-            log(f"distill --quantized {' '.join(QAD[name])}")
-            record = llmopt("distill", "--teacher", "demo", "--student", str(base_dir), "--quantized", "--data", "gutenberg",
-                            "--validation", "none", *QAD[name], "-o", str(out))
-        seconds = time.perf_counter() - start if name != BASE else made["total_seconds"]
+            log(f"distill --quantized {' '.join(options)}")
+            llmopt("distill", "--teacher", "demo", "--student", str(student), "--quantized", "--data", "gutenberg",
+                   "--validation", "none", *options, "-o", str(out))
+            seconds = time.perf_counter() - start
         variant, _ = load_model(out)
         result = scores(variant, ids, ref)
+        result["base"] = base
         result["seconds"] = round(seconds, 1)
         result["bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-        if name != BASE:
+        if name not in BASES:
             qad = json.loads((out / "llmopt.json").read_text())["quantization_aware_distillation"]
-            result["options"] = QAD[name]
+            result["options"] = options
             result["training"] = {k: qad[k] for k in ("steps", "tokens", "train_seconds", "codes_changed", "codes", "seq_len")}
             result["training"]["batch_size"] = qad["settings"]["batch_size"]
             result["training"]["final_loss"] = qad["loss_curve"][-1]["loss"] if qad["loss_curve"] else None
+            if "block_phase" in qad:
+                result["training"]["block_seconds"] = qad["block_phase"].get("seconds")
         return result
 
     def save() -> None:
         path.write_text(json.dumps(data, indent=1) + "\n")
         write_md(data)
 
-    run_variants([BASE, *QAD], data["variants"], measure,
+    run_variants([*BASES, *QAD], data["variants"], measure,
                  lambda r: f"KLD wiki {r['wiki']['kld_mean']:.4f} heldout {r['heldout']['kld_mean']:.4f}", save, args.only, args.force)
     save()
 
@@ -104,26 +123,34 @@ def write_md(data: dict) -> None:
     meta, rows = data["meta"], data["variants"]
     lines = ["# Quantization-aware distillation (`llmopt distill --quantized`) on the demo model", "",
              f"Written by bench/qad.py (last run {meta['date']}, load {meta['load']}): KLD against the float demo model on "
-             f"WikiText-2 and a held-out Gutenberg text, {meta['windows']} × {meta['seq_len']} tokens each. The starting "
-             f"checkpoint is `llmopt quantize demo {' '.join(BASE_ARGS)}` (austen calibration); QAD trains its codes and "
-             "scales on the bundled Gutenberg training text against the float model's logits and saves it in the same format.", "",
+             f"WikiText-2 and a held-out Gutenberg text, {meta['windows']} × {meta['seq_len']} tokens each. Starting "
+             "checkpoints: " + "; ".join(f"{name}: `llmopt quantize demo {' '.join(options)}`" for name, (_, options, _) in BASES.items())
+             + " (austen calibration). QAD trains a starting checkpoint's codes and scales on the bundled Gutenberg training "
+             "text against the float model's logits and saves it in the same format; neither evaluation text is trained on.", "",
              "| variant | KLD wiki (mean / p99) | top-1 wiki | KLD held-out (mean / p99) | top-1 held-out | gap recovered (wiki / held-out) | codes changed | tokens trained | seconds | safetensors bytes |",
              "|---|---|---:|---|---:|---|---:|---:|---:|---:|"]
-    base = rows.get(BASE)
+    verdicts = []
     for name, r in rows.items():
         w, h = r["wiki"], r["heldout"]
-        recovered = "" if base is None or name == BASE else " / ".join(
-            f"{100 * (1 - r[t]['kld_mean'] / base[t]['kld_mean']):.0f}%" for t in TEXTS)
+        base = rows.get(r.get("base", W4))
+        recovered = {t: 1 - r[t]["kld_mean"] / base[t]["kld_mean"] for t in TEXTS} if base is not None and name not in BASES else {}
         train = r.get("training") or {}
         changed = f"{train['codes_changed']:,} of {train['codes']:,}" if train else ""
         tokens = f"{train['tokens']:,}" if train else ""
         lines.append(f"| {name} | {w['kld_mean']:.4f} / {w['kld_p99']:.3f} | {100 * w['top1']:.1f}% | "
-                     f"{h['kld_mean']:.4f} / {h['kld_p99']:.3f} | {100 * h['top1']:.1f}% | {recovered} | {changed} | {tokens} | "
-                     f"{r['seconds']:.0f} | {r['bytes']:,} |")
+                     f"{h['kld_mean']:.4f} / {h['kld_p99']:.3f} | {100 * h['top1']:.1f}% | "
+                     f"{' / '.join(f'{100 * v:.0f}%' for v in recovered.values())} | {changed} | {tokens} | {r['seconds']:.0f} | {r['bytes']:,} |")
+        if recovered:
+            target = TARGETS[r.get("base", W4)]
+            met = all(v >= target for v in recovered.values())
+            verdicts.append(f"- {name}: gap recovered {' / '.join(f'{100 * v:.0f}%' for v in recovered.values())} "
+                            f"(target ≥ {100 * target:.0f}% on both texts): **{'met' if met else 'missed'}**")
+    lines.append("")
     for name, r in rows.items():
         if r.get("options"):
-            lines.append(f"\n{name}: `llmopt distill --teacher demo --student BASE --quantized --data gutenberg {' '.join(r['options'])}`.")
-    lines.append("\nTarget: gap recovered ≥ 50% on both texts (QAD mean KLD ≤ 0.5× the AWQ+GPTQ checkpoint's).")
+            lines.append(f"- {name}: `llmopt distill --teacher demo --student <{r.get('base', W4)}> --quantized --data gutenberg "
+                         f"--validation none {' '.join(r['options'])}`")
+    lines += ["", "Targets:", *verdicts]
     (RESULTS / "qad.md").write_text("\n".join(lines) + "\n")
 
 
