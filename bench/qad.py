@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import llmopt, log, run_variants  # noqa: E402
-from rotations import TEXTS, scores  # noqa: E402
+from rotations import TEXTS, kld_summary, reference, scores  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -43,14 +43,15 @@ BASES = {
 # name → (starting checkpoint, distill options on top of --teacher demo --student BASE --quantized --data gutenberg)
 QAD = {
     f"{W4} + QAD (end to end, 150 steps)": (W4, ["--steps", "150", "--lr", "1e-3", "--code-lr", "1e-2"]),
+    f"{W4} + QAD (block 40 + end to end 150 steps)": (W4, ["--block-steps", "40", "--steps", "150", "--lr", "2e-3", "--code-lr", "2e-2"]),
+    f"{Q3} + QAD (block 40 + end to end 150 steps)": (Q3, ["--block-steps", "40", "--steps", "150", "--lr", "2e-3", "--code-lr", "2e-2"]),
 }
 RENAMED = {"QAD 150 steps": f"{W4} + QAD (end to end, 150 steps)"}  # rows of earlier runs, by their current names
 TARGETS = {W4: 0.5, Q3: 0.4}  # the share of the gap to float that QAD must recover
 
 
 def main() -> None:
-    from llmopt.accuracy import eval_data
-    from llmopt.checkpoints.models import load_model, resolve_model
+    from llmopt.checkpoints.models import load_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=4)
@@ -62,11 +63,7 @@ def main() -> None:
     path = RESULTS / "qad.json"
     data = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "variants": {}}
     data["variants"] = {RENAMED.get(k, k): v for k, v in data["variants"].items()}
-    model, tok = load_model(resolve_model("demo"))
-    ids = {name: eval_data(tok, text, 2048, args.windows).windows for name, text in TEXTS.items()}
-    with torch.inference_mode():
-        ref = {name: [model(x[None]).logits[0].float().log_softmax(-1) for x in windows] for name, windows in ids.items()}
-    del model
+    ids, ref = reference(args.windows)
     data["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "windows": args.windows,
                     "seq_len": 2048, "load": [round(x, 2) for x in os.getloadavg()]}
 
@@ -114,8 +111,7 @@ def main() -> None:
         path.write_text(json.dumps(data, indent=1) + "\n")
         write_md(data)
 
-    run_variants([*BASES, *QAD], data["variants"], measure,
-                 lambda r: f"KLD wiki {r['wiki']['kld_mean']:.4f} heldout {r['heldout']['kld_mean']:.4f}", save, args.only, args.force)
+    run_variants([*BASES, *QAD], data["variants"], measure, kld_summary, save, args.only, args.force)
     save()
 
 

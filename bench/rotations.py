@@ -53,8 +53,24 @@ def scores(model, ids: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
     return out
 
 
-def main() -> None:
+def kld_summary(r: dict) -> str:
+    """One line for a measured variant: its mean KLD on both texts."""
+    return f"KLD wiki {r['wiki']['kld_mean']:.4f} heldout {r['heldout']['kld_mean']:.4f}"
+
+
+def reference(windows: int) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
+    """The evaluation windows of both texts and the float demo model's log-probabilities on them."""
     from llmopt.accuracy import eval_data
+    from llmopt.checkpoints.models import load_model, resolve_model
+
+    model, tok = load_model(resolve_model("demo"))
+    ids = {name: eval_data(tok, text, 2048, windows).windows for name, text in TEXTS.items()}
+    with torch.inference_mode():
+        ref = {name: [model(x[None]).logits[0].float().log_softmax(-1) for x in w] for name, w in ids.items()}
+    return ids, ref
+
+
+def main() -> None:
     from llmopt.checkpoints.models import load_model, resolve_model
     from llmopt.pipeline.rotate import rotate_checkpoint
 
@@ -68,11 +84,7 @@ def main() -> None:
     path = RESULTS / "rotations.json"
     data = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "variants": {}}
     demo = resolve_model("demo")
-    model, tok = load_model(demo)
-    ids = {name: eval_data(tok, text, 2048, args.windows).windows for name, text in TEXTS.items()}
-    with torch.inference_mode():
-        ref = {name: [model(x[None]).logits[0].float().log_softmax(-1) for x in windows] for name, windows in ids.items()}
-    del model
+    ids, ref = reference(args.windows)
     data["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "windows": args.windows,
                     "seq_len": 2048, "calibration": f"austen, {args.calib_samples} × 512 tokens (GPTQ)",
                     "load": [round(x, 2) for x in os.getloadavg()]}
@@ -95,8 +107,7 @@ def main() -> None:
         path.write_text(json.dumps(data, indent=1) + "\n")
         write_md(data)
 
-    run_variants(list(VARIANTS), data["variants"], measure,
-                 lambda r: f"KLD wiki {r['wiki']['kld_mean']:.4f} heldout {r['heldout']['kld_mean']:.4f}", save, args.only, args.force)
+    run_variants(list(VARIANTS), data["variants"], measure, kld_summary, save, args.only, args.force)
     save()
 
 
