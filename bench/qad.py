@@ -58,7 +58,11 @@ def main() -> None:
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--remake-base", action="store_true", help="quantize the starting checkpoint again even if out/qad/base holds it")
     parser.add_argument("--only", nargs="*")
+    parser.add_argument("--report-only", action="store_true", help="rewrite qad.md from qad.json")
     args = parser.parse_args()
+    if args.report_only:
+        write_md(json.loads((RESULTS / "qad.json").read_text()))
+        return
     torch.set_num_threads(2)
     path = RESULTS / "qad.json"
     data = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "variants": {}}
@@ -146,6 +150,14 @@ def write_md(data: dict) -> None:
         if r.get("options"):
             lines.append(f"- {name}: `llmopt distill --teacher demo --student <{r.get('base', W4)}> --quantized --data gutenberg "
                          f"--validation none {' '.join(r['options'])}`")
+    budgets = sorted({(r["training"]["tokens"], r["training"]["seq_len"], r["training"]["batch_size"])
+                      for r in rows.values() if r.get("training")})
+    for tokens, seq_len, batch in budgets:
+        runs = [r for r in rows.values() if r.get("training") and r["training"]["tokens"] == tokens]
+        share = max(r["training"]["codes_changed"] / r["training"]["codes"] for r in runs)
+        lines.append(f"\nTraining budget of these runs: {tokens:,} tokens ({batch} × {seq_len} per step), "
+                     f"{min(r['training']['train_seconds'] for r in runs):.0f}–{max(r['training']['train_seconds'] for r in runs):.0f} s "
+                     f"of end-to-end training on this machine; at most {100 * share:.2f}% of the codes moved.")
     lines += ["", "Targets:", *verdicts]
     (RESULTS / "qad.md").write_text("\n".join(lines) + "\n")
 
