@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from llmopt.cli.main import main
+from llmopt.core.errors import LlmoptError
 from llmopt.formats.compressed import read_compressed
 from llmopt.formats.gguf_export import export_gguf
 from llmopt.formats.schemes import QuantizedWeight, get_scheme, superblock_scales
@@ -236,3 +237,29 @@ def test_a_float_or_activation_quantized_student_is_refused(qad_setup, tmp_path)
                                            "--data", str(root / "train.txt"), "--steps", "2", "-o", str(tmp_path / "x")])
         assert result.exit_code != 0 and message in result.output, result.output
         assert "Traceback" not in result.output and not (tmp_path / "x").exists()
+
+
+def test_python_api_distils_a_quantized_checkpoint_by_path_and_refuses_a_model_object(qad_setup, tmp_path):
+    import llmopt
+    from llmopt.checkpoints.models import load_model
+
+    root, teacher, quantized = qad_setup
+    record = llmopt.distill(str(teacher), student=str(quantized), quantized=True, code_lr=2e-2, lr=5e-3, steps=4, seq_len=64,
+                            dataset=str(root / "train.txt"), validation="none", precision="no", output=tmp_path / "api")
+    assert record["steps"] == 4 and record["student"]["kind"] == "quantized"
+    assert sorted(read_compressed(tmp_path / "api")[0]) == sorted(read_compressed(quantized)[0])
+    model, tok = load_model(teacher)
+    with pytest.raises(LlmoptError, match="trains a quantized checkpoint's codes, read from disk"):
+        llmopt.distill(model, tok, teacher=str(teacher), steps=2, quantized=True, dataset=["some text " * 40])
+
+
+def test_a_rotated_quantized_checkpoint_distils_against_the_unrotated_teacher(qad_setup, tmp_path):
+    root, teacher, _ = qad_setup
+    rotated = tmp_path / "rotated"
+    run_quantize(QuantizeConfig(model=str(teacher), output=str(rotated), scheme="W4A16", group_size=32, method="rtn", rotate="hadamard"))
+    out = tmp_path / "qad"
+    result = _distill((root, teacher, rotated), out, "--steps", "30", "--eval-every", "30", "--block-steps", "10", "--block-windows", "8")
+    assert result.exit_code == 0, result.output
+    curve = json.loads((out / "llmopt.json").read_text())["quantization_aware_distillation"]["validation_curve"]
+    assert curve[-1]["kl"] < 0.8 * curve[0]["kl"]
+    assert json.loads((out / "llmopt.json").read_text())["rotation"] == json.loads((rotated / "llmopt.json").read_text())["rotation"]

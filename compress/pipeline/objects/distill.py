@@ -29,6 +29,9 @@ REFUSALS = (
     *((name, _given, f"{name}= continues runs from checkpoints on disk", "distil checkpoints by path to use it")
       for name in ("resume", "checkpoint_dir", "save_every")),
     ("teacher_top_k", _given, "the teacher cache is kept per teacher checkpoint on disk", "drop teacher_top_k"),
+    *((name, _given, f"{name}= trains a quantized checkpoint's codes, read from disk",
+       "distil the checkpoint by path: llmopt.distill(teacher_path, student=quantized_path, quantized=True, ...)")
+      for name in ("quantized", "code_lr", "block_steps")),
     ("data", lambda v: str(v).startswith("generated:"), "generated data is written by the runtime from a teacher checkpoint",
      "pass a corpus or texts, or distil checkpoints by path"),
 )
