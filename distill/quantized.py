@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmopt.checkpoints.model_card import command_line
 from llmopt.checkpoints.rewrite import rewrite_tensors
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.compressed import load_dequantized, quantized_tensors, read_compressed
@@ -69,4 +70,7 @@ def save_quantized(student: Student, record: dict, output: Path, overwrite: bool
     original, _ = read_compressed(source)
     trained = student.fake_quant.trained_weights()
     record.update(code_changes(student.fake_quant, original))  # reported by the caller too
-    rewrite_tensors(source, output, quantized_tensors(trained), {"quantization_aware_distillation": record}, overwrite)
+    command = command_line()
+    if command:
+        record["command"] = command
+    rewrite_tensors(source, output, quantized_tensors(trained), {"quantization_aware_distillation": record}, overwrite, card=True)

@@ -148,6 +148,8 @@ def test_qad_lowers_the_kl_and_saves_the_same_format_exactly(qad_setup, tmp_path
         if not key.endswith(("weight_packed", "weight_scale")):
             assert torch.equal(after[key], before[key]), key  # norms and everything else untouched
     assert json.loads((out / "config.json").read_text()) == json.loads((quantized / "config.json").read_text())
+    card = (out / "README.md").read_text()
+    assert f"quantization-aware distillation against `{teacher}` (80 steps, {record['codes_changed']:,} codes moved" in card
 
     # the saved checkpoint scores what training reported last (scales rounded as stored: within 1%)
     from llmopt.checkpoints.models import load_model

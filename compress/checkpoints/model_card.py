@@ -109,6 +109,12 @@ def card_text(directory: Path, record: dict) -> str:
     command = record.get("command")
     if command:
         lines += ["```bash", command, "```", ""]
+    qad = record.get("quantization_aware_distillation")
+    if isinstance(qad, dict):
+        lines += [f"Then trained by quantization-aware distillation against `{qad.get('teacher')}` ({qad.get('steps')} steps, "
+                  f"{qad.get('codes_changed', 0):,} codes moved; same format):", ""]
+        if qad.get("command"):
+            lines += ["```bash", qad["command"], "```", ""]
     evaluation = record.get("evaluation")
     if isinstance(evaluation, dict):
         figures = {k: v for k, v in evaluation.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -15,9 +15,10 @@ RECORD = "llmopt.json"
 
 
 def rewrite_tensors(checkpoint: Path, output: Path, replacements: dict[str, torch.Tensor], record: dict,
-                    overwrite: bool = False) -> None:
+                    overwrite: bool = False, card: bool = False) -> None:
     """Copy ``checkpoint`` to ``output`` with the tensors named in ``replacements`` replaced
-    (each cast to its stored dtype, shapes checked) and ``record`` merged into its llmopt.json."""
+    (each cast to its stored dtype, shapes checked) and ``record`` merged into its llmopt.json
+    (``card``: its model card written again from the merged record)."""
     from safetensors.torch import load_file, save_file
 
     left = dict(replacements)
@@ -39,3 +40,7 @@ def rewrite_tensors(checkpoint: Path, output: Path, replacements: dict[str, torc
         path = tmp / RECORD
         previous = json.loads(path.read_text()) if path.is_file() else {}
         path.write_text(json.dumps({**previous, **record}, indent=2))
+        if card:
+            from llmopt.checkpoints.model_card import write_model_card
+
+            write_model_card(tmp, {**previous, **record})
