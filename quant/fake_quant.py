@@ -93,21 +93,12 @@ def _code_range(qw: QuantizedWeight) -> tuple[float, float]:
 class FakeQuantModel:
     """The fake-quantized weights attached to a model, by module name."""
 
-    def __init__(self, weights: dict[str, FakeQuantWeight], handles: list) -> None:
+    def __init__(self, weights: dict[str, FakeQuantWeight]) -> None:
         self.weights = weights
-        self._handles = handles
-
-    def clamp_(self) -> None:
-        for w in self.weights.values():
-            w.clamp_()
 
     def trained_weights(self) -> dict[str, QuantizedWeight]:
+        """Every weight as it would be stored now."""
         return {name: w.quantized() for name, w in self.weights.items()}
-
-    def detach(self) -> None:
-        """Remove the hooks (the modules keep the last weights they were given)."""
-        for handle in self._handles:
-            handle.remove()
 
 
 def attach(model: nn.Module, weights: dict[str, QuantizedWeight], per: str = "group") -> FakeQuantModel:
@@ -125,7 +116,6 @@ def attach(model: nn.Module, weights: dict[str, QuantizedWeight], per: str = "gr
     tied_head = head is not None and head.weight is embedding.weight
     names = {m: n for n, m in modules.items()}
     attached: dict[str, FakeQuantWeight] = {}
-    handles = []
     for name, qw in weights.items():
         module = modules[name]
         device = module.weight.device
@@ -133,13 +123,13 @@ def attach(model: nn.Module, weights: dict[str, QuantizedWeight], per: str = "gr
         module.fake_quant = fake
         del module._parameters["weight"]
         module.weight = fake().detach()
-        handles.append(module.register_forward_pre_hook(_rebuild(module, fake)))
+        module.register_forward_pre_hook(_rebuild(module, fake))
         attached[name] = fake
     if tied_head and names[embedding] in weights and names[head] not in weights:
         del head._parameters["weight"]
         head.weight = embedding.weight
-        handles.append(head.register_forward_pre_hook(_rebuild(head, attached[names[embedding]])))
-    return FakeQuantModel(attached, handles)
+        head.register_forward_pre_hook(_rebuild(head, attached[names[embedding]]))
+    return FakeQuantModel(attached)
 
 
 def _rebuild(module: nn.Module, fake: FakeQuantWeight):
