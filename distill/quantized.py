@@ -53,11 +53,11 @@ def quantized_student(spec: str, teacher, teacher_tokenizer) -> Student:
     return Student(model, tokenizer, None, record, fake_quant=fake)
 
 
-def code_changes(fake: FakeQuantModel, original: dict) -> dict:
-    """How many codes training moved (of how many)."""
+def code_changes(fake: FakeQuantModel, trained: dict) -> dict:
+    """How many codes training moved (of how many), against the codes each weight started from."""
     changed = total = 0
-    for name, qw in fake.trained_weights().items():
-        before = original[name].codes
+    for name, qw in trained.items():
+        before = fake.weights[name].scales.original.codes
         changed += int((qw.codes.float() != before.float()).sum())
         total += before.numel()
     return {"codes_changed": changed, "codes": total}
@@ -66,11 +66,10 @@ def code_changes(fake: FakeQuantModel, original: dict) -> dict:
 def save_quantized(student: Student, record: dict, output: Path, overwrite: bool) -> None:
     """Write the student's checkpoint again with its trained codes and scales (everything else
     copied); ``record`` gets how many codes moved."""
-    source = Path(student.record["checkpoint"])
-    original, _ = read_compressed(source)
     trained = student.fake_quant.trained_weights()
-    record.update(code_changes(student.fake_quant, original))  # reported by the caller too
+    record.update(code_changes(student.fake_quant, trained))  # reported by the caller too
     command = command_line()
     if command:
         record["command"] = command
-    rewrite_tensors(source, output, quantized_tensors(trained), {"quantization_aware_distillation": record}, overwrite, card=True)
+    rewrite_tensors(Path(student.record["checkpoint"]), output, quantized_tensors(trained),
+                    {"quantization_aware_distillation": record}, overwrite, card=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from llmopt.core.errors import LlmoptError
@@ -84,10 +84,12 @@ class DistillConfig:
         )
 
     def _code_lr(self) -> float:
-        if self.code_lr is not None and not self.quantized:
-            raise LlmoptError("--code-lr applies only with --quantized", "add --quantized (and a quantized --student), or drop --code-lr")
-        for flag, given in (("--block-steps", self.block_steps != 0), ("--block-windows", self.block_windows != 32)):
-            if given and not self.quantized:
+        """The codes' step of a quantized student (0 otherwise); the quantized-only options are
+        refused without ``--quantized``."""
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in ("code_lr", "block_steps", "block_windows"):
+            if getattr(self, name) != defaults[name] and not self.quantized:
+                flag = "--" + name.replace("_", "-")
                 raise LlmoptError(f"{flag} applies only with --quantized", f"add --quantized (and a quantized --student), or drop {flag}")
         return (DEFAULT_CODE_LR if self.code_lr is None else self.code_lr) if self.quantized else 0.0
 
