@@ -270,7 +270,7 @@ def _share(phase: dict) -> str:
 
 
 def _ms(v: float | None) -> str:
-    return "—" if v is None else f"{v * 1000:.0f} ms"
+    return "—" if v is None else f"{v * 1000:.1f} ms" if v < 0.1 else f"{v * 1000:.0f} ms"
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -320,16 +320,23 @@ def _best(data: dict, prefix: str, phase: str) -> tuple[str | None, dict | None]
     return max(found, key=lambda item: item[1]["output_tok_s"], default=(None, None))
 
 
-SAME_WEIGHTS = {"llama-server": "llmopt --lm-head f16", "vllm": "llmopt"}  # the llmopt run serving the anchor's weights
+# the llmopt runs serving each anchor's weights: llama.cpp's GGUF keeps an unquantized head in float16
+SAME_WEIGHTS = {"llama-server": lambda label: "--lm-head f16" in label, "vllm": lambda label: "--lm-head" not in label}
+
+
+def _ours(data: dict, prefix: str, phase: str) -> tuple[str | None, dict | None]:
+    """The llmopt run serving ``prefix``'s weights with the most output tokens/s in ``phase``."""
+    found = [(label, s["phases"][phase]) for label, s in data["servers"].items()
+             if label.startswith("llmopt") and SAME_WEIGHTS[prefix](label) and phase in s.get("phases", {})]
+    return max(found, key=lambda item: item[1]["output_tok_s"], default=(None, None))
 
 
 def target_lines(data: dict) -> list[str]:
-    """The issue's targets against this run's figures, each anchor against the llmopt run that
-    serves the same weights (llama.cpp's GGUF keeps an unquantized head in float16)."""
+    """The issue's targets against this run's figures, each anchor against the best llmopt run
+    that serves the same weights."""
     lines = []
     for prefix, factor in (("llama-server", 1.3), ("vllm", 1.0)):
-        ours_label = SAME_WEIGHTS[prefix] if SAME_WEIGHTS[prefix] in data["servers"] else "llmopt"
-        burst = data["servers"].get(ours_label, {}).get("phases", {}).get("burst")
+        ours_label, burst = _ours(data, prefix, "burst")
         label, theirs = _best(data, prefix, "burst")
         if burst is None or theirs is None:
             lines.append(f"Burst against {prefix}: not measured.")
@@ -347,8 +354,7 @@ def target_lines(data: dict) -> list[str]:
         ratio = ip["tpot_ms"] / 1000 / single["tpot_p50_s"]
         lines.append(f"One stream through HTTP, `{ours_label}`: TPOT p50 {_ms(single['tpot_p50_s'])} against {ip['tpot_ms']:.1f} ms "
                      f"in process: {ratio:.2f}× the in-process speed (target ≥ 0.9×: {'met' if ratio >= 0.9 else 'missed'}).")
-    ours_label = SAME_WEIGHTS["llama-server"] if SAME_WEIGHTS["llama-server"] in data["servers"] else "llmopt"
-    single = data["servers"].get(ours_label, {}).get("phases", {}).get("single")
+    ours_label, single = _ours(data, "llama-server", "single")
     label, theirs = _best(data, "llama-server", "single")
     if single and single["tpot_p50_s"] and theirs and theirs["tpot_p50_s"]:
         ratio = theirs["tpot_p50_s"] / single["tpot_p50_s"]
@@ -357,13 +363,14 @@ def target_lines(data: dict) -> list[str]:
     return lines
 
 
-def in_process_decode(model: str, threads: int, prompt: str, tokens: int, lm_head: str, rounds: int = 3) -> dict:
+def in_process_decode(model: str, threads: int, prompt: str, tokens: int, lm_head: str, precision: str = "highest",
+                      rounds: int = 3) -> dict:
     """Single-stream decode speed of the same checkpoint in process (no HTTP), in a child process
     (its threads and memory are its own)."""
     code = f"""
 import json, statistics, time
 from llmopt.runtime import LLM, SamplingParams
-llm = LLM({model!r}, threads={threads}, max_num_seqs=1, lm_head={lm_head!r})
+llm = LLM({model!r}, threads={threads}, max_num_seqs=1, lm_head={lm_head!r}, matmul_precision={precision!r})
 params = SamplingParams(temperature=0.0, max_tokens={tokens}, ignore_eos=True)
 llm.generate([{prompt!r}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
 tpots = []
@@ -414,9 +421,10 @@ def main() -> None:
     ap.add_argument("--phase-deadline", type=float, default=300.0, help="seconds per phase at most")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--llmopt-heads", default="auto,f16",
-                    help="comma-separated --lm-head settings llmopt serves with (auto: the checkpoint's head as stored; f16: "
-                         "the values the GGUF export keeps, llama-server's weights)")
+    ap.add_argument("--llmopt-runs", default="auto,f16,f16:medium",
+                    help="comma-separated llmopt servers, each HEAD[:PRECISION]: its --lm-head (auto: the checkpoint's head as "
+                         "stored; f16: the values the GGUF export keeps, llama-server's weights) and --matmul-precision "
+                         "(default highest)")
     ap.add_argument("--only", default="", help="comma-separated server label prefixes to measure (default: all)")
     ap.add_argument("--out", default=str(RESULTS / "serve_load"))
     args = ap.parse_args()
@@ -451,16 +459,20 @@ def main() -> None:
         return not wanted or any(label.startswith(w) for w in wanted)
 
     data["in_process"] = {}
-    for head in [h for h in args.llmopt_heads.split(",") if h]:
-        label = "llmopt" if head == "auto" else f"llmopt --lm-head {head}"
+    for run in [r for r in args.llmopt_runs.split(",") if r]:
+        head, _, precision = run.partition(":")
+        precision = precision or "highest"
+        label = " ".join(["llmopt", *([f"--lm-head {head}"] if head != "auto" else []),
+                          *([f"--matmul-precision {precision}"] if precision != "highest" else [])])
         if not include(label):
             continue
         ours = [sys.executable, "-m", "llmopt", "serve", args.model, "--port", "{port}", "--served-model-name", NAME,
-                "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", "1024", "--lm-head", head]
+                "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", "1024", "--lm-head", head,
+                "--matmul-precision", precision]
         data["servers"][label] = measure(label, ours, {"ignore_eos": True}, phases, args.phase_deadline, kv_metrics=True,
                                          soak_deadline_s=args.soak_deadline)
         prompt = phases[0][1][0].prompt if phases else "Hello"
-        data["in_process"][label] = in_process_decode(args.model, args.threads, prompt, output_len[1], head)
+        data["in_process"][label] = in_process_decode(args.model, args.threads, prompt, output_len[1], head, precision)
     phases = [(name, reqs) for name, reqs in phases if name != "soak"]  # the soak checks our server only
     special = sorted(set(tokenizer.all_special_ids) | {tokenizer.eos_token_id})
     llama_extra = {"ignore_eos": True, "logit_bias": {str(t): -100 for t in special}}

@@ -18,6 +18,7 @@ GIB = 1024**3
 KERNEL_CHOICES = ("auto", *sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent / "backends")]) if m.name != "base"))
 LM_HEAD_CHOICES = ("auto", "bf16", "f16", "int8")
 MODEL_IMPL_CHOICES = ("auto", "native", "transformers")
+MATMUL_PRECISION_CHOICES = ("highest", "medium")  # torch's float32 matmul precision names
 
 
 @dataclass
@@ -37,8 +38,13 @@ class EngineConfig:
     head to bfloat16 at load (``f16``: to float16, the values a GGUF export keeps) and ``int8`` quantizes it per output channel (symmetric round-to-nearest)
     for the int8 kernel: a half / a quarter of the bytes per token (the demo model's float32 head is
     113 MB, most of a W4A16 model's weight traffic), at a small accuracy cost (WikiText-2, demo
-    model, against the float32 head: mean KLD 2.7e-4 / 9.5e-4 nats, top-1 agreement 98% / 97%;
+    model, against the float32 head: mean KLD 2.7e-4 / 9.3e-4 nats, top-1 agreement 98% / 97%;
     ``bench/results/lm_head.md``).
+    ``matmul_precision`` (torch's names): ``highest`` computes every linear in float32;
+    ``medium`` lets the C++ CPU kernels multiply bfloat16-rounded weights and activations with
+    float32 sums in their panel path (prefill, and decode of more than 16 sequences at once) on
+    CPUs with AVX512-BF16, as a W4A16 matmul on a GPU does; decode of few sequences stays exact
+    (``bench/results/lm_head.md`` has its accuracy cost, ``serve_load.md`` its speed).
     ``model_impl`` (vLLM's option): ``auto`` runs an architecture's native model when there is one
     (``runtime.models``), else transformers' modeling code with the runtime's paged attention and
     linears (``runtime.models.generic``); ``native`` refuses the latter, ``transformers`` forces it.
@@ -57,6 +63,7 @@ class EngineConfig:
     seed: int = 0
     kernels: str = "auto"
     lm_head: str = "auto"
+    matmul_precision: str = "highest"
     device: str = "cpu"
     model_impl: str = "auto"
     # speculative decoding (vLLM's shape): {"method": "ngram" | "draft", "model": DRAFT,
@@ -75,6 +82,8 @@ class EngineConfig:
             (self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}"),
             (self.kernels in KERNEL_CHOICES, f"kernels must be one of {', '.join(KERNEL_CHOICES)}, not {self.kernels!r}"),
             (self.lm_head in LM_HEAD_CHOICES, f"lm_head must be one of {', '.join(LM_HEAD_CHOICES)}, not {self.lm_head!r}"),
+            (self.matmul_precision in MATMUL_PRECISION_CHOICES,
+             f"matmul_precision must be one of {', '.join(MATMUL_PRECISION_CHOICES)}, not {self.matmul_precision!r}"),
             (_is_device(self.device), f"device must be cpu, cuda or cuda:N, not {self.device!r}"),
             (self.model_impl in MODEL_IMPL_CHOICES, f"model_impl must be one of {', '.join(MODEL_IMPL_CHOICES)}, not {self.model_impl!r}"),
             (self.kv_cache_dtype in ("auto", "fp8", "int8"), f"kv_cache_dtype must be auto, fp8 or int8, not {self.kv_cache_dtype!r}"),

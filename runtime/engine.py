@@ -61,6 +61,7 @@ class LLMEngine:
             raise LlmoptError(f"device {config.device!r} was asked for but torch sees no CUDA device here",
                               "use device='cpu', or a CUDA build of torch on a machine with a GPU")
         self.backend = choose_backend(config.kernels, device, dtype)
+        self.backend.set_matmul_precision(config.matmul_precision)
         self.model, self.weights = load_model(self.path, self.arch, dtype, self.backend, config.lm_head, self.max_model_len)
         bs = config.block_size
         self.bytes_per_block = KVCache.bytes_per_block(self.arch, bs, dtype, config.kv_cache_dtype)
@@ -97,7 +98,8 @@ class LLMEngine:
             draft_config = EngineConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                                         block_size=c.block_size, num_kv_blocks=self.block_manager.num_blocks,
                                         max_model_len=self.max_model_len, enable_prefix_caching=True, dtype=c.dtype,
-                                        seed=c.seed, kernels=c.kernels, lm_head=c.lm_head, device=c.device)
+                                        seed=c.seed, kernels=c.kernels, lm_head=c.lm_head, device=c.device,
+                                        matmul_precision=c.matmul_precision)
             try:
                 draft = LLMEngine(spec.model, draft_config)
             except LlmoptError as exc:

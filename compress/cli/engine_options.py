@@ -6,24 +6,30 @@ from typing import Any
 
 import click
 
-from llmopt.runtime.config import KERNEL_CHOICES, LM_HEAD_CHOICES, MODEL_IMPL_CHOICES
+from llmopt.runtime.config import KERNEL_CHOICES, LM_HEAD_CHOICES, MATMUL_PRECISION_CHOICES, MODEL_IMPL_CHOICES
 
 SAVED = " [default: the checkpoint's saved runtime settings (a recipe's runtime: block), else auto / cpu]"
 LM_HEAD_HELP = ("Output head: as the checkpoint stores it (auto), rounded to bfloat16 (bf16, half the bytes per "
                 "token) or float16 (f16: the values a GGUF export keeps) or quantized to int8 per output channel (int8, a quarter) at load; the demo model's float32 head "
                 "is most of a W4A16 model's weight traffic. Accuracy cost on WikiText-2 (demo model, float32 and W4A16), "
-                "against the float32 head: mean KLD 2.7e-4 (bf16) / 9.5e-4 (int8) nats, top-1 agreement 98% / 97%, "
+                "against the float32 head: mean KLD 2.7e-4 (bf16) / 9.3e-4 (int8) nats, top-1 agreement 98% / 97%, "
                 "perplexity unchanged (bench/results/lm_head.md).")
 KERNELS_HELP = ("The kernel backend, chosen once: auto is triton on a CUDA device and on the CPU the C++ kernels "
                 "when they build; cpu requires the C++ kernels, triton the Triton ones; reference forces the "
                 "plain-torch path for comparison.")
+MATMUL_PRECISION_HELP = ("Linear layers' arithmetic (torch's float32 matmul precision names): highest is float32 "
+                         "throughout; medium lets the C++ CPU kernels multiply bfloat16-rounded weights and activations "
+                         "with float32 sums when many rows run at once (prefill, decode of over 16 sequences) on CPUs "
+                         "with AVX512-BF16, as W4A16 on a GPU does: 1.3-1.8x those linears' throughput; on the demo's "
+                         "W4A16 g32 a mean KLD of 2.5e-4 nats against float32 products (bench/results/lm_head.md). "
+                         "Decode of few sequences stays exact.")
 MODEL_IMPL_HELP = ("Model code: auto runs an architecture's native model when the runtime has one, else transformers' "
                    "modeling code with the runtime's paged attention and linears; native refuses the latter; "
                    "transformers forces it (vLLM's --model-impl).")
 PLACED = " [default: the checkpoint's saved runtime settings, else auto]"
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 NAMES = ("threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "prefix_caching",
-         "kv_cache_dtype", "kernels", "device", "dtype", "lm_head", "model_impl")
+         "kv_cache_dtype", "kernels", "device", "dtype", "lm_head", "matmul_precision", "model_impl")
 
 
 def engine_options(batching: bool = True):
@@ -49,6 +55,7 @@ def engine_options(batching: bool = True):
         click.option("--dtype", type=click.Choice(DTYPE_CHOICES),
                      help="Activation and unquantized-weight dtype: auto is bfloat16 on a GPU, float32 on the CPU." + PLACED),
         click.option("--lm-head", type=click.Choice(list(LM_HEAD_CHOICES)), help=LM_HEAD_HELP + SAVED),
+        click.option("--matmul-precision", type=click.Choice(list(MATMUL_PRECISION_CHOICES)), help=MATMUL_PRECISION_HELP + SAVED),
         click.option("--model-impl", type=click.Choice(list(MODEL_IMPL_CHOICES)), help=MODEL_IMPL_HELP + SAVED),
         click.option("--speculative-method", type=click.Choice(["ngram", "draft"]),
                      help="Speculative decoding: ngram (prompt lookup in the prompt and the text so far; pays off on "

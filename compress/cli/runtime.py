@@ -124,7 +124,8 @@ def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_l
     result = {"model": model, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
               "torch": torch.__version__, "seed": seed, "kv_cache_dtype": config.kv_cache_dtype,
               "kernels": config.kernels, "backend": engine.backend.name, "device": config.device, "lm_head": config.lm_head,
-              "lm_head_runs_as": engine.weights.head_kind, "engine": dataclasses.asdict(config),
+              "lm_head_runs_as": engine.weights.head_kind, "matmul_precision": config.matmul_precision,
+              "engine": dataclasses.asdict(config),
               "saved_runtime_settings": engine.saved_settings}
     with make_progress() as progress:
         if not no_single:
@@ -147,6 +148,7 @@ def bench_command(model, pp, tg, repetitions, num_requests, prompt_len, output_l
         table.add_column("figure")
         table.add_column("value", justify="right")
         table.add_row("output head", result["lm_head_runs_as"])
+        table.add_row("matmul precision", result["matmul_precision"])
         if not no_single:
             table.add_row(f"pp{pp} (prompt tok/s)", f"{result[f'pp{pp}_tok_s']:.1f}")
             table.add_row(f"tg{tg} (generation tok/s)", f"{result[f'tg{tg}_tok_s']:.1f}")

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from llmopt.core.errors import LlmoptError
 
 from ..kernels import reference
 from ..kv_cache import KVCache
@@ -106,6 +107,15 @@ class Backend:
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device = device
         self.dtype = dtype
+        self.matmul_precision = "highest"
+
+    def set_matmul_precision(self, precision: str) -> None:
+        """Allow ``medium`` (bfloat16 products) where this backend has such kernels; set before
+        the weights are prepared. Here every linear stays float: only ``highest`` is taken."""
+        if precision != "highest":
+            raise LlmoptError(f"matmul_precision={precision} applies to the C++ CPU kernels (kernels=cpu), not to the "
+                              f"{self.name} backend", "leave matmul_precision at highest, or run on the CPU with kernels=cpu")
+        self.matmul_precision = precision
 
     # -- linears ------------------------------------------------------------------------------
     def prepare_linear(self, lin: DenseLinear | QuantLinear) -> None:

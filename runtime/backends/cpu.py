@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from llmopt.core.errors import LlmoptError
 
 from ..kernels import cpu_attention, cpu_dense, cpu_fused, cpu_linear, reference
 from ..kernels.reference import Workspace
@@ -48,7 +49,14 @@ class CpuBackend(Backend):
             super().prepare_linear(lin)
             return
         lin.codes = lin.codes[:, :0]  # the packed copy replaces them (int4 codes one per byte would double the memory)
-        lin.run = cpu_linear.bind(lin.packed, lin.bias)
+        lin.run = cpu_linear.bind(lin.packed, lin.bias, bf16=self.matmul_precision == "medium")
+
+    def set_matmul_precision(self, precision: str) -> None:
+        """``medium``: the quantized linears' panel path multiplies in bfloat16 (AVX512-BF16 CPUs only)."""
+        if precision == "medium" and not cpu_linear.bf16_supported():
+            raise LlmoptError("matmul_precision=medium needs a CPU with AVX512-BF16 (bfloat16 dot products); this one has none",
+                              "leave matmul_precision at highest")
+        self.matmul_precision = precision
 
     def add_rms_norm(self, h, delta, weight, eps, out):
         if self.ops is None:

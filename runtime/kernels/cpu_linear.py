@@ -16,6 +16,10 @@ or portable C++; ``isa`` or ``LLMOPT_CPU_ISA``, read once per process, force one
   size of float32 rounding), up to 16 rows with AVX-512 and 2 with AVX2;
 - ``float-gemv`` (fp8, and int8 on AVX2; up to 4 rows): codes converted to float in registers;
 - ``panel`` (many rows, prefill): weights dequantized a panel at a time for an FMA micro-kernel;
+- ``bf16=True`` (matmul precision ``medium``, CPUs with AVX512-BF16): the panel path rounds the
+  dequantized weights and the activations to bfloat16 and multiplies them in pairs with float32
+  sums (``vdpbf16ps``: twice the products per instruction of an FMA), as a W4A16 matmul on a GPU
+  does; the GEMVs (decode of few rows) stay exact;
 - W8A8 always multiplies int8 activations (quantized per token as ``fake_quantize_activations``
   does) by int8 weights.
 
@@ -35,7 +39,7 @@ from llmopt.formats.schemes import IQ4_NL_GRID, fake_quantize_activations
 
 from .build import IsaExtension
 
-SOURCES = ["linear.cpp", "cpu_linear_avx2.cpp", "cpu_linear_avx512.cpp", "cpu_linear_scalar.cpp"]
+SOURCES = ["linear.cpp", "cpu_linear_avx2.cpp", "cpu_linear_avx512.cpp", "cpu_linear_avx512bf16.cpp", "cpu_linear_scalar.cpp"]
 FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "w8a8": 3, "nl4": 4}
 PATHS = {"gemv": 0, "panel": 1, "float-gemv": 2}  # gemv: the integer GEMV where it applies
 TILE = 16
@@ -164,23 +168,31 @@ def linear(
     isa: str | None = None,
     path: str | None = None,
     out: torch.Tensor | None = None,
+    bf16: bool = False,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a packed ``W``; ``x`` is ``[..., in]`` of any float dtype (computed
     in float32, returned in ``x``'s dtype). ``out`` (float32 ``x`` only) receives the result;
-    ``isa`` / ``path`` force a variant (tests, benchmarks)."""
+    ``isa`` / ``path`` force a variant (tests, benchmarks); ``bf16``: bfloat16 products in the
+    panel path (:func:`bf16_supported` CPUs only)."""
     if x.shape[-1] != packed.in_features:
         raise LlmoptError(f"input has {x.shape[-1]} features, the layer expects {packed.in_features}", "check the model's shapes")
     if path is not None and path not in PATHS:
         raise LlmoptError(f"unknown kernel path {path!r}", f"use one of {', '.join(PATHS)}")
     if packed.act_quant is not None:
         x = fake_quantize_activations(x, packed.act_quant)
-    return _module().linear(x, packed.handle, bias, EXTENSION.isa_code(isa), PATHS.get(path, -1), out)
+    return _module().linear(x, packed.handle, bias, EXTENSION.isa_code(isa), PATHS.get(path, -1), out, bf16)
 
 
-def bind(packed: PackedLinear, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> linear(x, packed, bias)`` with the Python-side checks and choices made once: a
-    decode step calls every linear of every layer (the C++ side still checks the input's size)."""
+def bf16_supported() -> bool:
+    """Whether this CPU runs the panel with bfloat16 products (AVX-512 with VNNI and BF16)."""
+    module = _module()
+    return module is not None and module.bf16_supported()
+
+
+def bind(packed: PackedLinear, bias: torch.Tensor | None = None, bf16: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> linear(x, packed, bias, bf16=bf16)`` with the Python-side checks and choices made
+    once: a decode step calls every linear of every layer (the C++ side still checks the input's size)."""
     if packed.act_quant is not None:
-        return lambda x: linear(x, packed, bias)
+        return lambda x: linear(x, packed, bias, bf16=bf16)
     run, handle, isa = _module().linear, packed.handle, EXTENSION.isa_code(None)
-    return lambda x: run(x, handle, bias, isa, -1, None)
+    return lambda x: run(x, handle, bias, isa, -1, None, bf16)

@@ -24,6 +24,16 @@ bool supported(int64_t isa, bool vnni) {
   return isa == kScalar;
 }
 
+// AVX-512 with VNNI and BF16: the kernels with bfloat16 products (matmul precision "medium").
+bool supports_bf16() {
+#if defined(__x86_64__)
+  static const bool ok = supported(kAvx512, true) && __builtin_cpu_supports("avx512bf16");
+  return ok;
+#else
+  return false;
+#endif
+}
+
 // Names of the supported variants, slowest first (the Python side's codes are their indices).
 std::vector<std::string> supported_names(bool vnni) {
   std::vector<std::string> names{"scalar"};

@@ -42,6 +42,8 @@ struct Job {
   const float* xbsum;   // [M][Kp / xblock] sums of the activations per block (integer GEMV)
   const float* xscale;  // [M] their per-token scale (w8a8)
   const int32_t* wsum;  // [tiles * 16] sum of each feature's int8 codes (w8a8)
+  const uint32_t* xb;   // [M][Kb] activations as bfloat16 pairs (bf16 panel: low half input 2p, high 2p + 1)
+  int64_t Kb;           // (K + 1) / 2
   const float* bias;    // [N] or nullptr
   float* out;           // [M][N]
 };
@@ -67,7 +69,12 @@ void panel(const Job& job, int64_t t0, int64_t t1, float* work);
 void w8a8(const Job& job, int64_t t0, int64_t t1);
 }
 
+// The panel with bfloat16 products and float32 sums (matmul precision "medium"; AVX512-BF16).
+namespace avx512bf16 {
+void panel(const Job& job, int64_t t0, int64_t t1, float* work);
+}
+
 constexpr int64_t kPanelK = 256;  // K chunk of the panel path: a dequantized tile pair is 32 KiB
-constexpr int64_t kWorkFloats = kPanelK * 32;
+constexpr int64_t kWorkFloats = kPanelK * 32;  // the float panel; the bf16 panel adds half as many pairs
 
 }  // namespace llmopt_linear

@@ -96,6 +96,21 @@ int64_t activation_block(int64_t gs, int vpl) {
 
 void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "llmopt cpu linear: ", what); }
 
+// The bfloat16 panel's activations: x rounded to bfloat16 (nearest even), inputs 2p and 2p + 1
+// in the low and high half of pair p (a zero pads an odd K).
+void prepare_bf16(lin::Job& j, std::vector<uint32_t>& pair_buf) {
+  j.Kb = (j.K + 1) / 2;
+  if (static_cast<int64_t>(pair_buf.size()) < j.M * j.Kb) pair_buf.resize(j.M * j.Kb);
+  auto bits = [](float v) { return static_cast<uint32_t>(c10::BFloat16(v).x); };
+  for (int64_t m = 0; m < j.M; ++m) {
+    const float* x = j.x + m * j.K;
+    uint32_t* row = pair_buf.data() + m * j.Kb;
+    for (int64_t p = 0; p < j.Kb; ++p)
+      row[p] = bits(x[2 * p]) | (2 * p + 1 < j.K ? bits(x[2 * p + 1]) << 16 : 0u);
+  }
+  j.xb = pair_buf.data();
+}
+
 }  // namespace
 
 std::vector<std::string> supported_isas() { return llmopt_isa::supported_names(true); }
@@ -130,9 +145,11 @@ struct Packed {
 };
 
 // y = x @ W.T (+ bias) for x [..., K] of any float dtype (computed in float32, returned in x's
-// dtype), written to `out_in` when given (float32 x only). isa / path: -1 chooses.
+// dtype), written to `out_in` when given (float32 x only). isa / path: -1 chooses. bf16: the
+// panel path (many rows) multiplies bfloat16-rounded weights and activations with float32 sums
+// (matmul precision "medium"; AVX-512 with BF16 only); the GEMVs stay exact.
 torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::optional<torch::Tensor>& bias_in,
-                     int64_t isa, int64_t path, const std::optional<torch::Tensor>& out_in) {
+                     int64_t isa, int64_t path, const std::optional<torch::Tensor>& out_in, bool bf16) {
   check(x_in.dim() >= 1 && x_in.size(-1) == w.k, "input features do not match the layer");
   const bool is_float = x_in.scalar_type() == torch::kFloat;
   const torch::Tensor x = (is_float ? x_in.reshape({-1, w.k}) : x_in.reshape({-1, w.k}).to(torch::kFloat)).contiguous();
@@ -172,7 +189,8 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
 
   thread_local std::vector<float> xs_buf, sum_buf, scale_buf;
   thread_local std::vector<int8_t> q_buf;
-  bool gemv = false, igemv = false;
+  thread_local std::vector<uint32_t> pair_buf;
+  bool gemv = false, igemv = false, bf16_panel = false;
   if (format == lin::kW8A8) {
     j.wsum = w.wsum->data_ptr<int32_t>();
     prepare_w8a8(j, q_buf, scale_buf);
@@ -198,6 +216,10 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
       j.xq = q_buf.data(), j.xls = levels, j.xbsum = sums;
     } else if (gemv) {
       prepare_gemv(j, xs_buf, sum_buf);
+    } else if (bf16) {
+      check(isa == kAvx512 && llmopt_isa::supports_bf16(), "bfloat16 products need AVX-512 with BF16 (avx512_bf16)");
+      bf16_panel = true;
+      prepare_bf16(j, pair_buf);
     }
   }
 
@@ -206,7 +228,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
     const int64_t tile_bytes = 16 * (Kp * 4 / vpl + groups * 4 * (w.offset ? 2 : 1));
     grain = std::max(grain, min_task_bytes / std::max<int64_t>(1, tile_bytes * M));
   }
-  const int64_t work_floats = std::max<int64_t>(K, lin::kWorkFloats);
+  const int64_t work_floats = std::max<int64_t>(K, lin::kWorkFloats) + lin::kWorkFloats / 2;
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> work_buf;
     if (isa == kScalar) return lin::scalar::run(j, t0, t1, scratch(work_buf, work_floats));
@@ -216,6 +238,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
     if (igemv) return wide ? lin::avx512::igemv(j, t0, t1) : lin::avx2::igemv(j, t0, t1);
     if (gemv) return wide ? lin::avx512::gemv(j, t0, t1) : lin::avx2::gemv(j, t0, t1);
     float* work = scratch(work_buf, work_floats);
+    if (bf16_panel) return lin::avx512bf16::panel(j, t0, t1, work);
     return wide ? lin::avx512::panel(j, t0, t1, work) : lin::avx2::panel(j, t0, t1, work);
 #endif
   });
@@ -228,7 +251,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, int64_t, int64_t, int64_t>());
   m.def("linear", &linear, "quantized linear on packed weights (see cpu_linear.h)", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("isa"), pybind11::arg("path"),
-        pybind11::arg("out") = pybind11::none());
+        pybind11::arg("out") = pybind11::none(), pybind11::arg("bf16") = false);
+  m.def("bf16_supported", &llmopt_isa::supports_bf16, "whether this CPU runs the bfloat16 panel (AVX-512 BF16)");
   m.def("set_min_task_bytes", [](int64_t n) { min_task_bytes = std::max<int64_t>(1, n); },
         "weight bytes per GEMV task below which a linear stays on one thread");
   m.def("supported_isas", &supported_isas, "instruction sets this CPU can run, slowest first");
