@@ -57,17 +57,7 @@ void micro_bf16(const Job& j, int64_t m0, int64_t col0, int64_t p0, int64_t p1, 
 
 template <int NV>
 void micro_rows_bf16(const Job& j, int64_t col0, int64_t p0, int64_t p1, const uint32_t* pairs) {
-  constexpr int MR = 6;
-  for (int64_t m = 0; m < j.M; m += MR) {
-    switch (min64(MR, j.M - m)) {
-      case 1: micro_bf16<1, NV>(j, m, col0, p0, p1, pairs); break;
-      case 2: micro_bf16<2, NV>(j, m, col0, p0, p1, pairs); break;
-      case 3: micro_bf16<3, NV>(j, m, col0, p0, p1, pairs); break;
-      case 4: micro_bf16<4, NV>(j, m, col0, p0, p1, pairs); break;
-      case 5: micro_bf16<5, NV>(j, m, col0, p0, p1, pairs); break;
-      default: micro_bf16<6, NV>(j, m, col0, p0, p1, pairs); break;
-    }
-  }
+  for_row_blocks(j, [&](auto rows, int64_t m) { micro_bf16<decltype(rows)::value, NV>(j, m, col0, p0, p1, pairs); });
 }
 
 // `work` holds kWorkFloats floats (the dequantized panel) then kWorkFloats / 2 pairs.

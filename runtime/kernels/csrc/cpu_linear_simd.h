@@ -275,19 +275,25 @@ void micro(const Job& j, int64_t m0, int64_t col0, int64_t k0, int64_t k1, const
     for (int v = 0; v < NV; ++v) put_out(j, m0 + m, col0 + v * Vec::W, c[m][v]);
 }
 
-template <int NV>
-void micro_rows(const Job& j, int64_t col0, int64_t k0, int64_t k1, const float* buf) {
-  constexpr int MR = 6;
-  for (int64_t m = 0; m < j.M; m += MR) {
-    switch (min64(MR, j.M - m)) {
-      case 1: micro<1, NV>(j, m, col0, k0, k1, buf); break;
-      case 2: micro<2, NV>(j, m, col0, k0, k1, buf); break;
-      case 3: micro<3, NV>(j, m, col0, k0, k1, buf); break;
-      case 4: micro<4, NV>(j, m, col0, k0, k1, buf); break;
-      case 5: micro<5, NV>(j, m, col0, k0, k1, buf); break;
-      default: micro<6, NV>(j, m, col0, k0, k1, buf); break;
+// fn(std::integral_constant<int, MR>, m0) for the rows of j in blocks of six (the last one shorter):
+// the micro-kernels' row counts are template arguments.
+template <class Fn>
+inline void for_row_blocks(const Job& j, const Fn& fn) {
+  for (int64_t m = 0; m < j.M; m += 6) {
+    switch (min64(6, j.M - m)) {
+      case 1: fn(std::integral_constant<int, 1>{}, m); break;
+      case 2: fn(std::integral_constant<int, 2>{}, m); break;
+      case 3: fn(std::integral_constant<int, 3>{}, m); break;
+      case 4: fn(std::integral_constant<int, 4>{}, m); break;
+      case 5: fn(std::integral_constant<int, 5>{}, m); break;
+      default: fn(std::integral_constant<int, 6>{}, m); break;
     }
   }
+}
+
+template <int NV>
+void micro_rows(const Job& j, int64_t col0, int64_t k0, int64_t k1, const float* buf) {
+  for_row_blocks(j, [&](auto rows, int64_t m) { micro<decltype(rows)::value, NV>(j, m, col0, k0, k1, buf); });
 }
 
 template <int BITS, int KIND>
