@@ -82,10 +82,5 @@ void panel_bf16_format(const Job& j, int64_t t0, int64_t t1, float* work) {
 }
 
 inline void panel_bf16_entry(const Job& j, int64_t t0, int64_t t1, float* work) {
-  switch (j.format) {
-    case llmopt_linear::kInt4: return panel_bf16_format<4, kIntKind>(j, t0, t1, work);
-    case llmopt_linear::kInt8: return panel_bf16_format<8, kIntKind>(j, t0, t1, work);
-    case llmopt_linear::kNl4: return panel_bf16_format<4, kLutKind>(j, t0, t1, work);
-    default: return panel_bf16_format<8, kFp8Kind>(j, t0, t1, work);
-  }
+  for_format(j, [&](auto bits, auto kind) { panel_bf16_format<decltype(bits)::value, decltype(kind)::value>(j, t0, t1, work); });
 }

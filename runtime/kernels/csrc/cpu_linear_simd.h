@@ -568,20 +568,23 @@ inline void igemv_entry(const Job& j, int64_t t0, int64_t t1) {
 
 // ---- entry points
 
-inline void gemv_entry(const Job& j, int64_t t0, int64_t t1) {
+// fn(std::integral_constant<int, BITS>, std::integral_constant<int, KIND>) for the weight-only
+// format of j: the kernels' bits and value kind are template arguments.
+template <class Fn>
+inline void for_format(const Job& j, const Fn& fn) {
+  using std::integral_constant;
   switch (j.format) {
-    case llmopt_linear::kInt4: return gemv_format<4, kIntKind>(j, t0, t1);
-    case llmopt_linear::kInt8: return gemv_format<8, kIntKind>(j, t0, t1);
-    case llmopt_linear::kNl4: return gemv_format<4, kLutKind>(j, t0, t1);
-    default: return gemv_format<8, kFp8Kind>(j, t0, t1);
+    case llmopt_linear::kInt4: return fn(integral_constant<int, 4>{}, integral_constant<int, kIntKind>{});
+    case llmopt_linear::kInt8: return fn(integral_constant<int, 8>{}, integral_constant<int, kIntKind>{});
+    case llmopt_linear::kNl4: return fn(integral_constant<int, 4>{}, integral_constant<int, kLutKind>{});
+    default: return fn(integral_constant<int, 8>{}, integral_constant<int, kFp8Kind>{});
   }
 }
 
+inline void gemv_entry(const Job& j, int64_t t0, int64_t t1) {
+  for_format(j, [&](auto bits, auto kind) { gemv_format<decltype(bits)::value, decltype(kind)::value>(j, t0, t1); });
+}
+
 inline void panel_entry(const Job& j, int64_t t0, int64_t t1, float* work) {
-  switch (j.format) {
-    case llmopt_linear::kInt4: return panel_format<4, kIntKind>(j, t0, t1, work);
-    case llmopt_linear::kInt8: return panel_format<8, kIntKind>(j, t0, t1, work);
-    case llmopt_linear::kNl4: return panel_format<4, kLutKind>(j, t0, t1, work);
-    default: return panel_format<8, kFp8Kind>(j, t0, t1, work);
-  }
+  for_format(j, [&](auto bits, auto kind) { panel_format<decltype(bits)::value, decltype(kind)::value>(j, t0, t1, work); });
 }
