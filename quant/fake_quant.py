@@ -59,11 +59,10 @@ class FakeQuantWeight(nn.Module):
     def forward(self) -> torch.Tensor:
         """The weight at the current latent codes and multipliers (rounded codes, straight-through gradients)."""
         latent = self.latent
-        self.scales.scale = self.scale  # follows the module across devices
         codes = latent + (round_codes(latent, self.scales.original).float() - latent).detach()
         if self.zero is not None:
             codes = codes - self.zero
-        return codes * self.scales.weight_scale()
+        return codes * self.scales.weight_scale(self.scale)
 
     @torch.no_grad()
     def clamp_(self) -> None:
@@ -73,7 +72,6 @@ class FakeQuantWeight(nn.Module):
     @torch.no_grad()
     def quantized(self) -> QuantizedWeight:
         """The trained weight as stored: codes on the grid, scales rounded to their stored dtype."""
-        self.scales.scale = self.scale
         codes = round_codes(self.latent, self.scales.original).cpu()
         qw = self.scales.tuned(codes)
         return QuantizedWeight(qw.codes, qw.scale.cpu(), qw.zero_point, qw.scheme, qw.group_size)

@@ -95,9 +95,11 @@ class TunableScales:
         """``multiplier`` per group: one per row broadcasts, one per super-block repeats."""
         return multiplier if multiplier.shape[1] == 1 else multiplier.repeat_interleave(self.per_unit, dim=1)
 
-    def weight_scale(self) -> torch.Tensor:
-        """Each weight's scale ``[out, in]`` at the current multipliers (differentiable in them)."""
-        scale = self.scale * self._expanded(self.log_multiplier.exp())
+    def weight_scale(self, base: torch.Tensor | None = None) -> torch.Tensor:
+        """Each weight's scale ``[out, in]`` at the current multipliers (differentiable in them);
+        ``base``: the stored scales to multiply (default: this object's copy; a module passes its
+        own buffer, which follows it across devices)."""
+        scale = (self.scale if base is None else base) * self._expanded(self.log_multiplier.exp())
         return scale.repeat_interleave(self.group, dim=1)
 
     def weight(self) -> torch.Tensor:
