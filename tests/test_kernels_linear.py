@@ -134,6 +134,20 @@ def test_byte_formats(preset, k):
     check_all(codes, scale, zp, None, act, k, bias=torch.randn(N) if preset != "FP8" else None)
 
 
+def test_scales_packed_in_bfloat16_only_when_exact():
+    """bfloat16 scales (the checkpoints' default) are packed in half the bytes, any others stay
+    float32; both run every path within the tolerance."""
+    torch.manual_seed(4)
+    codes, scale, zp, act = quantized("W4A16", 32, N, 64)
+    assert torch.equal(scale.to(torch.bfloat16).float(), scale)
+    wide = scale * (1 + 2.0**-12)  # between bfloat16 values
+    for s, dtype in ((scale, torch.bfloat16), (wide, torch.float32)):
+        assert cpu_linear.pack(codes, s, zp, 32, act).scale.dtype == dtype
+        check_all(codes, s, zp, 32, act, 64)
+    bf16_bytes = cpu_linear.pack(codes, scale, zp, 32, act).nbytes()
+    assert bf16_bytes < cpu_linear.pack(codes, wide, zp, 32, act).nbytes()
+
+
 def test_group_sizes_off_the_lanes():
     """Groups of 12 (not whole 8-value lanes): the panel path serves every row count."""
     codes, scale, zp, act = quantized("W4A16_ASYM", 12, 21, 60)

@@ -56,7 +56,7 @@ class PackedLinear:
     in_features: int
     group_size: int | None  # None: one scale per output feature
     data: torch.Tensor  # int32 [tiles, Kp / values_per_lane, 16]
-    scale: torch.Tensor  # float32 [tiles, groups, 16]
+    scale: torch.Tensor  # [tiles, groups, 16]: bfloat16 when every scale is a bfloat16 value, else float32
     offset: torch.Tensor | None  # float32 like scale (asymmetric codes), else offset = -2^(bits-1) * scale
     wsum: torch.Tensor | None  # int32 [tiles * 16]: sum of each feature's codes (w8a8)
     act_quant: str | None  # activations quantize-dequantized in torch first (FP8_DYNAMIC, grouped W8A8)
@@ -157,7 +157,11 @@ def pack(
         data = _lanes(codes.to(torch.int16) + half, 4 if fmt == "int4" else 8)
         if zero_point is not None:
             offset = _tiles(-(zero_point.float() + half) * scale, tiles)
-    return PackedLinear(fmt, n, k, gs, data, _tiles(scale, tiles), offset, wsum, act_quant)
+    tiled = _tiles(scale, tiles)
+    narrow = tiled.to(torch.bfloat16)
+    if torch.equal(narrow.float(), tiled):  # bfloat16 scales (checkpoints' default) kept exactly in half the bytes
+        tiled = narrow
+    return PackedLinear(fmt, n, k, gs, data, tiled, offset, wsum, act_quant)
 
 
 def linear(

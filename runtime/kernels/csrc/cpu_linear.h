@@ -9,7 +9,8 @@
 //     nl4: 4-bit indices u into llama.cpp's IQ4_NL grid, weight = (kNl4Bytes[u] + half) * scale
 //          with kNl4Bytes = grid + 128 (u8) and half = -128
 //     w8a8: the signed int8 codes, weight = q * scale (per output feature)
-//   scale / offset: [tiles][groups][16] float32. Without an offset tensor, offset = half * scale.
+//   scale / offset: [tiles][groups][16] float32 (scales in bfloat16 when they all are bfloat16
+//   values: fewer bytes per decoded token). Without an offset tensor, offset = half * scale.
 // This header holds plain data only: it is included by translation units built for different
 // instruction sets, which must not share any inline code.
 #pragma once
@@ -30,7 +31,8 @@ struct Job {
   int64_t groups;  // scale groups along K
   int64_t gs;      // group size (Kp for one group)
   const uint32_t* data;
-  const float* scale;
+  const float* scale;       // float32 scales, or nullptr when scale16 holds them
+  const uint16_t* scale16;  // bfloat16 scales (bit patterns), when every scale is one exactly (half the bytes)
   const float* offset;  // nullptr: offset = half * scale
   float half;           // -2^(bits-1) for weight-only integers, 0 otherwise
   const float* x;       // [M][K] activations

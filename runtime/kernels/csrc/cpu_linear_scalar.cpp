@@ -22,10 +22,18 @@ float fp8_value(uint32_t byte) {
   return f * 0x1p120f;
 }
 
+float scale_at(const Job& j, int64_t at) {
+  if (!j.scale16) return j.scale[at];
+  const uint32_t bits = static_cast<uint32_t>(j.scale16[at]) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 void weight_only(const Job& j, int64_t tile, int64_t lane, float* w) {
   for (int64_t k = 0; k < j.K; ++k) {
     const int64_t at = (tile * j.groups + k / j.gs) * 16 + lane;
-    const float s = j.scale[at];
+    const float s = scale_at(j, at);
     const uint32_t q = j.format == kNl4 ? kNl4Bytes[code(j, tile, lane, k)] : code(j, tile, lane, k);
     if (j.format == kFp8) {
       w[k] = fp8_value(q) * s;
@@ -37,7 +45,7 @@ void weight_only(const Job& j, int64_t tile, int64_t lane, float* w) {
 }
 
 void w8a8_feature(const Job& j, int64_t tile, int64_t lane, int64_t n) {
-  const float s = j.scale[tile * 16 + lane];
+  const float s = scale_at(j, tile * 16 + lane);
   for (int64_t m = 0; m < j.M; ++m) {
     int32_t dot = 0;
     for (int64_t k = 0; k < j.K; ++k)

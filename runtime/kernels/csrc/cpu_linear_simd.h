@@ -117,6 +117,11 @@ inline Vec::F decode_scaled(Vec::I lanes) {
   }
 }
 
+// The scales of one vector of features at `at`, stored in float32 or bfloat16.
+inline Vec::F load_scale(const Job& j, int64_t at) {
+  return j.scale16 ? Vec::load_bf16(j.scale16 + at) : Vec::load(j.scale + at);
+}
+
 inline Vec::F group_offset(const Job& j, int64_t at, Vec::F scale) {
   return j.offset ? Vec::load(j.offset + at) : Vec::mul(scale, Vec::bcast(j.half));
 }
@@ -161,7 +166,7 @@ void gemv_step(const Job& j, int64_t t, int64_t m0) {
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
       const int64_t at = ((t + v / VT) * j.groups + g) * 16 + (v % VT) * Vec::W;
-      Vec::F s = Vec::load(j.scale + at);
+      Vec::F s = load_scale(j, at);
       if constexpr (KIND == kFp8Kind) {
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) acc[m][v] = Vec::fma(part[m][v], s, acc[m][v]);
@@ -236,7 +241,7 @@ void dequantize(const Job& j, int64_t t, int64_t k0, int64_t k1, float* buf) {
 #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) {
         const int64_t at = ((t + v / VT) * j.groups + g) * 16 + (v % VT) * Vec::W;
-        Vec::F s = Vec::load(j.scale + at), u = decode_exact<BITS, KIND, I>(lanes[v]);
+        Vec::F s = load_scale(j, at), u = decode_exact<BITS, KIND, I>(lanes[v]);
         if constexpr (KIND == kFp8Kind) {
           Vec::store(row + v * Vec::W, Vec::mul(u, s));
         } else {
@@ -343,7 +348,7 @@ void w8a8_step(const Job& j, int64_t t, int64_t m0) {
 #pragma GCC unroll 16
   for (int v = 0; v < NV; ++v) {
     const int64_t col = (t + v / VT) * 16 + (v % VT) * Vec::W;
-    Vec::F s = Vec::load(j.scale + col), b = load_bias(j, col);  // one group: scale index = col
+    Vec::F s = load_scale(j, col), b = load_bias(j, col);  // one group: scale index = col
     Vec::I bias_sum = Vec::zeroi();
     if constexpr (Vec::kDotBias != 0) bias_sum = Vec::template slli<7>(Vec::loadi32(j.wsum + col));
 #pragma GCC unroll 16
@@ -494,7 +499,7 @@ void igemv_step(const Job& j, const int64_t* tiles, int64_t m0) {
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
       const int64_t at = (tiles[v / VT] * j.groups + g) * 16 + (v % VT) * Vec::W;
-      Vec::F s = Vec::load(j.scale + at), b = group_offset(j, at, s);
+      Vec::F s = load_scale(j, at), b = group_offset(j, at, s);
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
         const float* ls = j.xls + ((m0 + m) * nblk + blk) * 3;

@@ -131,8 +131,8 @@ struct Packed {
     const int64_t tiles = (n + 15) / 16, kp = (k + vpl - 1) / vpl * vpl;
     check(data.scalar_type() == torch::kInt && data.is_contiguous() && data.numel() == tiles * (kp / vpl) * 16,
           "packed weights do not match the layer's size");
-    check(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == tiles &&
-              scale.size(2) == 16, "scales do not match the packed weights");
+    check((scale.scalar_type() == torch::kFloat || scale.scalar_type() == torch::kBFloat16) && scale.is_contiguous() &&
+              scale.dim() == 3 && scale.size(0) == tiles && scale.size(2) == 16, "scales do not match the packed weights");
     const int64_t groups = scale.size(1);
     check(groups == 1 || (group_size > 0 && groups * group_size == k), "group size does not divide the input size");
     if (offset)
@@ -180,7 +180,10 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
   j.format = static_cast<int>(format);
   j.M = M, j.N = n, j.K = K, j.Kp = Kp, j.groups = groups, j.gs = groups == 1 ? Kp : group_size;
   j.data = reinterpret_cast<const uint32_t*>(w.data.data_ptr<int32_t>());
-  j.scale = w.scale.data_ptr<float>();
+  if (w.scale.scalar_type() == torch::kBFloat16)
+    j.scale16 = reinterpret_cast<const uint16_t*>(w.scale.data_ptr());
+  else
+    j.scale = w.scale.data_ptr<float>();
   j.half = format == lin::kInt4 ? -8.0f : format == lin::kInt8 || format == lin::kNl4 ? -128.0f : 0.0f;
   j.x = x.data_ptr<float>();
   j.out = out.data_ptr<float>();
