@@ -20,7 +20,7 @@ KERNELS_HELP = ("The kernel backend, chosen once: auto is triton on a CUDA devic
 MATMUL_PRECISION_HELP = ("Linear layers' arithmetic (torch's float32 matmul precision names): highest is float32 "
                          "throughout; medium lets the C++ CPU kernels multiply bfloat16-rounded weights and activations "
                          "with float32 sums when many rows run at once (prefill, decode of over 16 sequences) on CPUs "
-                         "with AVX512-BF16, as W4A16 on a GPU does: 1.3-1.8x those linears' throughput; on the demo's "
+                         "with AVX512-BF16, as W4A16 on a GPU does (speed: bench/results/serve_load.md); on the demo's "
                          "W4A16 g32 a mean KLD of 2.5e-4 nats against float32 products (bench/results/lm_head.md). "
                          "Decode of few sequences stays exact.")
 MODEL_IMPL_HELP = ("Model code: auto runs an architecture's native model when the runtime has one, else transformers' "
