@@ -47,14 +47,13 @@ def all_logits(engine, ids: list[int]) -> torch.Tensor:
 
 # each compared with the checkpoint's float32 head and float32 products
 VARIANTS = {"bf16": {"lm_head": "bf16"}, "int8": {"lm_head": "int8"}, "medium": {"matmul_precision": "medium"}}
-HEADS = tuple(VARIANTS)
 
 
 def compare(model: str, windows: list[list[int]]) -> dict:
     from llmopt.runtime import LLMEngine
 
     logits, head_bytes = {}, {}
-    for head in ("float", *HEADS):
+    for head in ("float", *VARIANTS):
         engine = LLMEngine(model, **VARIANTS.get(head, {}), max_num_seqs=1, max_num_batched_tokens=len(windows[0]))
         logits[head] = [all_logits(engine, w).log_softmax(-1) for w in windows]
         head_bytes[head] = engine.weights.lm_head.nbytes()
@@ -67,7 +66,7 @@ def compare(model: str, windows: list[list[int]]) -> dict:
         return float(torch.cat([-lp[:-1].gather(1, t[:, None])[:, 0] for lp, t in zip(logp, targets)]).mean().exp())
 
     rows = {"float": {"perplexity": ppl(base), "head_bytes": head_bytes["float"]}}
-    for head in HEADS:
+    for head in VARIANTS:
         kld = torch.cat([(b.exp() * (b - q)).sum(-1) for b, q in zip(base, logits[head])])
         top1 = torch.cat([b.argmax(-1) == q.argmax(-1) for b, q in zip(base, logits[head])]).float()
         gaps = (top2[:, 0] - top2[:, 1])[top1 == 0]  # the float head's top-2 log-prob gap where the choices differ
@@ -125,7 +124,7 @@ def render(result: dict) -> str:
     for label, heads in result["models"].items():
         f = heads["float"]
         lines.append(f"| {label} | float32 (as stored) | | | | | | {f['perplexity']:.3f} | {f['head_bytes'] / 1e6:.1f} |")
-        for head in HEADS:
+        for head in VARIANTS:
             r = heads[head]
             lines.append(
                 f"| {label} | {head} | {r['positions']} | {r['kld_mean']:.2e} | {r['kld_p99']:.2e} | {r['kld_max']:.2e} | "
@@ -140,7 +139,7 @@ def render(result: dict) -> str:
         "unaffected, so its row measures nothing but shows that. Where the top-1 choices differ, the float head's two best tokens were close "
         "(log-probability gap, median / max): "
         + "; ".join(f"{label} {head} {r[head]['top2_gap_at_disagreements_median']:.3f} / {r[head]['top2_gap_at_disagreements_max']:.3f}"
-                    for label, r in result["models"].items() for head in HEADS) + ".",
+                    for label, r in result["models"].items() for head in VARIANTS) + ".",
         "For scale: llama.cpp's Q8_0 of the whole model costs a mean KLD of about 4e-3 on this model",
         "(2048-token windows, against its own F32; ../shared/anchors/llamacpp_smollm2.json).",
     ]

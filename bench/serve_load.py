@@ -313,10 +313,11 @@ def write_md(data: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def _best(data: dict, prefix: str, phase: str) -> tuple[str | None, dict | None]:
-    """The anchor configuration (label starting with ``prefix``) with the most output tokens/s in ``phase``."""
+def _best(data: dict, prefix: str, phase: str, accept=lambda label: True) -> tuple[str | None, dict | None]:
+    """The server (label starting with ``prefix``, and one ``accept`` takes) with the most output
+    tokens/s in ``phase``."""
     found = [(label, s["phases"][phase]) for label, s in data["servers"].items()
-             if label.startswith(prefix) and phase in s.get("phases", {})]
+             if label.startswith(prefix) and accept(label) and phase in s.get("phases", {})]
     return max(found, key=lambda item: item[1]["output_tok_s"], default=(None, None))
 
 
@@ -326,9 +327,7 @@ SAME_WEIGHTS = {"llama-server": lambda label: "--lm-head f16" in label, "vllm": 
 
 def _ours(data: dict, prefix: str, phase: str) -> tuple[str | None, dict | None]:
     """The llmopt run serving ``prefix``'s weights with the most output tokens/s in ``phase``."""
-    found = [(label, s["phases"][phase]) for label, s in data["servers"].items()
-             if label.startswith("llmopt") and SAME_WEIGHTS[prefix](label) and phase in s.get("phases", {})]
-    return max(found, key=lambda item: item[1]["output_tok_s"], default=(None, None))
+    return _best(data, "llmopt", phase, SAME_WEIGHTS[prefix])
 
 
 def target_lines(data: dict) -> list[str]:

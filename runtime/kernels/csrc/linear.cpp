@@ -228,10 +228,11 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
 
   int64_t grain = std::max<int64_t>(1, kMinTaskMacs / std::max<int64_t>(1, 16 * K * M));
   if (gemv) {
-    const int64_t tile_bytes = 16 * (Kp * 4 / vpl + groups * 4 * (w.offset ? 2 : 1));
+    const int64_t tile_bytes = 16 * (Kp * 4 / vpl + groups * (w.scale.element_size() + (w.offset ? 4 : 0)));
     grain = std::max(grain, min_task_bytes / std::max<int64_t>(1, tile_bytes * M));
   }
-  const int64_t work_floats = std::max<int64_t>(K, lin::kWorkFloats) + lin::kWorkFloats / 2;
+  // the bf16 panel keeps its bfloat16 pairs after the float panel
+  const int64_t work_floats = std::max<int64_t>(K, lin::kWorkFloats) + (bf16_panel ? lin::kWorkFloats / 2 : 0);
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> work_buf;
     if (isa == kScalar) return lin::scalar::run(j, t0, t1, scratch(work_buf, work_floats));
