@@ -51,9 +51,10 @@ def quantize_column(
     if scheme.grid is not None:
         code = round_to_grid(w / scale, scheme.grid)
         return code, code * scale
-    code = torch.round(w / scale)
     if zp is None:
-        code.clamp_(scheme.qmin, scheme.qmax)
+        code = torch.round(w / scale).clamp_(scheme.qmin, scheme.qmax)
         return code, code * scale
-    code.add_(zp).clamp_(scheme.qmin, scheme.qmax)
+    # a float zero point (llama.cpp's mins) is added before rounding; an integer one after, as quantize does
+    code = torch.round(w / scale + zp) if scheme.float_zero else torch.round(w / scale).add_(zp)
+    code.clamp_(scheme.qmin, scheme.qmax)
     return code, (code - zp) * scale

@@ -47,7 +47,10 @@ class FakeQuantWeight(nn.Module):
         self.scales.log_multiplier = self.log_multiplier
         self.register_parameter(CODE_PARAMETER, nn.Parameter(qw.codes.float()))
         zero = None if qw.zero_point is None else qw.zero_point.float().repeat_interleave(self.scales.group, dim=1)
+        if self.scales.offset is not None:  # float zero points: unsigned codes times the scale, less the fixed mins
+            zero = torch.full_like(qw.codes, -(2 ** (qw.scheme.num_bits - 1)), dtype=torch.float32)
         self.register_buffer("zero", zero)
+        self.register_buffer("offset", self.scales.offset)
         self.register_buffer("scale", self.scales.scale)
         low, high = _code_range(qw)
         self.low, self.high = low, high
@@ -62,7 +65,8 @@ class FakeQuantWeight(nn.Module):
         codes = latent + (round_codes(latent, self.scales.original).float() - latent).detach()
         if self.zero is not None:
             codes = codes - self.zero
-        return codes * self.scales.weight_scale(self.scale)
+        w = codes * self.scales.weight_scale(self.scale)
+        return w if self.offset is None else w - self.offset
 
     @torch.no_grad()
     def clamp_(self) -> None:

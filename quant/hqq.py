@@ -92,10 +92,11 @@ def hqq_quantize_weight(
     """
     if weight.dim() != 2:
         raise ValueError(f"HQQ quantizes 2-D weights [out, in], got shape {tuple(weight.shape)}")
-    if scheme.is_float or scheme.grid is not None or scheme.scale_steps is not None:
+    if scheme.is_float or scheme.grid is not None or scheme.scale_steps is not None or scheme.float_zero:
         raise ValueError(
-            f"HQQ supports plain integer schemes (uniform codes, free scales); {scheme.name} has "
-            + ("float8 codes" if scheme.is_float else "grid codes" if scheme.grid is not None else "super-block scale steps")
+            f"HQQ supports plain integer schemes (uniform codes, free scales, integer zero points); {scheme.name} has "
+            + ("float8 codes" if scheme.is_float else "grid codes" if scheme.grid is not None
+               else "float zero points" if scheme.float_zero else "super-block scale steps")
         )
     if not 0 < p <= 1:
         raise ValueError(f"HQQ's l_p norm needs 0 < p <= 1, got p={p}")
@@ -190,7 +191,7 @@ class Hqq(Quantizer):
     p: float = 0.7
 
     def check(self, scheme: QuantScheme) -> None:
-        if scheme.is_float or scheme.grid is not None or scheme.scale_steps is not None:
+        if scheme.is_float or scheme.grid is not None or scheme.scale_steps is not None or scheme.float_zero:
             raise ValueError(f"hqq quantizes plain integer weights (W4A16, W4A16_ASYM, W8A16, W8A8), not {scheme.name}")
 
     @torch.no_grad()

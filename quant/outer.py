@@ -76,8 +76,8 @@ def gptq_matrix(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor, ref
     parts = [gptq_quantize_weight(chunk.float(), hessian, scheme, group, clip=True, refit=refit)
              for chunk in torch.split(w, HEAD_GPTQ_ROWS)]
     joined = _joined(parts, scheme, group)
-    # the per-row pass re-solves free group scales: super-block scales (k · d, Q6_K …) keep the joint solve
-    return joined if fisher is None or scheme.scale_steps is not None else fisher.requantize(w, joined)
+    # the per-row pass re-solves free group scales: super-block scales (k · d, Q6_K …) and float zero points keep the joint solve
+    return joined if fisher is None or scheme.scale_steps is not None or scheme.float_zero else fisher.requantize(w, joined)
 
 
 def quantize_head(w: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor | None,

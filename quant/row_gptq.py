@@ -80,8 +80,8 @@ def gptq_rows(weight: torch.Tensor, hessians: torch.Tensor, scheme: QuantScheme,
     ``[n, n]``, with the least-squares scale refit and second pass of
     :func:`~llmopt.quant.gptq.gptq_quantize_weight` (``refit=True``). Integer and grid schemes
     with free group scales (no super-block scales, no float codes)."""
-    if scheme.is_float or scheme.scale_steps is not None:
-        raise ValueError(f"per-row GPTQ takes integer or grid schemes with free group scales, not {scheme.name}")
+    if scheme.is_float or scheme.scale_steps is not None or scheme.float_zero:
+        raise ValueError(f"per-row GPTQ takes integer or grid schemes with free group scales and integer zero points, not {scheme.name}")
     rows, n = weight.shape
     if hessians.shape != (rows, n, n):
         raise ValueError(f"per-row Hessians of shape {tuple(hessians.shape)} do not match the weight {tuple(weight.shape)}")

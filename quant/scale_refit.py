@@ -49,8 +49,11 @@ def _rows(qw: QuantizedWeight, r0: int, r1: int) -> torch.Tensor:
 
 
 def _centred_codes(qw: QuantizedWeight, r0: int, r1: int, gs: int) -> torch.Tensor:
-    """Codes of rows ``r0:r1`` less their zero points, float32 ``[rows, in]``."""
+    """Codes of rows ``r0:r1`` less their zero points, float32 ``[rows, in]``; with float zero points
+    (mins held fixed) the unsigned codes ``q + 2^(bits-1)``."""
     x = qw.codes[r0:r1].float()
+    if qw.scheme.float_zero and qw.zero_point is not None:
+        return x + 2 ** (qw.scheme.num_bits - 1)
     if qw.zero_point is not None:
         x = x - qw.zero_point[r0:r1].float().repeat_interleave(gs, dim=1)
     return x
@@ -81,19 +84,24 @@ def _superblock_steps(qw: QuantizedWeight, gs: int) -> int:
 
 def refit_scales(weight: torch.Tensor, qw: QuantizedWeight, hessian: torch.Tensor) -> QuantizedWeight:
     """``qw`` with each row's scales re-solved by least squares against ``hessian`` for its fixed
-    codes (rows whose error would not fall keep their scales)."""
+    codes (rows whose error would not fall keep their scales). With float zero points the mins
+    (``w = s · u − min``) are held fixed and the zero points follow the new scales."""
     n = weight.shape[1]
     gs = qw.group_size or n
     ng = n // gs
     per = _superblock_steps(qw, gs)
     h = hessian.float()
     scale = qw.scale.float().clone()
+    mins = qw.mins() if qw.scheme.float_zero and qw.zero_point is not None else None
     step = max(1, min(BLOCK_ELEMENTS // (ng * ng), (1 << 24) // n))
     for r0 in range(0, weight.shape[0], step):
         r1 = min(r0 + step, weight.shape[0])
         x = _centred_codes(qw, r0, r1, gs)
         h_rows = h if h.dim() == 2 else h[r0:r1]
-        g, b = _normal_equations(x, _times_h(weight[r0:r1].float(), h, r0, r1), h_rows, gs)
+        target = weight[r0:r1].float()
+        if mins is not None:  # s · u ≈ w + min
+            target = target + mins[r0:r1].repeat_interleave(gs, dim=1)
+        g, b = _normal_equations(x, _times_h(target, h, r0, r1), h_rows, gs)
         if per:  # s = k · d: solve for d per super-block, k fixed
             old = scale[r0:r1].double().reshape(r1 - r0, -1, per)
             d_old = _superblock_d(old, qw.scheme.scale_steps)
@@ -107,7 +115,8 @@ def refit_scales(weight: torch.Tensor, qw: QuantizedWeight, hessian: torch.Tenso
         else:
             new = round_scales(_solve(g, b, scale[r0:r1].double()).float(), qw.scheme)  # as they are stored
         scale[r0:r1] = new
-    fitted = QuantizedWeight(qw.codes, scale, qw.zero_point, qw.scheme, qw.group_size)
+    zero = qw.zero_point if mins is None else mins / scale - 2 ** (qw.scheme.num_bits - 1)
+    fitted = QuantizedWeight(qw.codes, scale, zero, qw.scheme, qw.group_size)
     return better_rows(weight, hessian, qw, fitted)
 
 

@@ -82,7 +82,12 @@ class TunableScales:
         rows, cols = qw.codes.shape
         self.group = qw.group_size or cols
         codes = qw.codes.float()
-        if qw.zero_point is not None:
+        # float zero points (llama.cpp's mins) stay fixed as offsets: w = s · (q + 2^(bits-1)) − min
+        self.offset = None
+        if qw.scheme.float_zero and qw.zero_point is not None:
+            codes = codes + 2 ** (qw.scheme.num_bits - 1)
+            self.offset = qw.mins().repeat_interleave(self.group, dim=1).to(device)
+        elif qw.zero_point is not None:
             codes = codes - qw.zero_point.float().repeat_interleave(self.group, dim=1)
         self.codes = codes.to(device)
         self.scale = qw.scale.float().to(device)
@@ -104,7 +109,11 @@ class TunableScales:
 
     def weight(self) -> torch.Tensor:
         """The dequantized weight at the current multipliers (differentiable in them)."""
-        return self.codes * self.weight_scale()
+        return self.offset_applied(self.codes * self.weight_scale())
+
+    def offset_applied(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` less the fixed mins of float zero points (unchanged otherwise)."""
+        return w if self.offset is None else w - self.offset.to(w.device)
 
     def tuned(self, codes: torch.Tensor | None = None) -> QuantizedWeight:
         """The weight with its tuned scales, rounded as they are stored (``codes``: new codes in
@@ -120,7 +129,10 @@ class TunableScales:
                 scale = round_scales(scale, qw.scheme)
             elif not qw.scheme.is_float:  # float32 integer scales: float16, as their GGUF blocks hold them
                 scale = scale.to(torch.float16).float()
-        return QuantizedWeight(qw.codes if codes is None else codes, scale, qw.zero_point, qw.scheme, qw.group_size)
+        zero = qw.zero_point
+        if self.offset is not None:  # the mins stay; their zero points follow the scales
+            zero = qw.mins() / scale - 2 ** (qw.scheme.num_bits - 1)
+        return QuantizedWeight(qw.codes if codes is None else codes, scale, zero, qw.scheme, qw.group_size)
 
 
 def norm_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -48,8 +48,10 @@ def test_every_format_round_trips_and_declares_its_bytes(name):
     written = sum(t.numel() * t.element_size() for t in tensors.values())
     assert fmt.checkpoint_bytes(ROWS, COLS, qw.group_size) == written
     # scales in 16 bits, except super-block (k·d) scales: float32, exactly as the quantizer chose them;
-    # FP4: FP8 times the global scale (NVFP4), E8M0 exponents (MXFP4)
-    want = torch.float32 if fmt.scale_steps else qw.scheme.stored_scale_dtype if fmt.fp4 else torch.bfloat16
+    # FP4: FP8 times the global scale (NVFP4), E8M0 exponents (MXFP4); float zero points with free
+    # scales: float16, as Q4_1 / Q5_1 hold d
+    want = (torch.float32 if fmt.scale_steps else qw.scheme.stored_scale_dtype if fmt.fp4
+            else torch.float16 if fmt.float_zero else torch.bfloat16)
     assert tensors["weight_scale"].dtype == want
     if not fmt.fp4:
         assert torch.equal(tensors["weight_scale"].float(), qw.scale)
@@ -62,7 +64,10 @@ def test_every_format_round_trips_and_declares_its_bytes(name):
     # compressed-tensors' own choice of layout is the format's
     ct = QuantizationScheme(targets=["Linear"], weights=compressed._weight_args(qw.scheme, qw.group_size))
     want_format = {"e4m3": "nvfp4-pack-quantized", "e8m0": "mxfp4-pack-quantized"}.get(fmt.fp4, "pack-quantized")
-    assert (infer_module_format(torch.nn.Linear, ct).value == want_format) == (fmt.packs() or fmt.fp4 is not None)
+    assert (infer_module_format(torch.nn.Linear, ct).value == want_format) == (fmt.packs() or fmt.fp4 is not None or fmt.float_zero)
+    # float zero points: naive-quantized (one int8 a code), since pack-quantized packs integer zero points only
+    if fmt.float_zero:
+        assert compressed._ct_scheme(qw.scheme, qw.group_size, ["Linear"]).format == "naive-quantized"
     assert fmt.kernel == kernel_for_codes(qw.codes, qw.zero_point)  # the narrowest kernel holding its codes
 
 

@@ -301,3 +301,18 @@ def test_fake_quantized_activations_match_torch():
     for isa in cpu_linear.supported_isas():
         got = cpu_linear.linear(x, packed, isa=isa)
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), isa
+
+
+@pytest.mark.parametrize("fmt", ["int4km", "int5m"])
+def test_float_zero_points(fmt):
+    """llama.cpp's mins (float zero points, not multiples of the scale): 4-bit codes run the int4
+    kernel, 5-bit codes the int8 one, both against the reference."""
+    from llmopt.formats.registry import FORMATS
+
+    scheme = FORMATS[fmt].scheme(32)
+    w = torch.randn(N, 256) * 0.1 + 0.03
+    scale, zp = compute_qparams(w, scheme, 32)
+    assert zp.dtype == torch.float32 and not torch.equal(zp, zp.round())
+    codes = quantize(w, scale, zp, scheme, 32)
+    assert cpu_linear.pack(codes, scale, zp, 32, None).format == ("int4" if scheme.num_bits == 4 else "int8")
+    check_all(codes, scale, zp, 32, None, 256)

@@ -16,29 +16,34 @@ from gguf import quants
 
 from llmopt.cli.main import main
 from llmopt.formats import gguf_blocks as blocks
-from llmopt.formats.registry import GGUF_TYPE_CANDIDATES, format_of
+from llmopt.formats.registry import FORMATS, GGUF_TYPE_CANDIDATES, format_of
 from llmopt.formats.schemes import QuantizedWeight, compute_qparams, quantize
 from llmopt.quant.llama_mixtures import ModelFacts, embedding_type, linear_types, output_type, use_more_bits
 
 ENCODERS = {T.Q2_K: blocks.encode_q2_k, T.Q4_K: blocks.encode_q4_k, T.Q5_K: blocks.encode_q5_k}
 
 
+SYMMETRIC_K = {T.Q2_K: ("int2k", 16), T.Q4_K: ("int4k", 32), T.Q5_K: ("int5k", 32)}  # mins = half the range
+
+
 def rtn_weight(qtype: T, rows: int = 6, cols: int = 512, seed: int = 0) -> tuple[torch.Tensor, QuantizedWeight]:
-    candidate = GGUF_TYPE_CANDIDATES[qtype]
-    scheme = candidate.format.scheme(candidate.group_size)
+    """A random weight in ``qtype``'s symmetric format (``SYMMETRIC_K``), or the format a mixture gives it."""
+    fmt, group = SYMMETRIC_K[qtype] if qtype in SYMMETRIC_K else (GGUF_TYPE_CANDIDATES[qtype].format.name, GGUF_TYPE_CANDIDATES[qtype].group_size)
+    scheme = FORMATS[fmt].scheme(group)
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
     w[0, :64] *= 20  # an outlier sub-block: the super-block's d is set by it, other multiples stay small
-    scale, zp = compute_qparams(w, scheme, candidate.group_size)
-    return w, QuantizedWeight(quantize(w, scale, zp, scheme, candidate.group_size), scale, zp, scheme, candidate.group_size)
+    scale, zp = compute_qparams(w, scheme, group)
+    return w, QuantizedWeight(quantize(w, scale, zp, scheme, group), scale, zp, scheme, group)
 
 
 @pytest.mark.parametrize("qtype", [T.Q2_K, T.Q4_K, T.Q5_K])
 def test_k_quant_blocks_carry_codes_exactly(qtype):
-    """Symmetric codes with one-sign super-block scales written as Q2_K / Q4_K / Q5_K: gguf's
-    dequantizer gives exactly our dequantized weights, and the codes and scales read back equal."""
+    """Symmetric codes with one-sign super-block scales written as Q2_K / Q4_K / Q5_K (each min
+    is half the range): gguf's dequantizer gives exactly our dequantized weights, and the codes
+    and scales read back equal. (With mins of their own: tests/test_float_zero.py.)"""
     w, qw = rtn_weight(qtype)
     carrier = format_of(qw).gguf_carrier_of(qtype)
-    assert format_of(qw) is GGUF_TYPE_CANDIDATES[qtype].format and carrier.carries(qw)
+    assert format_of(qw).name == SYMMETRIC_K[qtype][0] and carrier.carries(qw)
     d, k = carrier.factors(qw)
     assert (k < 0).all() and (d < 0).all()
     data = ENCODERS[qtype](qw.codes.numpy().astype(np.int8), d.numpy(), k.numpy())

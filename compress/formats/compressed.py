@@ -17,7 +17,10 @@ Per Linear ``<name>``, by compression format (chosen by compressed-tensors' ``in
   and for NVFP4 ``<name>.weight_global_scale`` float32 ``[1]``.
 * ``int-quantized`` (W8A8), ``float-quantized`` (FP8_DYNAMIC), ``naive-quantized`` (weight-only
   FP8): ``<name>.weight`` int8 / float8_e4m3fn ``[out, in]`` and ``<name>.weight_scale``
-  (plus an int8 ``weight_zero_point`` ``[out, n_groups]`` for asymmetric schemes).
+  (plus an int8 ``weight_zero_point`` ``[out, n_groups]`` for asymmetric schemes); weight-only
+  integer codes with float zero points (llama.cpp's mins: Q4_1 / Q5_1 / Q4_K / Q5_K) are
+  ``naive-quantized`` too, their ``weight_zero_point`` float32 (``zp_dtype``), since
+  ``pack-quantized`` packs integer zero points only.
 
 Scales are stored in 16 bits (the scheme's ``scale_dtype``: the source's bfloat16 / float16,
 bfloat16 for a float32 source), float32 only for super-block scales (``k · d`` products, see
@@ -54,7 +57,7 @@ from safetensors.torch import save_file
 from llmopt.core.atomic import atomic_dir
 
 from llmopt.formats.registry import format_for, format_of
-from llmopt.formats.schemes import PRESETS, QuantizedWeight, QuantScheme
+from llmopt.formats.schemes import PRESETS, QuantizedWeight, QuantScheme, int_weight_scheme
 from llmopt.checkpoints.provenance import write_provenance
 
 WEIGHTS_NAME = "model.safetensors"
@@ -99,6 +102,7 @@ def _weight_args(scheme: QuantScheme, group_size: int | None) -> QuantizationArg
         group_size=group_size,
         symmetric=scheme.symmetric,
         dynamic=False,
+        **({"zp_dtype": torch.float32} if scheme.float_zero else {}),
     )
 
 
@@ -122,14 +126,14 @@ def _ct_scheme(scheme: QuantScheme, group_size: int | None, targets: list[str]) 
         weights=_weight_args(scheme, group_size),
         input_activations=_activation_args(scheme),
     )
-    ct.format = infer_module_format(torch.nn.Linear, ct)
+    ct.format = CompressionFormat.naive_quantized.value if scheme.float_zero else infer_module_format(torch.nn.Linear, ct)
     return ct
 
 
 def _group_key(qw: QuantizedWeight) -> tuple:
     """Layers sharing this key share one config group."""
     s = qw.scheme
-    return (s.num_bits, s.weight_type, s.symmetric, s.activations, qw.group_size, s.scale_format)
+    return (s.num_bits, s.weight_type, s.symmetric, s.activations, qw.group_size, s.scale_format, s.float_zero)
 
 
 def build_quantization_config(
@@ -172,6 +176,11 @@ def _scheme_from_ct(ct: QuantizationScheme) -> tuple[QuantScheme, int | None]:
     act = ct.input_activations
     acts = None if act is None else ("fp8" if act.type == QuantizationType.FLOAT else "int8")
     wtype = "float" if w.type == QuantizationType.FLOAT else "int"
+    float_zero = wtype == "int" and not w.symmetric and w.zp_dtype is not None and w.zp_dtype.is_floating_point
+    if float_zero:
+        if acts is not None:
+            raise ValueError(f"config group targeting {ct.targets}: float zero points with quantized activations are not read")
+        return int_weight_scheme(w.num_bits, group_size, False, float_zero=True), group_size
     for preset in PRESETS.values():
         candidate = preset.with_group_size(group_size)
         if candidate.grid is None and (candidate.num_bits, candidate.weight_type, candidate.symmetric, candidate.activations) == (

@@ -352,18 +352,31 @@ def _symmetric_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray, bits: int, sca
     return u, dd, dd * half, mult.astype(np.uint8).reshape(-1, QK_K // sub)
 
 
-def encode_q4_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray) -> np.ndarray:
+def encode_q4_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray, mins: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Q4_K bytes ``[rows, cols/256*144]`` from 4-bit codes ``[rows, cols]`` (in [-8, 7]), super-block
     scales ``d`` ``[rows, cols/256]`` (negative float16 values) and multipliers ``k`` ``[rows, cols/32]``
-    (in [-63, -1]): weight = d * k * code, stored as d' = -d, sc = m = -k, dmin = 8 d'."""
-    u, dd, dmin, sc = _symmetric_k(codes, d, k, 4, 6, 32, "Q4_K")
-    return _pack_q45_k(u, dd, dmin, sc, sc, high_bits=False).reshape(codes.shape[0], -1)
+    (in [-63, -1]): weight = d * k * code, stored as d' = -d, sc = m = -k, dmin = 8 d'. With ``mins``
+    (``dmin`` ``[rows, cols/256]`` float16 values, ``m`` ``[rows, cols/32]`` in [0, 63]: float zero
+    points), weight = d' * sc * (code + 8) - dmin * m."""
+    return _encode_q45_k(codes, d, k, mins, 4, "Q4_K")
 
 
-def encode_q5_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray) -> np.ndarray:
+def encode_q5_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray, mins: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Q5_K bytes ``[rows, cols/256*176]``: as :func:`encode_q4_k` with 5-bit codes in [-16, 15] (dmin = 16 d')."""
-    u, dd, dmin, sc = _symmetric_k(codes, d, k, 5, 6, 32, "Q5_K")
-    return _pack_q45_k(u, dd, dmin, sc, sc, high_bits=True).reshape(codes.shape[0], -1)
+    return _encode_q45_k(codes, d, k, mins, 5, "Q5_K")
+
+
+def _encode_q45_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray, mins: tuple[np.ndarray, np.ndarray] | None,
+                  bits: int, qtype: str) -> np.ndarray:
+    u, dd, dmin, sc = _symmetric_k(codes, d, k, bits, 6, 32, qtype)
+    mc = sc
+    if mins is not None:
+        dmin = mins[0].reshape(-1).astype(np.float32)
+        m = mins[1].reshape(-1, QK_K // 32)
+        if m.min(initial=0) < 0 or m.max(initial=0) > 63:
+            raise ValueError(f"a {qtype} sub-block min is outside [0, 63] times dmin")
+        mc = m.astype(np.uint8)
+    return _pack_q45_k(u, dd, dmin, sc, mc, high_bits=bits == 5).reshape(codes.shape[0], -1)
 
 
 def encode_q2_k(codes: np.ndarray, d: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -388,7 +401,23 @@ def _k_codes(u: np.ndarray, scale: np.ndarray, offset: np.ndarray, half: int) ->
     return codes, scale
 
 
+def stored_k_mins(data: np.ndarray, qtype: T, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_K / Q5_K tensor's codes (signed, ``u - 8`` / ``u - 16``), sub-block scales ``d · sc`` and
+    sub-block mins ``dmin · m`` (``[rows, cols]``, ``[rows, cols/32]`` twice, float32), whatever the mins."""
+    blocks = np.ascontiguousarray(data.reshape(-1)).reshape(-1, _type_bytes(qtype))
+    u, scale, offset = _q45_k_fields(blocks, high_bits=qtype == T.Q5_K)
+    half = 16 if qtype == T.Q5_K else 8
+    return (u.astype(np.int16) - half).astype(np.int8).reshape(rows, -1), scale.reshape(rows, -1), offset.reshape(rows, -1)
+
+
 def _q45_k_codes(blocks: np.ndarray, rows: int, high_bits: bool) -> tuple[np.ndarray, np.ndarray]:
+    u, scale, offset = _q45_k_fields(blocks, high_bits)
+    codes, scale = _k_codes(u, scale, offset, 16 if high_bits else 8)
+    return codes.reshape(rows, -1), scale.reshape(rows, -1)
+
+
+def _q45_k_fields(blocks: np.ndarray, high_bits: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Unsigned codes ``[n, 256]``, sub-block scales and mins ``[n, 8]`` of Q4_K / Q5_K blocks."""
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, mc = _unpack_k_scales(blocks[:, 4:16])
@@ -397,8 +426,7 @@ def _q45_k_codes(blocks: np.ndarray, rows: int, high_bits: bool) -> tuple[np.nda
     if high_bits:
         qh = blocks[:, 16:48]
         u = u | ((((qh[:, None, :] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4).reshape(-1, 256))
-    codes, scale = _k_codes(u, d * sc, dmin * mc, 16 if high_bits else 8)
-    return codes.reshape(rows, -1), scale.reshape(rows, -1)
+    return u, d * sc, dmin * mc
 
 
 def _q2_k_codes(blocks: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:

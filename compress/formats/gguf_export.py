@@ -110,6 +110,7 @@ class Planned:
     note: str = ""
     expected_codes: np.ndarray | None = None  # carried codes as stored (for the read-back check)
     expected_d: np.ndarray | None = None  # their fp16 block scales, as float32
+    expected_min: np.ndarray | None = None  # Q4_K / Q5_K with float zero points: their sub-block mins dmin · m
     parts: list[Planned] | None = None  # experts stacked into this one 3-D tensor, in order
 
     def reference(self) -> torch.Tensor:
@@ -133,6 +134,13 @@ class Planned:
         if any(p.expected_codes is None for p in parts):
             return None
         return np.concatenate([p.expected_codes for p in parts]), np.concatenate([p.expected_d for p in parts])
+
+    def stored_mins(self) -> np.ndarray | None:
+        """The carried sub-block mins the file must hold (K-quants with float zero points), else None."""
+        parts = self.parts or [self]
+        if any(p.expected_min is None for p in parts):
+            return None
+        return np.concatenate([p.expected_min for p in parts])
 
 
 @dataclass
@@ -289,8 +297,12 @@ def _carry(name: str, source: str, qw: Any, qtype: T, fmt: str, note: str) -> Pl
     codes = qw.codes.to(torch.int16)
     if qtype == T.Q8_0 and qw.zero_point is not None:
         codes = codes - qw.zero_point.to(torch.int16).repeat_interleave(group, dim=1)
+    mins = None
+    if carrier.min_steps is not None:  # the mins are carried exactly too: dmin per super-block times an integer
+        dmin, m = carrier.min_factors(qw)
+        mins = (m * dmin.repeat_interleave(m.shape[1] // dmin.shape[1], dim=1)).numpy()
     return Planned(name, source, qw, qtype, "carried codes", fmt, note,
-                   expected_codes=codes.numpy().astype(np.int8), expected_d=d16.float().numpy())
+                   expected_codes=codes.numpy().astype(np.int8), expected_d=d16.float().numpy(), expected_min=mins)
 
 
 def _plan_float(name: str, source: str, t: torch.Tensor, opts: Options, is_output: bool, quantized_source: bool,
@@ -421,6 +433,9 @@ def encode(p: Planned) -> tuple[np.ndarray, T | None]:
             return blocks.encode_iq4_nl(codes, p.expected_d), T.IQ4_NL
         if p.qtype in SUPERBLOCK_ENCODERS:
             d, k = _factors(qw, p.qtype)
+            if p.expected_min is not None:
+                dmin, m = format_of(qw).gguf_carrier_of(p.qtype).min_factors(qw)
+                return SUPERBLOCK_ENCODERS[p.qtype](codes, d.numpy(), k.numpy(), (dmin.numpy(), m.numpy())), p.qtype
             return SUPERBLOCK_ENCODERS[p.qtype](codes, d.numpy(), k.numpy()), p.qtype
         cols = codes.shape[1]
         group = qw.group_size or cols
@@ -518,8 +533,15 @@ def read_back(path: Path, plans: list[Planned], layout: Layout, vocab: Vocab) ->
         expected = p.stored_codes() if p.how == "carried codes" else None
         if expected is not None:
             rows = int(np.prod(shape[:-1]))
-            codes, d = blocks.stored_codes(np.asarray(t.data).reshape(rows, -1), t.tensor_type, rows)
-            identical = bool(np.array_equal(codes, expected[0]) and np.array_equal(d, expected[1]))
+            data = np.asarray(t.data).reshape(rows, -1)
+            mins = p.stored_mins()
+            if mins is not None:
+                codes, d, stored_mins = blocks.stored_k_mins(data, t.tensor_type, rows)
+                identical = bool(np.array_equal(codes, expected[0]) and np.array_equal(d, expected[1])
+                                 and np.array_equal(stored_mins, mins))
+            else:
+                codes, d = blocks.stored_codes(data, t.tensor_type, rows)
+                identical = bool(np.array_equal(codes, expected[0]) and np.array_equal(d, expected[1]))
             if not identical:
                 raise VerificationError(f"{p.name}: carried codes or scales differ after writing")
         reports.append(TensorReport(p.name, p.source, shape, p.source_format, p.qtype.name, p.how, p.note,

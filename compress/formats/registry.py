@@ -27,6 +27,7 @@ from llmopt.formats.schemes import (
     IQ4_NL_GRID,
     IQ4_XS_STEPS,
     K_GROUP,
+    K_MIN_STEPS,
     Q2_K_STEPS,
     Q3_K_STEPS,
     Q4_K_STEPS,
@@ -66,6 +67,17 @@ register(WeightFormat("int5k", 5, scale_steps=Q4_K_STEPS, gguf=(GgufCarrier(T.Q5
 register(WeightFormat("int4k", 4, scale_steps=Q4_K_STEPS, kernel="int4",
                       gguf=(GgufCarrier(T.Q4_K, 32, Q4_K_STEPS, one_sign=True), _Q8_0),
                       description="4-bit codes, 6-bit unsigned scale multiples per 256 features (GGUF Q4_K)"))
+# llama.cpp's affine types in full: float offsets (mins) beside the scales, 6-bit per sub-block in the K-quants
+register(WeightFormat("int5km", 5, False, scale_steps=Q4_K_STEPS, float_zero=True, min_steps=K_MIN_STEPS,
+                      gguf=(GgufCarrier(T.Q5_K, 32, Q4_K_STEPS, one_sign=True, min_steps=K_MIN_STEPS),),
+                      description="5-bit codes, 6-bit scales and mins per 256 features (GGUF Q5_K)"))
+register(WeightFormat("int4km", 4, False, scale_steps=Q4_K_STEPS, float_zero=True, min_steps=K_MIN_STEPS, kernel="int4",
+                      gguf=(GgufCarrier(T.Q4_K, 32, Q4_K_STEPS, one_sign=True, min_steps=K_MIN_STEPS),),
+                      description="4-bit codes, 6-bit scales and mins per 256 features (GGUF Q4_K)"))
+register(WeightFormat("int5m", 5, False, float_zero=True, gguf=(GgufCarrier(T.Q5_1, 32),),
+                      description="5-bit codes, float16 scale and min per group (GGUF Q5_1)"))
+register(WeightFormat("int4m", 4, False, float_zero=True, kernel="int4", gguf=(GgufCarrier(T.Q4_1, 32),),
+                      description="4-bit codes, float16 scale and min per group (GGUF Q4_1)"))
 register(WeightFormat("int2k", 2, scale_steps=Q2_K_STEPS, kernel="int4",
                       gguf=(GgufCarrier(T.Q2_K, K_GROUP, Q2_K_STEPS, one_sign=True), _Q8_0),
                       description="2-bit codes, 4-bit unsigned scale multiples per 256 features (GGUF Q2_K)"))
@@ -178,7 +190,7 @@ def candidate(name: str) -> Candidate:
 # the format (and group size) holding each GGUF block type's codes and scales exactly, under the
 # type's name (``q4_k`` …): what llama.cpp's mixtures (``--scheme Q4_K_M``) give a tensor
 GGUF_TYPE_CANDIDATES: dict[T, Candidate] = {qtype: Candidate(qtype.name.lower(), FORMATS[fmt], group) for qtype, fmt, group in (
-    (T.Q8_0, "int8", 32), (T.Q6_K, "int6x", 16), (T.Q5_K, "int5k", 32), (T.Q4_K, "int4k", 32), (T.Q3_K, "int3x", 16),
-    (T.Q2_K, "int2k", 16), (T.Q5_1, "int5a", 32), (T.Q5_0, "int5", 32), (T.Q4_1, "int4a", 32), (T.Q4_0, "int4", 32),
+    (T.Q8_0, "int8", 32), (T.Q6_K, "int6x", 16), (T.Q5_K, "int5km", 32), (T.Q4_K, "int4km", 32), (T.Q3_K, "int3x", 16),
+    (T.Q2_K, "int2k", 16), (T.Q5_1, "int5m", 32), (T.Q5_0, "int5", 32), (T.Q4_1, "int4m", 32), (T.Q4_0, "int4", 32),
     (T.IQ4_NL, "nl4", 32), (T.IQ4_XS, "nl4x", 32),
 )}

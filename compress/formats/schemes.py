@@ -26,6 +26,12 @@ does not divide keep free scales: IQ4_NL). Symmetric integer schemes take ``scal
 (6.5625 bits per weight), 3-bit codes in groups of 16 with 6-bit multiples (``Q3_K_STEPS``) its
 Q3_K (3.4375 bits per weight).
 
+*Float zero points* (``QuantScheme.float_zero``) are llama.cpp's mins: the offset of a group is any
+float, not a multiple of its scale, so ``zero_point`` is float32 and the codes are
+``round(W / scale + zero_point)``; Q4_1 / Q5_1 keep float16 scales and mins, Q4_K / Q5_K tie both
+to their super-block (``scale_steps``, ``min_steps``: 6-bit multiples of a float16 ``d`` and
+``dmin``); :func:`affine_qparams` fits them.
+
 Scales are stored in 16 bits (``QuantScheme.scale_dtype``: bfloat16 by default, the source's
 float16 for a float16 model) and rounded to that dtype where they are chosen
 (:func:`round_scales`, called by :func:`compute_qparams`, :func:`search_qparams`, the scale refit
@@ -62,7 +68,11 @@ class QuantScheme:
     symmetric: bool = True
     activations: ActType | None = None  # dynamic per-token activation quantization
     grid: tuple[int, ...] | None = None  # allowed integer codes, ascending (None: every code)
-    scale_steps: int | None = None  # scales are k * d per super-block, -steps/2 <= k < steps/2 (symmetric only)
+    scale_steps: int | None = None  # scales are k * d per super-block, -steps/2 <= k < steps/2
+    # zero points are float offsets, not integers: llama.cpp's mins (Q4_1 / Q5_1 / Q4_K / Q5_K), see affine_qparams
+    float_zero: bool = False
+    # float_zero with mins quantized per super-block: min = m * dmin, 0 <= m < min_steps, dmin float16 (Q4_K / Q5_K: 64)
+    min_steps: int | None = None
     # FP4 scales (E2M1 codes): "e4m3" (NVFP4: FP8 relative to a float32 global scale), "e8m0" (MXFP4)
     scale_format: fp4.ScaleFormat | None = None
     # dtype the scales are stored (and rounded) in: bfloat16 / float16 / float32 (super-block scales: always float32)
@@ -122,7 +132,8 @@ class QuantScheme:
         (per-channel: the codes alone; see :mod:`llmopt.formats.registry` for exact sizes)."""
         if self.group_size is None:
             return float(self.num_bits)
-        extra = self.stored_scale_dtype.itemsize * 8 + (self.num_bits if self.has_zero_point else 0)
+        zero_bits = 32 if self.float_zero else self.num_bits if self.has_zero_point else 0
+        extra = self.stored_scale_dtype.itemsize * 8 + zero_bits
         return self.num_bits + extra / self.group_size
 
     @property
@@ -197,18 +208,26 @@ def get_scheme(name: str, group_size: int | None = None) -> QuantScheme:
 
 
 def int_weight_scheme(num_bits: int, group_size: int | None, symmetric: bool = True,
-                      scale_steps: int | None = None) -> QuantScheme:
+                      scale_steps: int | None = None, float_zero: bool = False,
+                      min_steps: int | None = None) -> QuantScheme:
     """A weight-only integer scheme of any width (2 to 8 bits): the preset of that width when
     there is one (``W4A16``, ``W4A16_ASYM``, ``W8A16``), else ``W<bits>A16`` (as read back from a
-    checkpoint's config); ``scale_steps``: group scales quantized per super-block (symmetric only)."""
+    checkpoint's config); ``scale_steps``: group scales quantized per super-block (symmetric, or
+    with float zero points); ``float_zero``: float offsets (mins) instead of integer zero points,
+    ``min_steps``: those mins quantized per super-block."""
     if not 2 <= num_bits <= 8:
         raise ValueError(f"integer weights take 2 to 8 bits, not {num_bits}")
-    if scale_steps is not None and not symmetric:
-        raise ValueError("super-block scale steps need a symmetric scheme")
+    if (float_zero or min_steps is not None) and symmetric:
+        raise ValueError("float zero points need an asymmetric scheme")
+    if min_steps is not None and not float_zero:
+        raise ValueError("super-block mins are float zero points: set float_zero")
+    if scale_steps is not None and not (symmetric or float_zero):
+        raise ValueError("super-block scale steps need a symmetric scheme or float zero points")
+    extra = {"scale_steps": scale_steps, "float_zero": float_zero, "min_steps": min_steps}
     for preset in PRESETS.values():
         if preset.grid is None and (preset.num_bits, preset.weight_type, preset.symmetric, preset.activations) == (num_bits, "int", symmetric, None):
-            return replace(preset.with_group_size(group_size), scale_steps=scale_steps)
-    return QuantScheme(f"W{num_bits}A16", num_bits, group_size=group_size, symmetric=symmetric, scale_steps=scale_steps)
+            return replace(preset.with_group_size(group_size), **extra)
+    return QuantScheme(f"W{num_bits}A16", num_bits, group_size=group_size, symmetric=symmetric, **extra)
 
 
 # llama.cpp's IQ4_NL values (kvalues_iq4nl): a non-uniform 4-bit grid fitted to bell-shaped weights.
@@ -224,6 +243,7 @@ K_GROUP = 16  # sub-block of Q3_K and Q6_K
 # codes with positive scales fit them exactly (the min is 2^(bits-1) times the scale): the signed range
 # below holds those scales as k in [-63, -1] (resp. [-15, -1]) with a negative d, stored as -k and -d.
 Q4_K_STEPS = 126
+K_MIN_STEPS = 64  # Q4_K / Q5_K's 6-bit unsigned mins (with float zero points: formats int4km, int5km)
 Q2_K_STEPS = 30
 
 
@@ -296,6 +316,8 @@ def compute_qparams(
         # balances both signs. 8-bit keeps absmax / 127 (W8A16, Q8_0).
         scale = absmax / (scheme.qmax + 0.5) if scheme.num_bits < 8 else absmax / scheme.qmax
         return round_scales(superblock_scales(scale.clamp(min=1e-12), wg.shape[-1], scheme.scale_steps), scheme), None
+    if scheme.float_zero:
+        return affine_qparams(wg, scheme, clip_ratio)
     wmin = (wg.amin(dim=-1) * clip_ratio).clamp(max=0)
     wmax = (wg.amax(dim=-1) * clip_ratio).clamp(min=0)
     scale = round_scales(((wmax - wmin) / (scheme.qmax - scheme.qmin)).clamp(min=1e-12), scheme)
@@ -320,9 +342,12 @@ def quantize(
         return q.reshape(w.shape)
     if scheme.grid is not None:
         return round_to_grid(wg / s, scheme.grid).to(torch.int8).reshape(w.shape)
-    q = torch.round(wg / s)
-    if zero_point is not None:
-        q = q + zero_point.unsqueeze(-1)
+    if zero_point is not None and zero_point.is_floating_point():  # a float offset: round after adding it
+        q = torch.round(wg / s + zero_point.unsqueeze(-1))
+    else:
+        q = torch.round(wg / s)
+        if zero_point is not None:
+            q = q + zero_point.unsqueeze(-1)
     q = q.clamp(scheme.qmin, scheme.qmax)
     return q.to(torch.int8).reshape(w.shape)
 
@@ -371,6 +396,8 @@ def search_qparams(
     if scheme.grid is not None:
         scale = superblock_scales(grid_scales(wg, scheme.grid, 1.0, col_w), wg.shape[-1], scheme.scale_steps)
         return round_scales(scale, scheme), None
+    if scheme.float_zero:  # its own search: least-squares scales and mins over candidate codes
+        return affine_qparams(wg, scheme, 1.0, col_w)
     free = replace(scheme, scale_steps=None)  # super-block scales: searched free, rounded once at the end
     best_err = torch.full(wg.shape[:2], float("inf"))
     best_scale, best_zp = compute_qparams(wf, free, group_size)
@@ -467,6 +494,83 @@ def superblock_scales(scale: torch.Tensor, group: int, steps: int | None) -> tor
     return (k * d).reshape(scale.shape)
 
 
+AFFINE_STEPS = 10  # candidate scales each side of min-max: (levels + t / 10) / range for |t| <= 10
+
+
+def affine_qparams(
+    wg: torch.Tensor, scheme: QuantScheme, clip_ratio: torch.Tensor | float = 1.0, col_w: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and float zero points ``[out, n_groups]`` of grouped weights ``wg`` for a
+    ``float_zero`` scheme: ``w ≈ s · u − min`` with unsigned codes ``u`` in ``[0, 2^bits − 1]``.
+
+    Much as llama.cpp fits Q4_K / Q5_K / Q4_1 / Q5_1 blocks: for candidate scales around the
+    min-max one, the codes they give are fitted by (``col_w``-weighted) least squares for both the
+    scale and the min, and the best fit kept; mins are non-negative for super-block mins (Q4_K's are
+    unsigned), free otherwise. Scales are then rounded as stored (``k · d`` per super-block, or the
+    scale dtype), mins to ``m · dmin`` per super-block (``min_steps``) or to float16, and the zero
+    point is ``min / s − 2^(bits−1)`` (our codes are signed: ``u − 2^(bits−1)``).
+    """
+    x = wg.float()
+    weight = torch.ones_like(x) if col_w is None else col_w.float().expand_as(x)
+    levels, half = 2**scheme.num_bits - 1, 2 ** (scheme.num_bits - 1)
+    nonneg = scheme.min_steps is not None
+    lo = x.amin(-1) * clip_ratio
+    lo = lo.clamp(max=0) if nonneg else lo
+    hi = torch.maximum(x.amax(-1) * clip_ratio, lo + 1e-12)
+    sw, sx = weight.sum(-1), (weight * x).sum(-1)
+    best_s, best_b = (hi - lo) / levels, lo
+    best_err = (weight * (torch.round((x - lo[..., None]) / best_s[..., None]).clamp(0, levels) * best_s[..., None]
+                          + lo[..., None] - x).square()).sum(-1)
+    for t in range(-AFFINE_STEPS, AFFINE_STEPS + 1):
+        inv = (levels + t / AFFINE_STEPS) / (hi - lo)
+        u = torch.round((x - lo[..., None]) * inv[..., None]).clamp(0, levels)
+        su, suu, sux = (weight * u).sum(-1), (weight * u * u).sum(-1), (weight * u * x).sum(-1)
+        det = sw * suu - su * su
+        ok = det > 1e-30 * sw * suu.clamp(min=1e-30)
+        s = torch.where(ok, (sw * sux - su * sx) / det.clamp(min=1e-30), best_s)
+        b = torch.where(ok, (suu * sx - su * sux) / det.clamp(min=1e-30), best_b)
+        if nonneg:  # a positive offset cannot be stored: fit the scale alone
+            pos = b > 0
+            s, b = torch.where(pos, sux / suu.clamp(min=1e-30), s), torch.where(pos, torch.zeros_like(b), b)
+        ok = ok & (s > 0)
+        err = (weight * (u * s[..., None] + b[..., None] - x).square()).sum(-1)
+        better = ok & (err < best_err)
+        best_err = torch.where(better, err, best_err)
+        best_s, best_b = torch.where(better, s, best_s), torch.where(better, b, best_b)
+    scale = round_scales(superblock_scales(best_s.clamp(min=1e-12), x.shape[-1], scheme.scale_steps), scheme)
+    mins = superblock_mins(-best_b, x.shape[-1], scheme.min_steps)
+    return scale, mins / scale - half
+
+
+def superblock_mins(mins: torch.Tensor, group: int, steps: int | None) -> torch.Tensor:
+    """Group mins ``[out, n_groups]`` rounded to ``m · dmin`` per super-block (``dmin`` float16,
+    ``0 <= m < steps``: Q4_K / Q5_K's 6-bit mins), or to float16 values (Q4_1 / Q5_1's ``m``) without
+    ``steps`` or where super-blocks do not tile the row."""
+    per = SUPERBLOCK // group if group and SUPERBLOCK % group == 0 else 0
+    if steps is None or not per or mins.shape[1] % per:
+        return mins.to(torch.float16).float()
+    m = mins.float().clamp(min=0).reshape(mins.shape[0], -1, per)
+    dmin = (m.amax(-1, keepdim=True) / (steps - 1)).to(torch.float16).float()
+    k = torch.where(dmin > 0, torch.round(m / dmin.clamp(min=1e-30)), torch.zeros_like(m)).clamp_(0, steps - 1)
+    return (k * dmin).reshape(mins.shape)
+
+
+def min_factors(mins: torch.Tensor, group: int, steps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(dmin [out, n_super] float16 values, m [out, n_groups] integers)`` with ``mins ≈ m · dmin``
+    to float32 rounding (mins come back from float zero points: ``(z + 2^(bits−1)) · s``), or None
+    when they are not of that form (the inverse of :func:`superblock_mins`, for exporters)."""
+    per = SUPERBLOCK // group if group and SUPERBLOCK % group == 0 else 0
+    if not per or mins.shape[1] % per:
+        return None
+    m = mins.float().reshape(mins.shape[0], -1, per)
+    dmin = (m.amax(-1, keepdim=True) / (steps - 1)).to(torch.float16).float()
+    k = torch.where(dmin > 0, torch.round(m / dmin.clamp(min=1e-30)), torch.zeros_like(m))
+    tolerance = 1e-5 * (dmin * steps).clamp(min=1e-30)
+    if (k < 0).any() or (k >= steps).any() or ((k * dmin - m).abs() > tolerance).any():
+        return None
+    return dmin.squeeze(-1), k.reshape(mins.shape)
+
+
 def superblock_factors(scale: torch.Tensor, group: int, steps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(d [out, n_super] float32 holding float16 values, k [out, n_groups] integers)`` with
     ``scale == k * d`` exactly and ``k`` in the ``steps`` range, or None when ``scale`` is not of
@@ -533,12 +637,19 @@ class QuantizedWeight:
 
     codes: torch.Tensor  # int8 codes [out, in] (int4 values in [-8, 7]), or float8_e4m3fn
     scale: torch.Tensor  # [out, n_groups] float32 (values of the scheme's stored scale dtype)
-    zero_point: torch.Tensor | None  # [out, n_groups] int32, asymmetric schemes only
+    zero_point: torch.Tensor | None  # [out, n_groups] int32 (float32 for float_zero schemes), asymmetric schemes only
     scheme: QuantScheme
     group_size: int | None  # the group size actually used for this layer (None: per-channel)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.codes, self.scale, self.zero_point, self.group_size, dtype)
+
+    def mins(self) -> torch.Tensor:
+        """Each group's offset ``min`` in ``w = s · (q + 2^(bits−1)) − min`` (``[out, n_groups]``
+        float32; zero for symmetric codes): llama.cpp's Q4_1 / Q5_1 ``−m`` and Q4_K / Q5_K ``dmin · m``."""
+        if self.zero_point is None:
+            return torch.zeros_like(self.scale, dtype=torch.float32)
+        return (self.zero_point.float() + 2 ** (self.scheme.num_bits - 1)) * self.scale.float()
 
     @classmethod
     def from_weight(

@@ -32,6 +32,7 @@ from llmopt.formats.schemes import (
     get_scheme,
     grid_scheme,
     int_weight_scheme,
+    min_factors,
     on_grid,
     superblock_factors,
 )
@@ -50,6 +51,7 @@ class GgufCarrier:
     sub_block: int
     steps: int | None = None
     one_sign: bool = False  # the multiples are stored unsigned (Q4_K, Q5_K, Q2_K): every k of a row has d's sign
+    min_steps: int | None = None  # float zero points: mins are m · dmin per block, 0 <= m < min_steps (Q4_K, Q5_K)
 
     @property
     def block(self) -> int:
@@ -83,10 +85,21 @@ class GgufCarrier:
             return None
         return found
 
+    def min_factors(self, qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(dmin, m)`` of ``qw``'s mins per sub-block (``dmin`` per block, float16 values), or None
+        when they are not of that form (only for types with ``min_steps``)."""
+        cols = qw.codes.shape[1]
+        group = qw.group_size or cols
+        if self.min_steps is None or not self.fits(cols, group):
+            return None
+        return min_factors(qw.mins().repeat_interleave(group // self.sub_block, dim=1), self.sub_block, self.min_steps)
+
     def carries(self, qw: QuantizedWeight) -> bool:
-        """Whether ``qw``'s codes and scales go into these blocks exactly."""
+        """Whether ``qw``'s codes, scales (and mins) go into these blocks exactly."""
         cols = qw.codes.shape[1]
         if not self.fits(cols, qw.group_size):
+            return False
+        if self.min_steps is not None and self.min_factors(qw) is None:
             return False
         return self.steps is None or self.factors(qw) is not None
 
@@ -101,7 +114,11 @@ class WeightFormat:
     float8 e4m3 codes; ``kernel``: the runtime kernel that runs it (int4, int8, nl4, fp8);
     ``gguf``: block types carrying it exactly, best first; ``info_bits``: bits of information
     per code (what a kernel reads: nl4 runs 4-bit grid indices); ``fp4``: E2M1 codes (held as
-    float8 values) with NVFP4 (``e4m3``) or MXFP4 (``e8m0``) scales, packed two a byte."""
+    float8 values) with NVFP4 (``e4m3``) or MXFP4 (``e8m0``) scales, packed two a byte;
+    ``float_zero``: float zero points (llama.cpp's mins), held with int8 codes in compressed-tensors'
+    ``naive-quantized`` form (its packed form takes integer zero points only); ``min_steps``: those
+    mins are 6-bit multiples per super-block (Q4_K / Q5_K). Float zero points without super-block
+    scales keep float16 scales, as Q4_1 / Q5_1 store them."""
 
     name: str
     bits: int
@@ -113,6 +130,8 @@ class WeightFormat:
     gguf: tuple[GgufCarrier, ...] = ()
     description: str = ""
     fp4: str | None = None
+    float_zero: bool = False
+    min_steps: int | None = None
 
     # ----- schemes
 
@@ -128,7 +147,9 @@ class WeightFormat:
         if self.grid is not None:
             scheme = grid_scheme(self.grid, group_size, self.scale_steps)
         else:
-            scheme = int_weight_scheme(self.bits, group_size, self.symmetric, self.scale_steps)
+            scheme = int_weight_scheme(self.bits, group_size, self.symmetric, self.scale_steps, self.float_zero, self.min_steps)
+        if self.float_zero and self.scale_steps is None:
+            scale_dtype = "float16"  # Q4_1 / Q5_1 hold d in float16
         return replace(scheme, scale_dtype=scale_dtype)
 
     def describes(self, scheme: QuantScheme) -> bool:
@@ -137,8 +158,8 @@ class WeightFormat:
             return False
         if scheme.is_float or self.float_codes:
             return scheme.is_float == self.float_codes
-        return ((scheme.num_bits, scheme.symmetric, scheme.grid, scheme.scale_steps)
-                == (self.bits, self.symmetric, self.grid, self.scale_steps))
+        return ((scheme.num_bits, scheme.symmetric, scheme.grid, scheme.scale_steps, scheme.float_zero, scheme.min_steps)
+                == (self.bits, self.symmetric, self.grid, self.scale_steps, self.float_zero, self.min_steps))
 
     def holds(self, qw: QuantizedWeight) -> bool:
         """Whether ``qw`` is of this format: its scheme says so, or (a checkpoint read back names
@@ -148,11 +169,13 @@ class WeightFormat:
             return False
         if s.is_float or self.float_codes:
             return s.is_float == self.float_codes
-        if (s.num_bits, s.symmetric) != (self.bits, self.symmetric):
+        if (s.num_bits, s.symmetric, s.float_zero) != (self.bits, self.symmetric, self.float_zero):
             return False
-        if s.grid is not None or s.scale_steps is not None:
+        if s.grid is not None or s.scale_steps is not None or s.min_steps is not None:
             return self.describes(s)
         if self.grid is not None and not (qw.zero_point is None and on_grid(qw.codes, self.grid)):
+            return False
+        if self.min_steps is not None and self.gguf[0].min_factors(qw) is None:
             return False
         return self.scale_steps is None or self.gguf[0].factors(qw) is not None
 
@@ -194,7 +217,7 @@ class WeightFormat:
             zero = 0 if self.symmetric else math.ceil(out_features * self.bits / 32) * groups * 4
         else:
             codes = out_features * in_features  # int8 / float8, one byte a code
-            zero = 0 if self.symmetric else out_features * groups
+            zero = 0 if self.symmetric else out_features * groups * (4 if self.float_zero else 1)
         return codes + scale + zero
 
     def checkpoint_tensors(self, activations: str | None = None) -> tuple[str, ...]:
@@ -210,7 +233,7 @@ class WeightFormat:
         """Whether compressed-tensors packs the codes densely (``pack-quantized``: integer codes of
         a weight-only scheme), rather than one int8 / float8 byte a code; FP4 codes pack two a byte
         in formats of their own (``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``)."""
-        return not self.float_codes and activations is None
+        return not self.float_codes and not self.float_zero and activations is None
 
     def pack(self, qw: QuantizedWeight, scale_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The compressed-tensors tensors (local names) of ``qw``: codes packed as compressed-tensors'
@@ -228,7 +251,8 @@ class WeightFormat:
             return out
         out["weight"] = codes.to(torch.float8_e4m3fn if self.float_codes else torch.int8)
         if qw.zero_point is not None:
-            out["weight_zero_point"] = qw.zero_point.to(torch.int8).contiguous()
+            zero_dtype = torch.float32 if self.float_zero else torch.int8
+            out["weight_zero_point"] = qw.zero_point.to(zero_dtype).contiguous()
         return out
 
     def unpack(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, group_size: int | None) -> QuantizedWeight:
@@ -249,7 +273,7 @@ class WeightFormat:
         else:
             codes = tensors["weight"]
             codes = codes if self.float_codes else codes.to(torch.int8)
-        zp = None if zp is None or self.symmetric else zp.to(torch.int32)
+        zp = None if zp is None or self.symmetric else zp.to(torch.float32 if self.float_zero else torch.int32)
         return QuantizedWeight(codes, scale, zp, scheme, group_size)
 
     def _pack_fp4(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
