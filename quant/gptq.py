@@ -281,7 +281,8 @@ def gptq_quantize_weight(
     dynamic = group_size is not None and not static_groups and scheme.scale_steps is None
     if dynamic:
         scale = torch.zeros(out_f, n_groups, device=w.device)
-        zp = None if scheme.symmetric or scheme.is_float else torch.zeros(out_f, n_groups, dtype=torch.int32, device=w.device)
+        zero_dtype = torch.float32 if scheme.float_zero else torch.int32
+        zp = None if scheme.symmetric or scheme.is_float else torch.zeros(out_f, n_groups, dtype=zero_dtype, device=w.device)
     elif qparams is not None:
         scale, zp = qparams[0].float().clone(), None if qparams[1] is None else qparams[1].clone()
     else:

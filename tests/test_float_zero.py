@@ -116,28 +116,49 @@ def test_gptq_and_the_refit_keep_the_mins(fmt):
     assert format_of(refit).name == fmt and format_of(gptq).name == fmt
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_keeps_weights_its_grid_holds(act_order):
+    """Q4_1 weights through GPTQ as int5m, with groups fitted as reached (float zero points in the
+    running buffers) or up front: every weight comes back exactly (no error to feed forward)."""
+    x = correlated_inputs(1024, 128)
+    w = q4_1_grid(24, 128, seed=5)
+    qw = gptq_quantize_weight(w, (2 * x.T @ x / x.shape[0]).double(), FORMATS["int5m"].scheme(32), 32,
+                              act_order=act_order, clip=True, refit=True)
+    assert qw.zero_point.dtype == torch.float32
+    torch.testing.assert_close(qw.dequantize(), w, rtol=0, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def q5_k_m(tmp_path_factory):
     """A tiny 96-wide Llama (rows 256 does not divide: Q5_K falls back to Q5_1) with a 256-wide
-    down projection (Q5_K), quantized as Q5_K_M by RTN."""
+    down projection (Q5_K), its Linears' weights those of a Q4_1 file, quantized as Q5_K_M by RTN
+    (the model's bfloat16 scale dtype must not reach Q5_1's float16 scales)."""
     root = tmp_path_factory.mktemp("float_zero")
-    source = save_model(tiny_llama(seed=0, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
-                                   tie_word_embeddings=False), root / "float")
+    model = tiny_llama(seed=0, hidden_size=96, intermediate_size=256, num_hidden_layers=2, tie_word_embeddings=False)
+    for i, module in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+        module.weight.data = q4_1_grid(*module.weight.shape, seed=i)
+    source = save_model(model, root / "float")
     result = CliRunner().invoke(main, ["quantize", str(source), "--scheme", "Q5_K_M", "--method", "rtn", "-o", str(root / "q")])
     assert result.exit_code == 0, result.output
-    return root
+    return root, model
 
 
 def test_checkpoint_loads_in_transformers_and_exports_exactly(q5_k_m):
     """The checkpoint's float zero points: naive-quantized with float32 ``zp_dtype``, read back as
-    int5m / int5km; transformers' own loader gives our dequantized model's logits; export --type
-    Q5_K_M carries every code, scale and min."""
+    int5m / int5km, the Q4_1 weights held exactly by every Q5_1 tensor; transformers' own loader
+    gives our dequantized model's logits; export --type Q5_K_M carries every code, scale and min."""
     from transformers import AutoModelForCausalLM
 
+    q5_k_m, source = q5_k_m
     weights, qconfig = read_compressed(q5_k_m / "q")
     names = {name: format_of(qw).name for name, qw in weights.items()}
     assert len(names) == 2 * 7 + 2
     assert names["model.layers.0.mlp.down_proj"] == "int5km" and names["model.layers.0.self_attn.q_proj"] == "int5m"
+    exact = [n for n, f in names.items() if f == "int5m" and n.startswith("model.layers")]
+    assert len(exact) == 2 * 6 - 1  # all but the down projections and the last layer's v (Q6_K → Q8_0)
+    for name in exact:
+        assert weights[name].scale.dtype == torch.float32 and weights[name].scheme.stored_scale_dtype == torch.float16
+        torch.testing.assert_close(weights[name].dequantize(), source.get_submodule(name).weight.float(), rtol=0, atol=1e-6)
     groups = [g for g in qconfig["config_groups"].values() if g["weights"].get("zp_dtype") == "torch.float32"]
     assert len(groups) == 1 and groups[0]["format"] == "naive-quantized"
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(4))
@@ -161,3 +182,5 @@ def test_float_zero_points_refused_where_they_cannot_go():
     with pytest.raises(ValueError, match="float zero points"):
         hqq_quantize_weight(torch.randn(8, 64), FORMATS["int4m"].scheme(32), 32)
     assert get_scheme("W4A16_ASYM").float_zero is False
+    # Q4_1 / Q5_1 scales stay float16 whatever scale dtype a model asks for
+    assert FORMATS["int5m"].scheme(32).with_scale_dtype("bfloat16").stored_scale_dtype == torch.float16

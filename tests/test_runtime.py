@@ -16,6 +16,7 @@ from conftest import byte_tokenizer, lazy_models, save_model, tiny_llama
 from llmopt.cli.main import main
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.compressed import save_compressed
+from llmopt.formats.registry import FORMATS
 from llmopt.formats.schemes import (
     QuantizedWeight,
     compute_qparams,
@@ -193,10 +194,11 @@ def test_same_tokens_alone_batched_cached_chunked_and_preempted(models):
 
 
 @pytest.mark.parametrize("preset,group", [("W4A16", 32), ("W4A16_ASYM", 32), ("W8A16", None), ("W8A8", None),
-                                          ("FP8", None), ("FP8_DYNAMIC", None)])
+                                          ("FP8", None), ("FP8_DYNAMIC", None), ("int4m", 32), ("int5m", 32)])
 def test_quantized_checkpoints_stay_quantized_and_match(tmp_path, preset, group):
+    """Presets, and formats with float zero points (llama.cpp's mins: int4m, int5m)."""
     model = tiny_llama(seed=1, tie_word_embeddings=False)
-    scheme = get_scheme(preset, group if group is not None else 0)
+    scheme = FORMATS[preset].scheme(group) if preset in FORMATS else get_scheme(preset, group if group is not None else 0)
     weights = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name != "lm_head":

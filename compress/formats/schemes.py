@@ -121,10 +121,13 @@ class QuantScheme:
     @property
     def stored_scale_dtype(self) -> torch.dtype:
         """The dtype the scales are written in: ``scale_dtype``, float32 for super-block scales
-        (``k * d`` products, exact only in float32)."""
+        (``k * d`` products, exact only in float32), float16 for float zero points with free
+        scales (Q4_1 / Q5_1's ``d``)."""
         if self.is_fp4:
             return torch.float8_e4m3fn if self.scale_format == "e4m3" else torch.uint8
-        return torch.float32 if self.scale_steps is not None else SCALE_DTYPES[self.scale_dtype]
+        if self.scale_steps is not None:
+            return torch.float32
+        return torch.float16 if self.float_zero else SCALE_DTYPES[self.scale_dtype]  # Q4_1 / Q5_1 hold d in float16
 
     @property
     def bits_per_weight(self) -> float:

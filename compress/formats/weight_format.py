@@ -148,8 +148,6 @@ class WeightFormat:
             scheme = grid_scheme(self.grid, group_size, self.scale_steps)
         else:
             scheme = int_weight_scheme(self.bits, group_size, self.symmetric, self.scale_steps, self.float_zero, self.min_steps)
-        if self.float_zero and self.scale_steps is None:
-            scale_dtype = "float16"  # Q4_1 / Q5_1 hold d in float16
         return replace(scheme, scale_dtype=scale_dtype)
 
     def describes(self, scheme: QuantScheme) -> bool:
