@@ -295,3 +295,34 @@ def test_groups_that_do_not_divide_are_refused(tmp_path):
     result = _cli("quantize", str(odd), "--scheme", "NVFP4A16", "-o", str(tmp_path / "x"))
     assert result.exit_code == 2, result.output
     assert "NVFP4A16 quantizes in groups of 16, which do not divide the 200 input features" in result.stderr
+
+
+def test_mxfp4_is_carried_into_llama_cpps_mxfp4_blocks(source, tmp_path):
+    """MXFP4A16 → GGUF (auto): every Linear in llama.cpp's MXFP4 blocks, codes and E8M0 scales
+    read back equal, gguf's own dequantizer gives our weights bit for bit; NVFP4 (no GGUF type)
+    goes to F16; a float model takes ``--type MXFP4`` (gguf's quantizer)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFReader, quants
+
+    out = tmp_path / "mx"
+    quantize_checkpoint(source, out, make_request("MXFP4A16", "rtn"), tokenizer=byte_tokenizer(), progress=False)
+    weights, _ = read_compressed(out)
+    gguf = tmp_path / "mx.gguf"
+    result = _cli("export", str(out), "-o", str(gguf), "--json")
+    assert result.exit_code == 0, result.output
+    written = {t["source"].removesuffix(".weight"): t for t in json.loads(result.stdout)["tensors"]}
+    assert len(weights) == 14 and all(written[n]["type"] == "MXFP4" and written[n]["codes_identical"] for n in weights)
+    tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
+    q = tensors["blk.0.ffn_down.weight"]
+    assert q.tensor_type == T.MXFP4
+    theirs = np.asarray(quants.dequantize(q.data, T.MXFP4), dtype=np.float32).reshape(weights["model.layers.0.mlp.down_proj"].codes.shape)
+    np.testing.assert_array_equal(theirs, weights["model.layers.0.mlp.down_proj"].dequantize().numpy())
+    nv = tmp_path / "nv"
+    quantize_checkpoint(source, nv, make_request("NVFP4A16", "rtn"), tokenizer=byte_tokenizer(), progress=False)
+    result = _cli("export", str(nv), "-o", str(tmp_path / "nv.gguf"), "--json")
+    assert result.exit_code == 0, result.output
+    assert {t["type"] for t in json.loads(result.stdout)["tensors"] if "layers.0.mlp" in t["source"]} == {"F16"}
+    result = _cli("export", str(source), "--type", "MXFP4", "-o", str(tmp_path / "f.gguf"), "--json")
+    assert result.exit_code == 0, result.output
+    assert {t["type"] for t in json.loads(result.stdout)["tensors"] if "layers.0.mlp" in t["source"]} == {"MXFP4"}

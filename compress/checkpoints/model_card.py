@@ -61,12 +61,14 @@ def consumers(config: dict) -> dict[str, str]:
     out["vLLM"] = ("cannot serve it: " + "; ".join(problems) + " (quantize with `--for vllm`)" if problems
                    else "loads on GPUs; its CPU build has no 8-bit weight-only kernel" if weight_only_8 else "loads")
     out["llama.cpp"] = "after `llmopt export --type auto` (codes carried into GGUF blocks where a type holds them)"
-    if any(w.get("type") == "float" and w.get("num_bits") == 4 for w in weights):  # NVFP4A16 / MXFP4A16
+    fp4_groups = [w for w in weights if w.get("type") == "float" and w.get("num_bits") == 4]
+    if fp4_groups:  # NVFP4A16 (groups of 16) / MXFP4A16 (groups of 32)
         out["transformers"] = ("loads in bfloat16 (compressed-tensors 0.20 decompresses FP4 weights to bfloat16, so a "
                                "float32 load fails in its first matmul)")
         out["vLLM"] = "loads on GPUs with FP4 kernels (not measured by llmopt)"
         out["llmopt"] = "loads (`llmopt eval`, `llmopt serve`: E2M1 codes run on the fp8 kernel)"
-        out["llama.cpp"] = "after `llmopt export --type auto`, in F16 (the GGUF export carries no FP4 codes)"
+        out["llama.cpp"] = ("after `llmopt export --type auto`: MXFP4 codes carried into MXFP4 blocks" if all(
+            w.get("group_size") == 32 for w in fp4_groups) else "after `llmopt export --type auto`, in F16 (GGUF has no NVFP4 type)")
     return out
 
 

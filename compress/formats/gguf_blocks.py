@@ -9,6 +9,9 @@ Layouts (one block, little-endian, as ggml stores them; ``d``/``m`` are float16)
   16 bytes of low nibbles laid out as Q4_0's; ``w = d * (u - 16)``, ``u`` in [0, 31].
 * ``Q5_1`` (32 weights, 24 bytes): ``d``, ``m``, ``qh``, low nibbles; ``w = d * u + m``.
 * ``Q8_0`` (32 weights, 34 bytes): ``d``, 32 int8 ``q``; ``w = d * q``.
+* ``MXFP4`` (32 weights, 17 bytes): the E8M0 byte ``e``, nibbles as Q4_0 holding indices into the
+  doubled E2M1 values (``MXFP4_VALUES``); ``w = 2^(e - 128) * value`` — our ``mxfp4`` codes and
+  power-of-two scales exactly.
 * ``IQ4_NL`` (32 weights, 18 bytes): ``d``, nibbles as Q4_0; ``w = d * kvalues[u]`` on llama.cpp's
   16-value non-uniform grid (``IQ4_NL_GRID``).
 * ``IQ4_XS`` (256 weights, 136 bytes): ``d``, ``scales_h`` (uint16: bits ``2j, 2j+1`` are the high
@@ -61,7 +64,7 @@ from llmopt.formats.schemes import (
     superblock_scales,
 )
 
-USER_TYPES = ("auto", "F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL", "Q4_K", "IQ4_XS", "Q6_K")  # the GGUF types `--type` accepts
+USER_TYPES = ("auto", "F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL", "Q4_K", "IQ4_XS", "Q6_K", "MXFP4")  # the GGUF types `--type` accepts
 
 QK = 32  # weights per Q4_0 / Q4_1 / Q5_0 / Q8_0 block
 QK_K = 256  # weights per K-quant super-block
@@ -153,6 +156,27 @@ def encode_iq4_nl(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 values doubled, by 4-bit index
+_MXFP4_INDEX = np.full(25, -1, dtype=np.int16)  # doubled value + 12 → its index (+0 for zero)
+for _i, _v in reversed(list(enumerate(MXFP4_VALUES))):
+    _MXFP4_INDEX[_v + 12] = _i
+
+
+def encode_mxfp4(doubled: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """MXFP4 bytes ``[rows, cols/32*17]`` from E2M1 codes doubled (integers in [-12, 12]) and block
+    scales ``d`` ``[rows, cols/32]`` that are powers of two ``2^(e - 127)`` (stored as the E8M0 byte ``e``)."""
+    rows = doubled.shape[0]
+    v = doubled.astype(np.int16)
+    if v.min(initial=0) < -12 or v.max(initial=0) > 12 or (_MXFP4_INDEX[v + 12] < 0).any():
+        raise ValueError("a code is not an E2M1 value")
+    u = _MXFP4_INDEX[v + 12]
+    e = np.log2(d.astype(np.float64).reshape(-1)) + 127
+    if not np.array_equal(e, np.round(e)) or e.min(initial=0) < 0 or e.max(initial=0) > 254:
+        raise ValueError("an MXFP4 scale is not a power of two E8M0 holds")
+    out = np.concatenate([e.astype(np.uint8).reshape(-1, 1), _nibbles(u.astype(np.uint8).reshape(-1, QK))], axis=1)
+    return out.reshape(rows, -1)
+
+
 def encode_iq4_xs(codes: np.ndarray, d: np.ndarray, k: np.ndarray) -> np.ndarray:
     """IQ4_XS bytes ``[rows, cols/256*136]`` from grid codes ``[rows, cols]``, super-block scales
     ``d`` ``[rows, cols/256]`` (float16 values) and sub-block multipliers ``k`` ``[rows, cols/32]``."""
@@ -198,6 +222,10 @@ def stored_codes(data: np.ndarray, qtype: T, rows: int) -> tuple[np.ndarray, np.
     ``[rows, cols]``; ``d`` has shape ``[rows, cols/32]`` (``[rows, cols/16]`` for Q3_K / Q6_K; float32).
     """
     blocks = np.ascontiguousarray(data.reshape(-1)).reshape(-1, _type_bytes(qtype))
+    if qtype == T.MXFP4:  # codes: E2M1 values doubled; d: 2^(e - 127)
+        codes = np.array(MXFP4_VALUES, dtype=np.int8)[_unnibble(blocks[:, 1:])]
+        d = np.ldexp(np.float32(1), blocks[:, 0].astype(np.int32) - 127).astype(np.float32)
+        return codes.reshape(rows, -1), d.reshape(rows, -1)
     if qtype == T.Q6_K:
         return _q6_k_codes(blocks, rows)
     if qtype == T.Q3_K:

@@ -67,16 +67,17 @@ from llmopt.formats.gguf_source import (
 from llmopt.formats.gguf_verify import verify_with_transformers
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
-CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
+CARRY_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4}
 FOUR_BIT = {T.Q4_0, T.Q4_1, T.Q4_K, T.IQ4_NL, T.IQ4_XS}
 FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.Q4_0: T.F16, T.Q4_1: T.F16, T.Q5_0: T.F16, T.Q5_1: T.F16, T.Q8_0: T.F16,
-            T.IQ4_NL: T.F16, T.IQ4_XS: T.IQ4_NL}
+            T.IQ4_NL: T.F16, T.IQ4_XS: T.IQ4_NL, T.MXFP4: T.F16}
 FILE_TYPES = {
     T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16, T.BF16: LlamaFileType.MOSTLY_BF16,
     T.Q8_0: LlamaFileType.MOSTLY_Q8_0, T.Q4_0: LlamaFileType.MOSTLY_Q4_0, T.Q4_1: LlamaFileType.MOSTLY_Q4_1,
     T.Q5_0: LlamaFileType.MOSTLY_Q5_0, T.Q5_1: LlamaFileType.MOSTLY_Q5_1, T.Q4_K: LlamaFileType.MOSTLY_Q4_K_S, T.Q5_K: LlamaFileType.MOSTLY_Q5_K_S, T.Q2_K: LlamaFileType.MOSTLY_Q2_K,
     T.Q6_K: LlamaFileType.MOSTLY_Q6_K,
     T.Q3_K: LlamaFileType.MOSTLY_Q3_K_S, T.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL, T.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
+    T.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,  # llama.cpp's one MXFP4 file type (named for gpt-oss's experts)
 }
 F16_MAX = 65504.0
 # carried types whose scales are integer multiples of a float16 d per super-block
@@ -289,12 +290,14 @@ def _carry(name: str, source: str, qw: Any, qtype: T, fmt: str, note: str) -> Pl
     group = qw.group_size or cols
     carrier = format_of(qw).gguf_carrier_of(qtype)
     scale = qw.scale.float().repeat_interleave(group // carrier.sub_block, dim=1)  # [rows, cols/32] (Q3_K / Q6_K: cols/16)
-    d16 = scale.to(torch.float16)
-    if not torch.isfinite(d16).all():
-        raise UnmappableTypeError(f"{source}: a scale exceeds float16's range", "export with --type F32")
-    if carrier.steps is not None:  # the scales are carried exactly: a float16 d per super-block times an integer
+    if carrier.steps is not None or qtype == T.MXFP4:  # carried exactly: k · d per super-block, or powers of two
         d16 = scale
-    codes = qw.codes.to(torch.int16)
+    else:
+        d16 = scale.to(torch.float16)
+        if not torch.isfinite(d16).all():
+            raise UnmappableTypeError(f"{source}: a scale exceeds float16's range", "export with --type F32")
+    # MXFP4's codes are compared as the doubled E2M1 values its blocks index
+    codes = (qw.codes.float() * 2).to(torch.int16) if qtype == T.MXFP4 else qw.codes.to(torch.int16)
     if qtype == T.Q8_0 and qw.zero_point is not None:
         codes = codes - qw.zero_point.to(torch.int16).repeat_interleave(group, dim=1)
     mins = None
@@ -431,6 +434,8 @@ def encode(p: Planned) -> tuple[np.ndarray, T | None]:
             return blocks.encode_q8_0(codes, p.expected_d), T.Q8_0
         if p.qtype == T.IQ4_NL:
             return blocks.encode_iq4_nl(codes, p.expected_d), T.IQ4_NL
+        if p.qtype == T.MXFP4:
+            return blocks.encode_mxfp4(codes, p.expected_d), T.MXFP4
         if p.qtype in SUPERBLOCK_ENCODERS:
             d, k = _factors(qw, p.qtype)
             if p.expected_min is not None:

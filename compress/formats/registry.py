@@ -96,8 +96,8 @@ for _bits in range(2, 9):
 # E2M1 codes held as float8 values: the runtime's fp8 kernel runs them (one byte a code in memory)
 register(WeightFormat("nvfp4", 4, float_codes=True, kernel="fp8", fp4="e4m3",
                       description="FP4 E2M1 codes, FP8 E4M3 scales per 16 features and a float32 global scale (NVFP4)"))
-register(WeightFormat("mxfp4", 4, float_codes=True, kernel="fp8", fp4="e8m0",
-                      description="FP4 E2M1 codes, E8M0 power-of-two scales per 32 features (MXFP4)"))
+register(WeightFormat("mxfp4", 4, float_codes=True, kernel="fp8", fp4="e8m0", gguf=(GgufCarrier(T.MXFP4, 32),),
+                      description="FP4 E2M1 codes, E8M0 power-of-two scales per 32 features (MXFP4, GGUF MXFP4)"))
 register(WeightFormat("fp8", 8, float_codes=True, kernel="fp8", description="float8 e4m3 codes"))
 
 
