@@ -159,6 +159,9 @@ def test_checkpoint_loads_in_transformers_and_exports_exactly(q5_k_m):
     for name in exact:
         assert weights[name].scale.dtype == torch.float32 and weights[name].scheme.stored_scale_dtype == torch.float16
         torch.testing.assert_close(weights[name].dequantize(), source.get_submodule(name).weight.float(), rtol=0, atol=1e-6)
+    # a mixture's free scales are float16, as its GGUF blocks hold them (not the model's bfloat16)
+    v_last = weights["model.layers.1.self_attn.v_proj"]
+    assert names["model.layers.1.self_attn.v_proj"] == "int8" and v_last.scheme.stored_scale_dtype == torch.float16
     groups = [g for g in qconfig["config_groups"].values() if g["weights"].get("zp_dtype") == "torch.float32"]
     assert len(groups) == 1 and groups[0]["format"] == "naive-quantized"
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(4))

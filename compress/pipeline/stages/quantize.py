@@ -181,10 +181,11 @@ class QuantizeConfig:
                 "head": self.head, "embedding": self.embedding, "versions": versions()}
 
     def prepared(self, request: QuantizeRequest, record: dict, scale_dtype: str) -> QuantizeRequest:
-        """``request`` with its scales stored in ``scale_dtype`` (the source's 16-bit dtype), the
-        ignore list and scale dtype recorded."""
+        """``request`` with its scales stored in ``scale_dtype`` (the source's 16-bit dtype; float16
+        for a llama.cpp mixture, whose blocks hold float16 scales: three more bits than bfloat16's,
+        carried exactly), the ignore list and scale dtype recorded."""
         record["ignore"] = list(request.ignore)
-        request = request.with_scale_dtype(scale_dtype)
+        request = request.with_scale_dtype("float16" if self.is_mixture else scale_dtype)
         record["scale_dtype"] = request.scale_dtype
         record["group_size_asked"] = self.group_size
         return request
