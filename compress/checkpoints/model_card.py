@@ -46,7 +46,7 @@ def consumers(config: dict) -> dict[str, str]:
     embedding = any(re.search(r"embed_tokens|wte|word_embeddings", t) for t in targets)
     head = any(re.search(r"(^|\.)lm_head$", t) for t in targets)
     odd = sorted({f"{w.get('num_bits')}-bit" for w in weights if w.get("type") == "int" and w.get("num_bits") not in VLLM_BITS})
-    # float zero points (llama.cpp's mins, naive-quantized): transformers reads them; vLLM has no kernel for them
+    # float zero points (llama.cpp's mins, naive-quantized): transformers reads them, vLLM does not
     float_zero = any(str(w.get("zp_dtype", "")).startswith("torch.float") for w in weights)
     asym = any(w.get("symmetric") is False and not str(w.get("zp_dtype", "")).startswith("torch.float") for w in weights)
     grouped = len({w.get("group_size") for w in weights}) > 1
@@ -55,7 +55,8 @@ def consumers(config: dict) -> dict[str, str]:
                            if embedding else "cannot load asymmetric groups of several sizes (compressed-tensors 0.20); "
                            "`llmopt export --format hf` writes a dense copy" if asym and grouped else "loads")
     problems = ([f"no kernel for {', '.join(odd)} codes"] if odd else []) + (["no quantized embedding / head"] if embedding or head else [])
-    problems += ["no kernel for float zero points (llama.cpp's mins)"] if float_zero else []
+    # vLLM 0.32 takes naive-quantized integer weights only beside quantized activations (an assertion on load, measured)
+    problems += ["no loader for float zero points (llama.cpp's mins, naive-quantized)"] if float_zero else []
     weight_only_8 = any((g.get("weights") or {}).get("num_bits") == 8 and (g.get("weights") or {}).get("type") == "int"
                         and not g.get("input_activations") for g in groups)
     out["vLLM"] = ("cannot serve it: " + "; ".join(problems) + " (quantize with `--for vllm`)" if problems
