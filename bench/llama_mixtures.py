@@ -108,6 +108,24 @@ def gguf_types(path: Path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
 
 
+def float_baselines(bins: Path, chunks: int) -> tuple[Path, dict[str, Path]]:
+    """The demo's float (F32) GGUF and llama-perplexity's saved logits of it on each text
+    (``chunks`` windows), made once and reused."""
+    from llmopt.formats.export import export_model
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    f32 = OUT / "f32.gguf"
+    if not f32.is_file():
+        export_model("demo", f32, "gguf", gguf_type="F32", overwrite=True)
+    bases = {}
+    for name, corpus in TEXTS.items():
+        bases[name] = OUT / f"base-{name}-{chunks}.kld"
+        if not bases[name].is_file():
+            run([str(bins / "llama-perplexity"), "-m", str(f32), "-f", str(text_file(corpus)), "-c", str(CTX), "--chunks",
+                 str(chunks), "-t", "2", "--kl-divergence-base", str(bases[name])], OUT / f"base-{name}.log")
+    return f32, bases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-bin", type=Path, required=True, help="folder of llama-quantize, llama-imatrix, llama-perplexity")
@@ -119,22 +137,12 @@ def main() -> None:
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=8, help="windows of 2048 tokens scored per text")
     args = parser.parse_args()
-    from llmopt.formats.export import export_model
     from llmopt.pipeline.stages.export import ExportConfig, run_export
     from llmopt.pipeline.stages.quantize import QuantizeConfig, run_quantize
 
-    OUT.mkdir(parents=True, exist_ok=True)
     started = time.time()
     bins = args.llama_bin
-    f32 = OUT / "f32.gguf"
-    if not f32.is_file():
-        export_model("demo", f32, "gguf", gguf_type="F32", overwrite=True)
-    bases = {}
-    for name, corpus in TEXTS.items():
-        bases[name] = OUT / f"base-{name}-{args.chunks}.kld"
-        if not bases[name].is_file():
-            run([str(bins / "llama-perplexity"), "-m", str(f32), "-f", str(text_file(corpus)), "-c", str(CTX), "--chunks",
-                 str(args.chunks), "-t", "2", "--kl-divergence-base", str(bases[name])], OUT / f"base-{name}.log")
+    f32, bases = float_baselines(bins, args.chunks)
     calib = calibration_file(args.calib, args.calib_samples, args.calib_seq_len)
     tag = f"{slug(args.calib)}-{args.calib_samples}x{args.calib_seq_len}"
     imatrix = OUT / f"imatrix-{tag}.dat"

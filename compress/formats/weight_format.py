@@ -72,15 +72,20 @@ class GgufCarrier:
         """Whether rows of ``cols`` weights in groups of ``group`` (None: one per row) tile its blocks."""
         return cols % self.block == 0 and (group or cols) % self.sub_block == 0
 
+    def _per_sub_block(self, qw: QuantizedWeight, values: torch.Tensor, steps: int | None) -> torch.Tensor | None:
+        """``values`` (one per group) repeated to one per sub-block, None without ``steps`` or when
+        ``qw``'s rows do not tile these blocks."""
+        cols = qw.codes.shape[1]
+        group = qw.group_size or cols
+        if steps is None or not self.fits(cols, group):
+            return None
+        return values.float().repeat_interleave(group // self.sub_block, dim=1)
+
     def factors(self, qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(d, k)`` of ``qw``'s scales per sub-block (``d`` per block, float16 values), or None
         when they are not of that form (only for types with ``steps``)."""
-        cols = qw.codes.shape[1]
-        group = qw.group_size or cols
-        if self.steps is None or not self.fits(cols, group):
-            return None
-        per_sub = qw.scale.float().repeat_interleave(group // self.sub_block, dim=1)
-        found = superblock_factors(per_sub, self.sub_block, self.steps)
+        per_sub = self._per_sub_block(qw, qw.scale, self.steps)
+        found = None if per_sub is None else superblock_factors(per_sub, self.sub_block, self.steps)
         if found is not None and self.one_sign and (found[1] >= 0).any():
             return None
         return found
@@ -88,11 +93,8 @@ class GgufCarrier:
     def min_factors(self, qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(dmin, m)`` of ``qw``'s mins per sub-block (``dmin`` per block, float16 values), or None
         when they are not of that form (only for types with ``min_steps``)."""
-        cols = qw.codes.shape[1]
-        group = qw.group_size or cols
-        if self.min_steps is None or not self.fits(cols, group):
-            return None
-        return min_factors(qw.mins().repeat_interleave(group // self.sub_block, dim=1), self.sub_block, self.min_steps)
+        per_sub = self._per_sub_block(qw, qw.mins(), self.min_steps)
+        return None if per_sub is None else min_factors(per_sub, self.sub_block, self.min_steps)
 
     def carries(self, qw: QuantizedWeight) -> bool:
         """Whether ``qw``'s codes, scales (and mins) go into these blocks exactly."""
