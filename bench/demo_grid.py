@@ -6,10 +6,11 @@ from is a Q4_1 block dequantized: within each group of 32 inputs at most 16 dist
 ``m + q * d``. A format with a free float offset per group and at least as many steps (Q5_1,
 and nearly Q5_K with its 6-bit scales and mins) can hold such a block exactly, and a search over
 scale and offset (llama.cpp's ``make_qkx3_quants``, which it runs when given an importance matrix)
-finds that fit; min-max rounding (llama.cpp without an importance matrix) does not, nor do
-llmopt's asymmetric formats, whose offsets are integer zero points (compressed-tensors' form:
-``-z * scale``), nor symmetric ones. On weights that were never quantized no format has such an
-exact fit, so the gap measured on this model says little about models in general.
+finds that fit, and so does llmopt's least-squares fit of float zero points (the formats its
+mixtures give Q4_1 / Q5_1 / Q4_K / Q5_K tensors); min-max rounding (llama.cpp without an importance
+matrix) does not, nor do integer zero points (``-z * scale``) or symmetric codes. On weights that
+were never quantized no format has such an exact fit, so the numbers measured on this model say
+little about models in general.
 
 Measured here, from the files ``bench/llama_mixtures.py`` leaves in ``out/llama_mixtures``:
 the share of the demo's groups of 32 with at most 16 distinct values, and per GGUF file and
@@ -104,8 +105,8 @@ def render(result: dict) -> str:
         f"Written by `bench/demo_grid.py` on {result['date']} from `{result['float_file']}` (the demo exported to F32) and the",
         "GGUF files below. The demo model ships only as a Q4_1 GGUF; groups of 32 weights holding at most 16 distinct values,",
         f"{shares}. A type with a free float offset per group and enough steps (Q5_1) holds such a group exactly",
-        "when its scale and offset are searched, as llama.cpp does with an importance matrix; llmopt's asymmetric formats",
-        "keep integer zero points (compressed-tensors' form) and cannot.",
+        "when its scale and offset are searched, as llama.cpp does with an importance matrix and llmopt's float zero points",
+        "(least-squares scale and min) always do; min-max rounding and integer zero points do not.",
         "",
         "| file | GGUF type | tensors | equal to the float weights | mean relative squared error |",
         "|---|---|---:|---:|---:|",
@@ -113,8 +114,8 @@ def render(result: dict) -> str:
     for name, types in result["files"].items():
         for qtype, r in types.items():
             lines.append(f"| {name} | {qtype} | {r['tensors']} | {r['exact']} | {r['rel_err_mean']:.2e} |")
-    lines += ["", "On weights that were never quantized no type has such an exact fit: the KLD gaps of "
-              "`bench/results/llama_mixtures.md` at Q5_K_M come mostly from this property of the demo."]
+    lines += ["", "On weights that were never quantized no type has such an exact fit: the Q5_K_M numbers of "
+              "`bench/results/llama_mixtures.md` owe much to this property of the demo."]
     return "\n".join(lines) + "\n"
 
 

@@ -20,8 +20,8 @@ folder as ``--llama-bin``.
     python bench/llama_mixtures.py --llama-bin /path/to/llama.cpp/build/bin [--mixtures Q4_K_M,Q3_K_M,Q5_K_M]
 
 Written to bench/results/llama_mixtures.{json,md} (``--results`` for another name); ``--calib`` sets the
-calibration text of both llmopt and llama-imatrix (``self``: text the model samples itself, decoded
-for llama-imatrix).
+calibration text of both llmopt and llama-imatrix (default ``austen+self``: the bundled Austen novels
+and text the model samples itself, decoded for llama-imatrix).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--llama-bin", type=Path, required=True, help="folder of llama-quantize, llama-imatrix, llama-perplexity")
     parser.add_argument("--mixtures", default="Q4_K_M,Q3_K_M,Q5_K_M")
     parser.add_argument("--method", default="gptq")
-    parser.add_argument("--calib", default="austen", help="calibration text of llmopt's quantize and of llama-imatrix")
+    parser.add_argument("--calib", default="austen+self", help="calibration text of llmopt's quantize and of llama-imatrix")
     parser.add_argument("--results", default="llama_mixtures", help="results file name under bench/results")
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seq-len", type=int, default=512)
