@@ -6,7 +6,8 @@ Three GGUF files, each with every decoder Linear in MXFP4 and the (tied) embeddi
 * ``llama.cpp``: ``llama-quantize`` of the float GGUF, type MXFP4_MOE with ``--tensor-type
   <linear>=mxfp4`` for the seven Linear kinds (its MXFP4_MOE rule alone keeps dense Linears in Q8_0);
 * ``llmopt rtn`` / ``llmopt gptq``: ``llmopt quantize --scheme MXFP4A16 --method rtn|gptq --head
-  int8`` then ``llmopt export`` (``--type auto``: the codes carried, the int8 head as Q8_0).
+  int8 --embedding int8`` (the tied matrix stays tied) then ``llmopt export`` (``--type auto``:
+  the codes carried, the int8 embedding as Q8_0).
 
 Scored by ``llama-perplexity --kl-divergence`` against the float GGUF on WikiText-2 and a held-out
 Gutenberg text (bench/llama_mixtures.py's windows, its saved float logits reused). llama.cpp's
@@ -57,7 +58,7 @@ def main() -> None:
         t0 = time.perf_counter()
         calibration = ({"calib": args.calib, "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len}
                        if method == "gptq" else {})
-        run_quantize(QuantizeConfig(model="demo", output=str(checkpoint), scheme="MXFP4A16", method=method, head="int8",
+        run_quantize(QuantizeConfig(model="demo", output=str(checkpoint), scheme="MXFP4A16", method=method, head="int8", embedding="int8",
                                     overwrite=True, **calibration))
         seconds[method] = round(time.perf_counter() - t0, 1)
         run_export(ExportConfig(model=str(checkpoint), output=str(files[f"llmopt {method}"]), overwrite=True))

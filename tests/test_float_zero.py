@@ -187,3 +187,24 @@ def test_float_zero_points_refused_where_they_cannot_go():
     assert get_scheme("W4A16_ASYM").float_zero is False
     # Q4_1 / Q5_1 scales stay float16 whatever scale dtype a model asks for
     assert FORMATS["int5m"].scheme(32).with_scale_dtype("bfloat16").stored_scale_dtype == torch.float16
+
+
+def test_scale_tuning_and_qad_keep_the_mins():
+    """Tuned scale multipliers (end-to-end scale tuning) and the QAD student's weight move the
+    scales only: the mins stay, the K-quant's 6-bit structure too, and the weight at the start is
+    the checkpoint's."""
+    from llmopt.quant.fake_quant import FakeQuantWeight
+    from llmopt.quant.scale_tuning import TunableScales
+
+    w = torch.randn(8, 512, generator=torch.Generator().manual_seed(6)) * 0.02 + 0.01
+    qw = fitted("int4km", w)
+    tunable = TunableScales(qw)
+    torch.testing.assert_close(tunable.weight().detach(), qw.dequantize(), rtol=0, atol=1e-6)
+    with torch.no_grad():
+        tunable.log_multiplier.add_(0.01)
+    tuned = tunable.tuned()
+    assert not torch.equal(tuned.scale, qw.scale)
+    torch.testing.assert_close(tuned.mins(), qw.mins(), rtol=1e-6, atol=1e-9)
+    assert format_of(tuned).gguf_carrier_of(T.Q4_K).carries(tuned)
+    student = FakeQuantWeight(fitted("int5m", w))
+    torch.testing.assert_close(student().detach(), fitted("int5m", w).dequantize(), rtol=0, atol=1e-6)

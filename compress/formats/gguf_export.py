@@ -206,7 +206,7 @@ def describe_quantized(qw: Any) -> str:
         return f"{fmt.name} {group}" if fmt.fp4 else f"fp8_e4m3 {group}"
     if fmt.grid is not None:
         return f"nl4 (IQ4_NL grid) {group}"
-    return f"int{fmt.bits} {'sym' if fmt.symmetric else 'asym'} {group}"
+    return f"int{fmt.bits} {'sym' if fmt.symmetric else 'float mins' if fmt.float_zero else 'asym'} {group}"
 
 
 def carry_types(qw: Any) -> list[T]:
