@@ -90,6 +90,8 @@ KNOWN = {"ignore_mismatched_sizes": "compressed-tensors builds asymmetric format
                                     "shape than it stores them (transformers' load report: MISMATCH)",
          "validation error for ModelConfig": "its next line: \"Unknown quantization method: bitsandbytes\" (vLLM 0.32 "
                                              "has no bitsandbytes on this build)"}
+KNOWN_GGUF = {"ignore_mismatched_sizes": "transformers' GGUF loader builds a tensor of another shape than the file "
+                                         "holds (its load report: MISMATCH)"}
 
 VLLM_RUN = r"""
 import json, sys
@@ -513,7 +515,8 @@ def write_md(data: dict) -> None:
                 elif "kld_mean" in cell:
                     text += f" KLD {cell['kld_mean']:.1e}, top-1 {100 * cell['top1']:.0f}%"
                 if cell.get("detail"):
-                    known = next((why for key, why in KNOWN.items() if key in cell["detail"]), None)
+                    explained = KNOWN_GGUF if output.startswith("GGUF") else KNOWN
+                    known = next((why for key, why in explained.items() if key in cell["detail"]), None)
                     notes.append(f"- {row} × {consumer}: {cell['detail']}" + (f" — {known}" if known else ""))
                 shown.append(text)
             lines.append(f"| {row} | " + " | ".join(shown) + " |")
