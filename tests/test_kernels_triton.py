@@ -230,3 +230,17 @@ def test_paged_decode_attention_matches_reference(case: int, dtype: torch.dtype)
 @pytest.mark.parametrize("case", [0, 1, 3])
 def test_paged_decode_attention_quantized_cache(case: int, kv: str) -> None:
     check_attention(case, torch.float16, kv)
+
+
+@pytest.mark.parametrize("kind,bits", [("int4", 4), ("int8", 8)])
+def test_quant_linear_float_zero_points(kind: str, bits: int) -> None:
+    """llama.cpp's mins (float zero points, not multiples of the scale: formats int4km, int5m …)
+    run as the kernels' float offsets, against the reference."""
+    k = 32 * 7
+    codes, scale, _ = random_weight(kind, 32, False, k)
+    zero = torch.rand(N, k // 32) * 12 - 6  # float32, off the integers
+    packed = triton_linear.pack_weight(codes, scale, zero, 32, bits)
+    x = torch.randn(5, k).to(torch.float16)
+    out = torch.full((5, N), float("nan"), dtype=torch.float16)
+    triton_linear.triton_quant_linear(x, packed, None, None, out=out, split_k=None)
+    assert_matches(out, reference.quant_linear(x.float(), codes, scale, zero, 32, None, None), torch.float16)
