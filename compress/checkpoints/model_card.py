@@ -47,8 +47,9 @@ def consumers(config: dict) -> dict[str, str]:
     head = any(re.search(r"(^|\.)lm_head$", t) for t in targets)
     odd = sorted({f"{w.get('num_bits')}-bit" for w in weights if w.get("type") == "int" and w.get("num_bits") not in VLLM_BITS})
     # float zero points (llama.cpp's mins, naive-quantized): transformers reads them, vLLM does not
-    float_zero = any(str(w.get("zp_dtype", "")).startswith("torch.float") for w in weights)
-    asym = any(w.get("symmetric") is False and not str(w.get("zp_dtype", "")).startswith("torch.float") for w in weights)
+    floats = [str(w.get("zp_dtype", "")).startswith("torch.float") for w in weights]
+    float_zero = any(floats)
+    asym = any(w.get("symmetric") is False and not f for w, f in zip(weights, floats))
     grouped = len({w.get("group_size") for w in weights}) > 1
     out = {"llmopt": "loads (`llmopt eval`, `llmopt serve`)"}
     out["transformers"] = ("cannot load a quantized embedding (compressed-tensors); `llmopt export --format hf` writes a dense copy"
