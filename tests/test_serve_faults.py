@@ -496,7 +496,8 @@ def test_disconnects_in_prefill_release_slots_and_blocks(server):
         with pytest.raises(httpx.ReadTimeout):
             server.post("/v1/completions", completion(max_tokens=8, prompt="p" * 150), timeout=0.4)
         assert in_prefill == [True] and server.loop.engine.has_unfinished()
-        server.assert_no_leaks()
+        server.assert_no_leaks()  # (a decode step may run before the disconnect is noticed)
+        passes_before_stream = len(in_prefill)
         with httpx.stream("POST", f"{server.base}/v1/chat/completions", json=chat("q" * 150, max_tokens=8, stream=True),
                           headers=AUTH, timeout=httpx.Timeout(60, read=0.4)) as r:
             lines = r.iter_lines()
@@ -504,7 +505,7 @@ def test_disconnects_in_prefill_release_slots_and_blocks(server):
             with pytest.raises(httpx.ReadTimeout):
                 next(line for line in lines if line)  # (events are separated by empty lines)
             blocks = server.loop.engine.block_manager
-            assert in_prefill == [True, True] and blocks.num_free_blocks < blocks.num_blocks
+            assert in_prefill[passes_before_stream:] == [True] and blocks.num_free_blocks < blocks.num_blocks
     finally:
         del runner.run
     server.assert_no_leaks()
