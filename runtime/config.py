@@ -18,7 +18,7 @@ GIB = 1024**3
 KERNEL_CHOICES = ("auto", *sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent / "backends")]) if m.name != "base"))
 LM_HEAD_CHOICES = ("auto", "bf16", "f16", "int8")
 MODEL_IMPL_CHOICES = ("auto", "native", "transformers")
-MATMUL_PRECISION_CHOICES = ("highest", "medium")  # torch's float32 matmul precision names
+MATMUL_PRECISION_CHOICES = ("highest", "medium", "low")  # torch's float32 matmul precision names, and low
 
 
 @dataclass
@@ -44,7 +44,10 @@ class EngineConfig:
     ``medium`` lets the C++ CPU kernels multiply bfloat16-rounded weights and activations with
     float32 sums in their panel path (prefill, and decode of more than 16 sequences at once) on
     CPUs with AVX512-BF16, as a W4A16 matmul on a GPU does; decode of few sequences stays exact
-    (``bench/results/lm_head.md`` has its accuracy cost, ``serve_load.md`` its speed).
+    (``bench/results/lm_head.md`` has its accuracy cost, ``serve_load.md`` its speed); ``low``
+    also rounds the activations of int4 weights (int8 and IQ4_NL-grid weights too with AVX-512
+    VNNI) to int8 per block of at most 32 inputs, as llama.cpp's CPU kernels do (Q8_0), for
+    integer dot products at every batch size (other weights run as with ``medium``).
     ``model_impl`` (vLLM's option): ``auto`` runs an architecture's native model when there is one
     (``runtime.models``), else transformers' modeling code with the runtime's paged attention and
     linears (``runtime.models.generic``); ``native`` refuses the latter, ``transformers`` forces it.

@@ -49,13 +49,20 @@ class CpuBackend(Backend):
             super().prepare_linear(lin)
             return
         lin.codes = lin.codes[:, :0]  # the packed copy replaces them (int4 codes one per byte would double the memory)
-        lin.run = cpu_linear.bind(lin.packed, lin.bias, bf16=self.matmul_precision == "medium")
+        low = self.matmul_precision == "low"
+        bf16 = self.matmul_precision == "medium" or (low and cpu_linear.bf16_supported())
+        lin.run = cpu_linear.bind(lin.packed, lin.bias, bf16=bf16, levels=1 if low else 3)
 
     def set_matmul_precision(self, precision: str) -> None:
-        """``medium``: the quantized linears' panel path multiplies in bfloat16 (AVX512-BF16 CPUs only)."""
+        """``medium``: the quantized linears' panel path multiplies in bfloat16 (AVX512-BF16 CPUs
+        only); ``low``: int8 activations in the integer GEMV at every batch size (AVX2 or AVX-512),
+        bfloat16 products elsewhere where the CPU has them."""
         if precision == "medium" and not cpu_linear.bf16_supported():
             raise LlmoptError("matmul_precision=medium needs a CPU with AVX512-BF16 (bfloat16 dot products); this one has none",
                               "leave matmul_precision at highest")
+        if precision == "low" and cpu_linear.running_isa() == "scalar":
+            raise LlmoptError("matmul_precision=low needs the AVX2 or AVX-512 kernels (integer dot products); they do not run here "
+                              "(this CPU, or LLMOPT_CPU_ISA=scalar)", "leave matmul_precision at highest")
         self.matmul_precision = precision
 
     def add_rms_norm(self, h, delta, weight, eps, out):

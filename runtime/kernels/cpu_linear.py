@@ -16,6 +16,10 @@ or portable C++; ``isa`` or ``LLMOPT_CPU_ISA``, read once per process, force one
   size of float32 rounding), up to 16 rows with AVX-512 and 2 with AVX2;
 - ``float-gemv`` (fp8, and int8 on AVX2; up to 4 rows): codes converted to float in registers;
 - ``panel`` (many rows, prefill): weights dequantized a panel at a time for an FMA micro-kernel;
+- ``levels=1`` (matmul precision ``low``): the integer GEMV with the activations rounded to int8
+  per block of at most 32 inputs (one level, llama.cpp's Q8_0 arithmetic) at every row count,
+  prefill included: a third of the exact split's dot products, twice the products per
+  instruction of the bfloat16 panel;
 - ``bf16=True`` (matmul precision ``medium``, CPUs with AVX512-BF16): the panel path rounds the
   dequantized weights and the activations to bfloat16 and multiplies them in pairs with float32
   sums (``vdpbf16ps``: twice the products per instruction of an FMA), as a W4A16 matmul on a GPU
@@ -37,7 +41,7 @@ from llmopt.core.errors import LlmoptError
 from llmopt.formats.registry import kernel_for_codes
 from llmopt.formats.schemes import IQ4_NL_GRID, fake_quantize_activations
 
-from .build import IsaExtension
+from .build import ISAS, IsaExtension
 
 SOURCES = ["linear.cpp", "cpu_linear_avx2.cpp", "cpu_linear_avx512.cpp", "cpu_linear_avx512bf16.cpp", "cpu_linear_scalar.cpp"]
 FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "w8a8": 3, "nl4": 4}
@@ -173,18 +177,28 @@ def linear(
     path: str | None = None,
     out: torch.Tensor | None = None,
     bf16: bool = False,
+    levels: int = 3,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a packed ``W``; ``x`` is ``[..., in]`` of any float dtype (computed
     in float32, returned in ``x``'s dtype). ``out`` (float32 ``x`` only) receives the result;
     ``isa`` / ``path`` force a variant (tests, benchmarks); ``bf16``: bfloat16 products in the
-    panel path (:func:`bf16_supported` CPUs only)."""
+    panel path (:func:`bf16_supported` CPUs only); ``levels``: 3 (exact) or 1 (activations rounded
+    to int8 per block, ``reference.round_activations_int8``) in the integer GEMV."""
     if x.shape[-1] != packed.in_features:
         raise LlmoptError(f"input has {x.shape[-1]} features, the layer expects {packed.in_features}", "check the model's shapes")
     if path is not None and path not in PATHS:
         raise LlmoptError(f"unknown kernel path {path!r}", f"use one of {', '.join(PATHS)}")
+    if levels not in (1, 3):
+        raise LlmoptError(f"levels must be 1 or 3, not {levels}", "use 3 (exact) or 1 (int8 activations)")
     if packed.act_quant is not None:
         x = fake_quantize_activations(x, packed.act_quant)
-    return _module().linear(x, packed.handle, bias, EXTENSION.isa_code(isa), PATHS.get(path, -1), out, bf16)
+    return _module().linear(x, packed.handle, bias, EXTENSION.isa_code(isa), PATHS.get(path, -1), out, bf16, levels)
+
+
+def running_isa() -> str:
+    """The instruction set the kernels run with here (the best one, or ``LLMOPT_CPU_ISA``'s)."""
+    code = EXTENSION.isa_code(None)
+    return supported_isas()[-1] if code == -1 else ISAS[code]
 
 
 def bf16_supported() -> bool:
@@ -193,10 +207,12 @@ def bf16_supported() -> bool:
     return module is not None and module.bf16_supported()
 
 
-def bind(packed: PackedLinear, bias: torch.Tensor | None = None, bf16: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> linear(x, packed, bias, bf16=bf16)`` with the Python-side checks and choices made
-    once: a decode step calls every linear of every layer (the C++ side still checks the input's size)."""
+def bind(packed: PackedLinear, bias: torch.Tensor | None = None, bf16: bool = False,
+         levels: int = 3) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> linear(x, packed, bias, bf16=bf16, levels=levels)`` with the Python-side checks and
+    choices made once: a decode step calls every linear of every layer (the C++ side still checks
+    the input's size)."""
     if packed.act_quant is not None:
-        return lambda x: linear(x, packed, bias, bf16=bf16)
+        return lambda x: linear(x, packed, bias, bf16=bf16, levels=levels)
     run, handle, isa = _module().linear, packed.handle, EXTENSION.isa_code(None)
-    return lambda x: run(x, handle, bias, isa, -1, None, bf16)
+    return lambda x: run(x, handle, bias, isa, -1, None, bf16, levels)

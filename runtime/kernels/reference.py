@@ -41,6 +41,30 @@ def quant_linear(
     return F.linear(x, weight, bias)
 
 
+def int8_activation_block(group_size: int | None, in_features: int, values_per_lane: int) -> int:
+    """Inputs per activation block of matmul precision ``low`` (the C++ ``activation_block``): the
+    largest power of two up to 32 that divides the weight's group (``in_features`` rounded up to
+    whole lanes when per channel) and is a whole number of lanes."""
+    group = group_size or -(-in_features // values_per_lane) * values_per_lane
+    block = 32
+    while block > values_per_lane and (group % block or block % values_per_lane):
+        block //= 2
+    return block
+
+
+def round_activations_int8(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` rounded as matmul precision ``low`` feeds the integer GEMV: each row's blocks of
+    ``block`` inputs become int8 codes ``round(x * 127 / max|x|)`` (ties to even) times
+    ``max|x| / 127``, in float32 (llama.cpp's Q8_0 activations for a 32-input block)."""
+    k = x.shape[-1]
+    blocks = F.pad(x.float(), (0, -k % block)).unflatten(-1, (-1, block))
+    absmax = blocks.abs().amax(-1, keepdim=True)
+    # a true division, as the kernel's (torch's ``127.0 / t`` multiplies by the reciprocal: one ulp off)
+    inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, torch.zeros_like(absmax))
+    codes = torch.round(blocks * inv).clamp_(-127, 127)
+    return (codes * (absmax / 127.0)).flatten(-2)[..., :k].to(x.dtype)
+
+
 class Workspace:
     """A grow-only scratch buffer handing out contiguous views of the requested shape."""
 

@@ -297,6 +297,14 @@ bool cpu_has_avx2() { return false; }
 // ------------------------------------------------------------------------------------------
 // The driver: items over (sequence, KV head, split), then a merge of the splits.
 
+// Asks for the cache lines of ``bytes`` bytes at ``p``: the next block of a context is fetched
+// while this one is computed (blocks sit anywhere in the cache, so the hardware prefetcher,
+// which stops at page boundaries, cannot guess them).
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
 template <typename Q>
 void read_queries(const Q* q, int64_t stride, int64_t group, int64_t dim, float scale, float* out) {
   for (int64_t g = 0; g < group; ++g)
@@ -365,6 +373,14 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
         TORCH_CHECK(block >= 0 && block < num_blocks, "block table entry ", block, " is outside the cache (", num_blocks, " blocks)");
         const int64_t n = std::min(bs, ctx[b] - j * bs);
         const int64_t slot = h * sh.num_slots + block * bs;
+        const int64_t next = j + 3 < last ? table[b * width + j + 3] : -1;
+        if (next >= 0 && next < num_blocks) {
+          const int64_t next_slot = h * sh.num_slots + next * bs;
+          prefetch(k + next_slot * D, bs * D * static_cast<int64_t>(sizeof(T)));
+          prefetch(v + next_slot * D, bs * D * static_cast<int64_t>(sizeof(T)));
+          if (ks) prefetch(ks + next_slot, bs * 4);
+          if (vs) prefetch(vs + next_slot, bs * 4);
+        }
         block_fn(k + slot * D, v + slot * D, ks ? ks + slot : nullptr, vs ? vs + slot : nullptr, n, sh, st);
       }
       if (splits == 1) {

@@ -38,8 +38,9 @@ struct Job {
   const float* x;       // [M][K] activations
   const float* xs;      // [M][Kp] activations scaled for the SIMD GEMV (see simd kernels)
   const float* xsum;    // [M][groups] sums of the activations per group
-  const int8_t* xq;     // [M][Kp] int8 activations (w8a8); [3][M][Kp] levels (integer GEMV)
+  const int8_t* xq;     // [M][Kp] int8 activations (w8a8); [levels][M][Kp] levels (integer GEMV)
   int64_t xblock;       // integer GEMV: inputs per activation block (divides gs)
+  int levels;           // integer GEMV: int8 levels of the activations (3: exact to float32 rounding; 1: one int8 code per input)
   const float* xls;     // [M][Kp / xblock][3] the levels' scales (integer GEMV)
   const float* xbsum;   // [M][Kp / xblock] sums of the activations per block (integer GEMV)
   const float* xscale;  // [M] their per-token scale (w8a8)
@@ -57,14 +58,14 @@ namespace scalar {
 void run(const Job& job, int64_t t0, int64_t t1, float* work);
 }
 namespace avx2 {
-void split_levels(const Job& job, int8_t* xq, float* xls, float* xbsum);
+void split_levels(const Job& job, int8_t* xq, float* xls, float* xbsum, int64_t m0, int64_t m1);
 void igemv(const Job& job, int64_t t0, int64_t t1);
 void gemv(const Job& job, int64_t t0, int64_t t1);
 void panel(const Job& job, int64_t t0, int64_t t1, float* work);
 void w8a8(const Job& job, int64_t t0, int64_t t1);
 }
 namespace avx512 {
-void split_levels(const Job& job, int8_t* xq, float* xls, float* xbsum);
+void split_levels(const Job& job, int8_t* xq, float* xls, float* xbsum, int64_t m0, int64_t m1);
 void igemv(const Job& job, int64_t t0, int64_t t1);
 void gemv(const Job& job, int64_t t0, int64_t t1);
 void panel(const Job& job, int64_t t0, int64_t t1, float* work);

@@ -16,7 +16,9 @@ namespace {
 }  // namespace
 
 namespace llmopt_linear::LLMOPT_ISA {
-void split_levels(const Job& job, int8_t* xq, float* xls, float* xbsum) { split_levels_all(job, xq, xls, xbsum); }
+void split_levels(const Job& job, int8_t* xq, float* xls, float* xbsum, int64_t m0, int64_t m1) {
+  split_levels_all(job, xq, xls, xbsum, m0, m1);
+}
 void igemv(const Job& job, int64_t t0, int64_t t1) { igemv_entry(job, t0, t1); }
 void gemv(const Job& job, int64_t t0, int64_t t1) { gemv_entry(job, t0, t1); }
 void panel(const Job& job, int64_t t0, int64_t t1, float* work) { panel_entry(job, t0, t1, work); }

@@ -387,37 +387,81 @@ inline void w8a8_all(const Job& j, int64_t t0, int64_t t1) {
 //
 // Per row and block of xblock inputs, x = s (q0 + q1 / 254 + q2 / 254^2) + r with int8 q and
 // |r| <= s / (2 * 254^2), s = max|x| / 127: the residual is max|x| * 6.1e-8, the size of
-// float32's own rounding. Each level is then an exact integer dot product with the unsigned
+// float32's own rounding. With one level (matmul precision "low") x = s q0 + r, |r| <= s / 2:
+// the activations rounded to int8 per block, llama.cpp's Q8 arithmetic, three times fewer dot
+// products. Each level is then an exact integer dot product with the unsigned
 // codes (VNNI: 64 multiply-adds per instruction), scaled per block; the code offset uses the
 // float sums of x. Int4 lanes split into even and odd nibbles, so activations are stored
 // permuted within each 8-input chunk: bytes 0-3 hold inputs 0, 2, 4, 6 and bytes 4-7 inputs 1, 3, 5, 7.
 
 constexpr float kLevel = 254.0f;
 
-inline void split_levels_all(const Job& j, int8_t* xq, float* xls, float* xbsum) {
+// Rows [m0, m1) of the activations as levels (written so the compiler vectorizes each loop:
+// per-lane maxima and sums, then one reduction; the rounding loop has no dependence).
+inline void split_levels_all(const Job& j, int8_t* xq, float* xls, float* xbsum, int64_t m0, int64_t m1) {
   const bool int4 = j.format == llmopt_linear::kInt4 || j.format == llmopt_linear::kNl4;  // nibble lanes
   const int64_t nblk = j.Kp / j.xblock, xb = j.xblock;
+  constexpr int kLanes = 16;
   alignas(64) float r[256];
   alignas(64) int8_t q[256];
-  for (int64_t m = 0; m < j.M; ++m) {
+  for (int64_t m = m0; m < m1; ++m) {
     for (int64_t blk = 0; blk < nblk; ++blk) {
       const int64_t k0 = blk * xb, n = min64(xb, j.K - k0);
       const float* x = j.x + m * j.K + k0;
-      float absmax = 0.0f, sum = 0.0f;
-      for (int64_t i = 0; i < n; ++i) {
-        const float a = x[i] < 0.0f ? -x[i] : x[i];
-        absmax = a > absmax ? a : absmax;
-        sum += x[i];
-        r[i] = x[i];
+      if (n == xb && xb % Vec::W == 0) {  // a whole block: vector code, the same codes and scales
+        Vec::F top = Vec::zero(), total = Vec::zero();
+        for (int64_t c = 0; c < xb; c += Vec::W) {
+          const Vec::F v = Vec::load(x + c);
+          top = Vec::maxf(top, Vec::absf(v));
+          total = Vec::add(total, v);
+        }
+        const float absmax = Vec::hmax(top);
+        float scale = absmax / 127.0f, inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+        Vec::F codes = Vec::zero();  // one level: the block's sum is that of the rounded values
+        for (int l = 0; l < j.levels; ++l) {
+          int8_t* dst = xq + (l * j.M + m) * j.Kp + k0;
+          for (int64_t c = 0; c < xb; c += Vec::W) {
+            const Vec::F rest = l == 0 ? Vec::load(x + c) : Vec::load(r + c);
+            const Vec::F v = Vec::round127(Vec::mul(rest, Vec::bcast(inv)));
+            if (l + 1 < j.levels) Vec::store(r + c, Vec::fnma(v, Vec::bcast(scale), rest));
+            else if (j.levels == 1) codes = Vec::add(codes, v);
+            Vec::store_i8(dst + c, v, int4);
+          }
+          xls[(m * nblk + blk) * 3 + l] = scale;
+          scale /= kLevel;
+          inv *= kLevel;
+        }
+        xbsum[m * nblk + blk] = j.levels == 1 ? Vec::hsum(codes) * xls[(m * nblk + blk) * 3] : Vec::hsum(total);
+        continue;
       }
+      for (int64_t i = 0; i < n; ++i) r[i] = x[i];
       for (int64_t i = n; i < xb; ++i) r[i] = 0.0f;
+      float lane_max[kLanes] = {}, lane_sum[kLanes] = {};
+      for (int64_t c = 0; c + kLanes <= xb; c += kLanes)
+        for (int i = 0; i < kLanes; ++i) {
+          const float a = r[c + i] < 0.0f ? -r[c + i] : r[c + i];
+          lane_max[i] = a > lane_max[i] ? a : lane_max[i];
+          lane_sum[i] += r[c + i];
+        }
+      for (int64_t i = xb / kLanes * kLanes; i < xb; ++i) {  // blocks shorter than kLanes
+        const float a = r[i] < 0.0f ? -r[i] : r[i];
+        lane_max[0] = a > lane_max[0] ? a : lane_max[0];
+        lane_sum[0] += r[i];
+      }
+      float absmax = 0.0f, sum = 0.0f;
+      for (int i = 0; i < kLanes; ++i) {
+        absmax = lane_max[i] > absmax ? lane_max[i] : absmax;
+        sum += lane_sum[i];
+      }
       float scale = absmax / 127.0f, inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
-      for (int l = 0; l < 3; ++l) {
+      float codes = 0.0f;
+      for (int l = 0; l < j.levels; ++l) {
         for (int64_t i = 0; i < xb; ++i) {
           float v = __builtin_nearbyintf(r[i] * inv);
           v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
           r[i] = __builtin_fmaf(-v, scale, r[i]);
           q[i] = static_cast<int8_t>(static_cast<int32_t>(v));
+          codes += v;
         }
         int8_t* dst = xq + (l * j.M + m) * j.Kp + k0;
         if (int4) {  // inputs 0, 2, 4, 6 then 1, 3, 5, 7 of each chunk (see above)
@@ -430,7 +474,7 @@ inline void split_levels_all(const Job& j, int8_t* xq, float* xls, float* xbsum)
         scale /= kLevel;
         inv *= kLevel;
       }
-      xbsum[m * nblk + blk] = sum;
+      xbsum[m * nblk + blk] = j.levels == 1 ? codes * xls[(m * nblk + blk) * 3] : sum;
     }
   }
 }
@@ -441,9 +485,11 @@ inline int32_t load32(const int8_t* p) {
   return v;
 }
 
-// Tiles tiles[0 .. TPS) (any tiles: the caller streams far-apart ones together, see igemv_format).
-template <bool INT4, bool LUT, int MR, int TPS>
-void igemv_step(const Job& j, const int64_t* tiles, int64_t m0) {
+// Tiles tiles[0 .. TPS) (any tiles: the caller streams far-apart ones together, see igemv_format),
+// with L activation levels, over activation blocks [b0, b1): the first range writes the output
+// (plus the bias), later ones add to it.
+template <bool INT4, bool LUT, int L, int MR, int TPS>
+void igemv_step(const Job& j, const int64_t* tiles, int64_t m0, int64_t b0, int64_t b1) {
   constexpr int VPL = INT4 ? 8 : 4, NV = TPS * VT;
   const int64_t chunks = j.Kp / VPL, per_block = j.xblock / VPL, nblk = j.Kp / j.xblock;
   const uint32_t* base[TPS];
@@ -454,12 +500,12 @@ void igemv_step(const Job& j, const int64_t* tiles, int64_t m0) {
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) acc[m][v] = Vec::zero();
-  for (int64_t blk = 0; blk < nblk; ++blk) {
-    Vec::I part[MR][3][NV];
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    Vec::I part[MR][L][NV];
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 3
-      for (int l = 0; l < 3; ++l)
+      for (int l = 0; l < L; ++l)
 #pragma GCC unroll 16
         for (int v = 0; v < NV; ++v) part[m][l][v] = Vec::zeroi();
     for (int64_t c = blk * per_block; c < (blk + 1) * per_block; ++c) {
@@ -481,7 +527,7 @@ void igemv_step(const Job& j, const int64_t* tiles, int64_t m0) {
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
 #pragma GCC unroll 3
-        for (int l = 0; l < 3; ++l) {
+        for (int l = 0; l < L; ++l) {
           const int8_t* q = j.xq + (l * j.M + m0 + m) * j.Kp + c * VPL;
           Vec::I x0 = Vec::set1i(load32(q));
           if constexpr (INT4) {
@@ -504,8 +550,8 @@ void igemv_step(const Job& j, const int64_t* tiles, int64_t m0) {
       for (int m = 0; m < MR; ++m) {
         const float* ls = j.xls + ((m0 + m) * nblk + blk) * 3;
         Vec::F sum = Vec::mul(Vec::cvt(part[m][0][v]), Vec::bcast(ls[0]));
-        sum = Vec::fma(Vec::cvt(part[m][1][v]), Vec::bcast(ls[1]), sum);
-        sum = Vec::fma(Vec::cvt(part[m][2][v]), Vec::bcast(ls[2]), sum);
+#pragma GCC unroll 3
+        for (int l = 1; l < L; ++l) sum = Vec::fma(Vec::cvt(part[m][l][v]), Vec::bcast(ls[l]), sum);
         acc[m][v] = Vec::fma(sum, s, acc[m][v]);
         acc[m][v] = Vec::fma(b, Vec::bcast(j.xbsum[(m0 + m) * nblk + blk]), acc[m][v]);
       }
@@ -514,53 +560,80 @@ void igemv_step(const Job& j, const int64_t* tiles, int64_t m0) {
 #pragma GCC unroll 16
   for (int v = 0; v < NV; ++v) {
     const int64_t col = tiles[v / VT] * 16 + (v % VT) * Vec::W;
-    Vec::F b = load_bias(j, col);
+    const Vec::F b = b0 == 0 ? load_bias(j, col) : Vec::zero();
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) put_out(j, m0 + m, col, Vec::add(acc[m][v], b));
+    for (int m = 0; m < MR; ++m)
+      put_out(j, m0 + m, col, Vec::add(acc[m][v], b0 == 0 ? b : load_out(j, m0 + m, col)));
   }
 }
 
-// Tiles per step: at most 12 integer accumulators (MR * 3 levels * vectors).
-template <int MR>
+// Tiles per step: at most 12 integer accumulators (MR * L levels * vectors).
+template <int MR, int L>
 constexpr int igemv_tiles() {
   if constexpr (VT == 2) return 1;
-  else return MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  else return MR * L * 4 <= 12 ? 4 : MR * L * 2 <= 12 ? 2 : 1;
 }
 
-// The four tiles of an AVX-512 step for MR rows, as steps of igemv_tiles<MR>() tiles.
-template <bool INT4, bool LUT, int MR>
-void igemv_split(const Job& j, const int64_t* tiles, int64_t m0) {
-  constexpr int S = igemv_tiles<1>(), TPS = igemv_tiles<MR>();
+// The four tiles of an AVX-512 step for MR rows, as steps of igemv_tiles<MR, L>() tiles.
+template <bool INT4, bool LUT, int L, int MR>
+void igemv_split(const Job& j, const int64_t* tiles, int64_t m0, int64_t b0, int64_t b1) {
+  constexpr int S = igemv_tiles<1, L>(), TPS = igemv_tiles<MR, L>();
 #pragma GCC unroll 4
-  for (int i = 0; i < S; i += TPS) igemv_step<INT4, LUT, MR, TPS>(j, tiles + i, m0);
+  for (int i = 0; i < S; i += TPS) igemv_step<INT4, LUT, L, MR, TPS>(j, tiles + i, m0, b0, b1);
 }
 
-// Tiles [t0, t1): a step reads igemv_tiles<1>() tiles from far-apart parts of the range at once
+// Weight bytes of a step's tiles that row blocks reuse from L1: longer inputs are taken in
+// ranges of activation blocks, each range over every row block before the next.
+constexpr int64_t kIgemvRangeBytes = 16 << 10;
+
+// Tiles [t0, t1): a step reads igemv_tiles<1, L>() tiles from far-apart parts of the range at once
 // (one per segment of `len` tiles). Independent sequential streams keep more memory requests in
 // flight than adjacent tiles, which read as one stream: a single core streams the weights about
 // twice as fast. The tiles left over run one at a time.
-template <bool INT4, bool LUT = false>
-void igemv_format(const Job& j, int64_t t0, int64_t t1) {
-  constexpr int S = igemv_tiles<1>();
-  const int64_t len = (t1 - t0) / S;
+template <bool INT4, bool LUT, int L>
+void igemv_levels(const Job& j, int64_t t0, int64_t t1) {
+  constexpr int S = igemv_tiles<1, L>();
+  const int64_t len = (t1 - t0) / S, nblk = j.Kp / j.xblock;
+  const int64_t step_block_bytes = S * 16 * j.xblock / (INT4 ? 2 : 1);
+  const int64_t range = j.M > 4 && kIgemvRangeBytes > step_block_bytes ? kIgemvRangeBytes / step_block_bytes : j.M > 4 ? 1 : nblk;
   int64_t tiles[S];
   for (int64_t i = 0; i < len; ++i) {
     for (int s = 0; s < S; ++s) tiles[s] = t0 + s * len + i;
-    if constexpr (VT == 2) {  // AVX2: 16 registers hold one row's accumulators
-      for (int64_t m = 0; m < j.M; ++m) igemv_step<INT4, LUT, 1, S>(j, tiles, m);
-    } else {
-      for (int64_t m = 0; m < j.M; m += 4) {  // the step's weights stay in cache across row blocks
-        switch (min64(4, j.M - m)) {
-          case 1: igemv_split<INT4, LUT, 1>(j, tiles, m); break;
-          case 2: igemv_split<INT4, LUT, 2>(j, tiles, m); break;
-          case 3: igemv_split<INT4, LUT, 3>(j, tiles, m); break;
-          default: igemv_split<INT4, LUT, 4>(j, tiles, m); break;
+    for (int64_t b0 = 0; b0 < nblk; b0 += range) {
+      const int64_t b1 = min64(nblk, b0 + range);
+      if constexpr (VT == 2 && L > 1) {  // AVX2: 16 registers hold one row's accumulators
+        for (int64_t m = 0; m < j.M; ++m) igemv_step<INT4, LUT, L, 1, S>(j, tiles, m, b0, b1);
+      } else {
+        for (int64_t m = 0; m < j.M; m += 4) {  // the step's weights stay in cache across row blocks
+          switch (min64(4, j.M - m)) {
+            case 1: igemv_split<INT4, LUT, L, 1>(j, tiles, m, b0, b1); break;
+            case 2: igemv_split<INT4, LUT, L, 2>(j, tiles, m, b0, b1); break;
+            case 3: igemv_split<INT4, LUT, L, 3>(j, tiles, m, b0, b1); break;
+            default: igemv_split<INT4, LUT, L, 4>(j, tiles, m, b0, b1); break;
+          }
         }
       }
     }
   }
   for (int64_t t = t0 + S * len; t < t1; ++t)
-    for (int64_t m = 0; m < j.M; ++m) igemv_step<INT4, LUT, 1, 1>(j, &t, m);
+    for (int64_t m = 0; m < j.M; m += 4) {  // the tiles left over: one at a time, rows in blocks
+      if constexpr (VT == 2 && L > 1) {
+        for (int64_t r = m; r < min64(j.M, m + 4); ++r) igemv_step<INT4, LUT, L, 1, 1>(j, &t, r, 0, nblk);
+        continue;
+      }
+      switch (min64(4, j.M - m)) {
+        case 1: igemv_step<INT4, LUT, L, 1, 1>(j, &t, m, 0, nblk); break;
+        case 2: igemv_step<INT4, LUT, L, 2, 1>(j, &t, m, 0, nblk); break;
+        case 3: igemv_step<INT4, LUT, L, 3, 1>(j, &t, m, 0, nblk); break;
+        default: igemv_step<INT4, LUT, L, 4, 1>(j, &t, m, 0, nblk); break;
+      }
+    }
+}
+
+template <bool INT4, bool LUT = false>
+void igemv_format(const Job& j, int64_t t0, int64_t t1) {
+  if (j.levels == 1) return igemv_levels<INT4, LUT, 1>(j, t0, t1);
+  igemv_levels<INT4, LUT, 3>(j, t0, t1);
 }
 
 inline void igemv_entry(const Job& j, int64_t t0, int64_t t1) {

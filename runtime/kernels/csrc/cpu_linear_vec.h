@@ -66,6 +66,32 @@ struct Vec {
     F high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), u);
     return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(u, 28)));  // bit 3 of u picks
   }
+  // -- activation levels (split_levels_all): maxima, sums, rounding to int8 codes
+  static F absf(F v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+  static F maxf(F a, F b) { return _mm256_max_ps(a, b); }
+  static float hmax(F v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float hsum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b, one rounding
+  static F round127(F v) {  // to nearest (ties to even), within [-127, 127]
+    const F r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+  }
+  // The W integral values of v as bytes at p; nibble_order: each 8 stored as 0, 2, 4, 6, 1, 3, 5, 7.
+  static void store_i8(int8_t* p, F v, bool nibble_order) {
+    const __m256i i = _mm256_cvtps_epi32(v);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    __m128i b = _mm_packs_epi16(w, w);
+    if (nibble_order) b = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), b);
+  }
 };
 #endif
 
@@ -112,5 +138,20 @@ struct Vec {
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), idx);
   }
   static F lut_floats(I u, const float* table) { return _mm512_permutexvar_ps(u, _mm512_loadu_ps(table)); }
+  // -- activation levels (split_levels_all), as in the AVX2 struct
+  static F absf(F v) { return _mm512_abs_ps(v); }
+  static F maxf(F a, F b) { return _mm512_max_ps(a, b); }
+  static float hmax(F v) { return _mm512_reduce_max_ps(v); }
+  static float hsum(F v) { return _mm512_reduce_add_ps(v); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F round127(F v) {
+    const F r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+  }
+  static void store_i8(int8_t* p, F v, bool nibble_order) {
+    __m128i b = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v));
+    if (nibble_order) b = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b);
+  }
 };
 #endif

@@ -31,6 +31,7 @@ int64_t min_task_bytes = 1 << 16;  // set_min_task_bytes changes it (benchmarks)
 // Up to these many rows, the GEMVs (weights streamed once, unpacked in registers) beat the
 // dequantized panel; the integer GEMV holds four rows per pass with AVX-512, one with AVX2.
 constexpr int64_t kGemvRows = 4, kIntGemvRowsAvx512 = 16, kIntGemvRowsAvx2 = 2;
+constexpr int64_t kMinSplitInputs = 1 << 14;  // activations split into levels per task, at least
 
 // Per-thread scratch reused across calls (fresh large buffers would page-fault every call).
 float* scratch(std::vector<float>& buf, int64_t n) {
@@ -88,8 +89,8 @@ void prepare_w8a8(lin::Job& j, std::vector<int8_t>& q_buf, std::vector<float>& s
 
 // Integer GEMV activation blocks: the largest of 256, 128, ... inputs dividing the weight group
 // into whole lanes (int32 sums stay far from overflow: 255 * 127 * 256 < 2^23).
-int64_t activation_block(int64_t gs, int vpl) {
-  for (int64_t b = 256; b >= vpl; b /= 2)
+int64_t activation_block(int64_t gs, int vpl, int64_t largest) {
+  for (int64_t b = largest; b >= vpl; b /= 2)
     if (gs % b == 0 && b % vpl == 0) return b;
   return 0;
 }
@@ -147,9 +148,12 @@ struct Packed {
 // y = x @ W.T (+ bias) for x [..., K] of any float dtype (computed in float32, returned in x's
 // dtype), written to `out_in` when given (float32 x only). isa / path: -1 chooses. bf16: the
 // panel path (many rows) multiplies bfloat16-rounded weights and activations with float32 sums
-// (matmul precision "medium"; AVX-512 with BF16 only); the GEMVs stay exact.
+// (matmul precision "medium"; AVX-512 with BF16 only); the GEMVs stay exact. levels: the int8
+// levels of the integer GEMV's activations, 3 (exact) or 1 (matmul precision "low": activations
+// rounded to int8 per block of at most 32 inputs, as llama.cpp's Q8_0; the integer GEMV then
+// runs at every row count, prefill included).
 torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::optional<torch::Tensor>& bias_in,
-                     int64_t isa, int64_t path, const std::optional<torch::Tensor>& out_in, bool bf16) {
+                     int64_t isa, int64_t path, const std::optional<torch::Tensor>& out_in, bool bf16, int64_t levels) {
   check(x_in.dim() >= 1 && x_in.size(-1) == w.k, "input features do not match the layer");
   const bool is_float = x_in.scalar_type() == torch::kFloat;
   const torch::Tensor x = (is_float ? x_in.reshape({-1, w.k}) : x_in.reshape({-1, w.k}).to(torch::kFloat)).contiguous();
@@ -163,6 +167,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
   const int64_t M = x.size(0), K = w.k, tiles = (n + 15) / 16, Kp = (K + vpl - 1) / vpl * vpl;
   const int64_t groups = w.scale.size(1);
   check(llmopt_isa::resolve(isa, true), "this CPU lacks the requested instruction set");
+  check(levels == 1 || levels == 3, "levels must be 1 or 3");
 
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = n;
@@ -204,17 +209,21 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
     // maddubs would saturate).
     const bool int_ok = format == lin::kInt4 || ((format == lin::kInt8 || format == lin::kNl4) && isa == kAvx512);
     const int64_t int_rows = isa == kAvx512 ? kIntGemvRowsAvx512 : kIntGemvRowsAvx2;
-    igemv = fits && int_ok && (path == kGemv || (path == kAuto && M <= int_rows));
+    igemv = fits && int_ok && (path == kGemv || (path == kAuto && (M <= int_rows || levels == 1)));
     gemv = igemv || path == kGemv || path == kFloatGemv || (path == kAuto && fits && M <= kGemvRows);
     if (igemv) {
-      j.xblock = activation_block(j.gs, vpl);
+      j.levels = static_cast<int>(levels);
+      j.xblock = activation_block(j.gs, vpl, levels == 1 ? 32 : 256);
       const int64_t blocks = Kp / j.xblock;
-      if (static_cast<int64_t>(q_buf.size()) < 3 * M * Kp) q_buf.resize(3 * M * Kp);
+      if (static_cast<int64_t>(q_buf.size()) < levels * M * Kp) q_buf.resize(levels * M * Kp);
       float* levels = scratch(xs_buf, M * blocks * 3);
       float* sums = scratch(sum_buf, M * blocks);
 #if defined(__x86_64__)
-      if (isa == kAvx512) lin::avx512::split_levels(j, q_buf.data(), levels, sums);
-      else lin::avx2::split_levels(j, q_buf.data(), levels, sums);
+      int8_t* codes = q_buf.data();
+      at::parallel_for(0, M, std::max<int64_t>(1, kMinSplitInputs / K), [&](int64_t m0, int64_t m1) {
+        if (isa == kAvx512) lin::avx512::split_levels(j, codes, levels, sums, m0, m1);
+        else lin::avx2::split_levels(j, codes, levels, sums, m0, m1);
+      });
 #endif
       j.xq = q_buf.data(), j.xls = levels, j.xbsum = sums;
     } else if (gemv) {
@@ -255,7 +264,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, int64_t, int64_t, int64_t>());
   m.def("linear", &linear, "quantized linear on packed weights (see cpu_linear.h)", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("isa"), pybind11::arg("path"),
-        pybind11::arg("out") = pybind11::none(), pybind11::arg("bf16") = false);
+        pybind11::arg("out") = pybind11::none(), pybind11::arg("bf16") = false, pybind11::arg("levels") = 3);
   m.def("bf16_supported", &llmopt_isa::supports_bf16, "whether this CPU runs the bfloat16 panel (AVX-512 BF16)");
   m.def("set_min_task_bytes", [](int64_t n) { min_task_bytes = std::max<int64_t>(1, n); },
         "weight bytes per GEMV task below which a linear stays on one thread");
