@@ -420,7 +420,7 @@ def main() -> None:
     ap.add_argument("--phase-deadline", type=float, default=300.0, help="seconds per phase at most")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--llmopt-runs", default="auto,f16,f16:medium",
+    ap.add_argument("--llmopt-runs", default="auto,f16,f16:medium,f16:low",
                     help="comma-separated llmopt servers, each HEAD[:PRECISION]: its --lm-head (auto: the checkpoint's head as "
                          "stored; f16: the values the GGUF export keeps, llama-server's weights) and --matmul-precision "
                          "(default highest)")

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from llmopt.core.errors import LlmoptError
 
+from .kernels.kv_quant import KV_CACHE_DTYPES
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 GIB = 1024**3
@@ -27,8 +29,9 @@ class EngineConfig:
 
     ``num_kv_blocks`` (when given) fixes the KV cache size; otherwise ``kv_cache_gib`` is the
     budget, trimmed to what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use.
-    ``kv_cache_dtype``: ``auto`` stores K/V in the model's dtype; ``fp8`` (e4m3) and ``int8``
-    store one byte per value plus a float32 scale per token and KV head.
+    ``kv_cache_dtype``: ``auto`` stores K/V in the model's dtype; ``float16`` / ``bfloat16`` in
+    that 16-bit float (half a float32 model's cache, llama.cpp's default is float16); ``fp8``
+    (e4m3) and ``int8`` store one byte per value plus a float32 scale per token and KV head.
     ``device``: ``cpu`` or ``cuda`` (``cuda:N``), where the weights and the KV cache live.
     ``kernels`` (the backend, chosen once, see ``runtime.backends``): ``auto`` is ``triton`` on
     CUDA, and on the CPU the C++ kernels when they build here (else the reference); ``cpu``
@@ -89,7 +92,8 @@ class EngineConfig:
              f"matmul_precision must be one of {', '.join(MATMUL_PRECISION_CHOICES)}, not {self.matmul_precision!r}"),
             (_is_device(self.device), f"device must be cpu, cuda or cuda:N, not {self.device!r}"),
             (self.model_impl in MODEL_IMPL_CHOICES, f"model_impl must be one of {', '.join(MODEL_IMPL_CHOICES)}, not {self.model_impl!r}"),
-            (self.kv_cache_dtype in ("auto", "fp8", "int8"), f"kv_cache_dtype must be auto, fp8 or int8, not {self.kv_cache_dtype!r}"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}"),
         ]
         for ok, problem in checks:
             if not ok:

@@ -40,6 +40,7 @@ class DenseLinear(Linear):
     bias: torch.Tensor | None = None
     weight_t: torch.Tensor | None = None
     run: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    extra: Any = field(default=None, repr=False, compare=False)  # a backend's second copy (its nbytes() counts)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> DenseLinear:
@@ -67,7 +68,7 @@ class DenseLinear(Linear):
             self.weight, self.weight_t = self.weight_t.t().contiguous(), None
 
     def nbytes(self) -> int:
-        return _nbytes(self.weight, self.weight_t, self.bias)
+        return _nbytes(self.weight, self.weight_t, self.bias) + (self.extra.nbytes() if self.extra is not None else 0)
 
 
 @dataclass

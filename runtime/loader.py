@@ -214,6 +214,7 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backe
     _check_shapes(weights, arch, path)
     for lin in _linears(weights):
         backend.prepare_linear(lin)
+    backend.prepare_head(weights.lm_head)
     return weights
 
 

@@ -118,3 +118,51 @@ def test_cli_matmul_precision(tmp_path, monkeypatch):
     result = CliRunner().invoke(main, ["generate", str(path), "hello", "--matmul-precision", "medium"])
     assert result.exit_code != 0
     assert "AVX512-BF16" in result.output and "Traceback" not in result.output
+
+
+@needs_bf16
+@pytest.mark.parametrize("n,k", [(37, 64), (100, 577)])
+def test_bf16_pairs_of_a_float_weight(n, k):
+    """A float weight packed once as bfloat16 pairs (``pack_bf16``) runs the bfloat16 panel in place:
+    bfloat16 products of the rounded weight and activations, float32 sums; odd widths and a
+    partial tile pair included. Without bf16=True it is refused."""
+    torch.manual_seed(n)
+    weight = (torch.randn(n, k) * 0.05).half()
+    packed = cpu_linear.pack_bf16(weight)
+    assert packed.format == "bf16" and packed.data.shape == (-(-n // 32), -(-k // 2), 32)
+    bias = torch.randn(n)
+    for rows in (1, 17, 33, 300):
+        x = torch.randn(rows, k)
+        out = torch.full((rows, n), float("nan"))
+        got = cpu_linear.linear(x, packed, bias, out=out, bf16=True)
+        assert got.shape == (rows, n) and not got.isnan().any()
+        magnitude = x.abs() @ weight.float().abs().T
+        excess = ((got - bf16_reference(x, weight.float()) - bias).abs() - 1e-5 * magnitude - 1e-6).max().item()
+        assert excess <= 0, f"M={rows}: beyond bfloat16 products by {excess:.3g}"
+    with pytest.raises(RuntimeError, match="bfloat16 pairs run the bfloat16 panel only"):
+        cpu_linear.linear(torch.randn(2, k), packed)
+
+
+@needs_bf16
+@pytest.mark.parametrize("precision", ["highest", "medium", "low"])
+def test_float_head_keeps_bf16_pairs_for_many_rows(tmp_path, precision):
+    """Under medium / low a float head keeps a bfloat16 pair copy for more than 16 rows (counted in
+    its bytes); up to 16 rows, and always under highest, the exact float GEMV runs."""
+    from llmopt.runtime import LLM
+    from llmopt.runtime.backends.cpu import EXACT_HEAD_ROWS
+    from llmopt.runtime.kernels import cpu_dense
+
+    path = quantized_checkpoint(tmp_path / "q", "W4A16", 32)
+    llm = LLM(path, matmul_precision=precision, lm_head="f16")
+    head = llm.engine.weights.lm_head
+    weight = head.weight
+    assert weight.dtype == torch.float16
+    few, many = torch.randn(EXACT_HEAD_ROWS, weight.shape[1]), torch.randn(EXACT_HEAD_ROWS + 1, weight.shape[1])
+    assert torch.equal(head.run(few), cpu_dense.linear(few, weight, head.bias))
+    if precision == "highest":
+        assert head.extra is None
+        assert torch.equal(head.run(many), cpu_dense.linear(many, weight, head.bias))
+        return
+    assert head.extra.format == "bf16" and head.nbytes() == weight.numel() * 2 + head.extra.nbytes()
+    assert torch.equal(head.run(many), cpu_linear.linear(many, head.extra, head.bias, bf16=True))
+    assert not torch.equal(head.run(many), cpu_dense.linear(many, weight, head.bias))

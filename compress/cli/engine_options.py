@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from llmopt.runtime.config import KERNEL_CHOICES, LM_HEAD_CHOICES, MATMUL_PRECISION_CHOICES, MODEL_IMPL_CHOICES
+from llmopt.runtime.config import KERNEL_CHOICES, KV_CACHE_DTYPES, LM_HEAD_CHOICES, MATMUL_PRECISION_CHOICES, MODEL_IMPL_CHOICES
 
 SAVED = " [default: the checkpoint's saved runtime settings (a recipe's runtime: block), else auto / cpu]"
 LM_HEAD_HELP = ("Output head: as the checkpoint stores it (auto), rounded to bfloat16 (bf16, half the bytes per "
@@ -48,8 +48,9 @@ def engine_options(batching: bool = True):
             click.option("--prefix-caching/--no-prefix-caching", default=None, help="Reuse the KV of shared prompt prefixes." + SAVED),
         ]
     options += [
-        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]),
-                     help="KV cache storage: the model's dtype (auto), or fp8 e4m3 / int8 with per-token scales "
+        click.option("--kv-cache-dtype", type=click.Choice(list(KV_CACHE_DTYPES)),
+                     help="KV cache storage: the model's dtype (auto), a 16-bit float (float16, llama.cpp's default, "
+                          "or bfloat16: half a float32 model's cache), or fp8 e4m3 / int8 with per-token scales "
                           "(about half / a quarter of bf16 / fp32 memory)." + SAVED),
         click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), help=KERNELS_HELP + SAVED),
         click.option("--device", help="Where weights and KV cache live: auto (the GPU when torch sees one, else the CPU), "

@@ -131,6 +131,9 @@ class Backend:
             lin.run = lambda x: reference.quant_linear(x, lin.codes, lin.scale, lin.zero_point, lin.group_size,
                                                        lin.activations, lin.bias)
 
+    def prepare_head(self, head: DenseLinear | QuantLinear) -> None:
+        """After :meth:`prepare_linear`: what the output head alone gets (nothing here)."""
+
     # -- a layer's elementwise steps ------------------------------------------------------------
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,9 @@ from ..layers import DenseLinear, QuantLinear
 from .base import AttentionMetadata, Backend, ForwardBatch
 
 
+EXACT_HEAD_ROWS = 16  # up to these many rows a float head keeps the exact GEMV under medium / low
+
+
 def available() -> bool:
     """Whether every C++ extension builds here (and ``LLMOPT_KERNELS=reference`` is not set)."""
     return all(ext.available() for ext in (cpu_linear, cpu_dense, cpu_fused, cpu_attention))
@@ -53,6 +56,20 @@ class CpuBackend(Backend):
         bf16 = self.matmul_precision == "medium" or (low and cpu_linear.bf16_supported())
         lin.run = cpu_linear.bind(lin.packed, lin.bias, bf16=bf16, levels=1 if low else 3)
 
+    def prepare_head(self, head: DenseLinear | QuantLinear) -> None:
+        """Under ``medium`` / ``low`` (AVX512-BF16 CPUs) a float head also keeps a bfloat16 copy in
+        the panel's pair layout (``cpu_linear.pack_bf16``: as many bytes again as a 16-bit head) for
+        more than ``EXACT_HEAD_ROWS`` rows at once, decode of many sequences: bfloat16 products, twice
+        the float GEMV's products per instruction. Fewer rows keep the exact GEMV."""
+        if not isinstance(head, DenseLinear) or self.matmul_precision == "highest":
+            return
+        pairs = cpu_linear.pack_bf16(head.weight)
+        if pairs is None:
+            return
+        exact, bias, rows = head.run, head.bias, EXACT_HEAD_ROWS * head.weight.shape[1]
+        head.extra = pairs
+        head.run = lambda x: exact(x) if x.numel() <= rows else cpu_linear.linear(x, pairs, bias, bf16=True)
+
     def set_matmul_precision(self, precision: str) -> None:
         """``medium``: the quantized linears' panel path multiplies in bfloat16 (AVX512-BF16 CPUs
         only); ``low``: int8 activations in the integer GEMV at every batch size (AVX2 or AVX-512),
@@ -83,13 +100,14 @@ class CpuBackend(Backend):
         k_cache, v_cache, k_scale = cache.k[index], cache.v[index], cache.k_scale[index]
         kv_heads, _, dim = k_cache.shape
         slots = batch.attn.slots
-        if k_scale is None:
+        fused_write = k_cache.dtype == torch.float32  # the fused step writes float32 caches
+        if fused_write:
             self.ops.rope(qkv, batch.cos, batch.sin, heads, kv_heads, qk_norm, eps, k_cache, v_cache, slots)
         else:
             self.ops.rope(qkv, batch.cos, batch.sin, heads, kv_heads, qk_norm, eps, None, None, None)
         qkv = qkv.view(qkv.shape[0], heads + 2 * kv_heads, dim)
         q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
-        if k_scale is not None:
+        if not fused_write:
             reference.write_kv(k_cache, v_cache, k, v, slots, k_scale, cache.v_scale[index])
         return q, k, v
 

@@ -44,7 +44,7 @@ from llmopt.formats.schemes import IQ4_NL_GRID, fake_quantize_activations
 from .build import ISAS, IsaExtension
 
 SOURCES = ["linear.cpp", "cpu_linear_avx2.cpp", "cpu_linear_avx512.cpp", "cpu_linear_avx512bf16.cpp", "cpu_linear_scalar.cpp"]
-FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "w8a8": 3, "nl4": 4}
+FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "w8a8": 3, "nl4": 4, "bf16": 5}
 PATHS = {"gemv": 0, "panel": 1, "float-gemv": 2}  # gemv: the integer GEMV where it applies
 TILE = 16
 PACK_ROWS = 2048  # output features packed per step (bounds the int64 intermediates)
@@ -55,7 +55,7 @@ W8A8_MAX_K = 65536
 class PackedLinear:
     """A quantized weight in the kernels' layout."""
 
-    format: str  # int4 | int8 | fp8 | w8a8 | nl4
+    format: str  # int4 | int8 | fp8 | w8a8 | nl4 | bf16 (a float weight's bfloat16 pairs, see pack_bf16)
     out_features: int
     in_features: int
     group_size: int | None  # None: one scale per output feature
@@ -193,6 +193,20 @@ def linear(
     if packed.act_quant is not None:
         x = fake_quantize_activations(x, packed.act_quant)
     return _module().linear(x, packed.handle, bias, EXTENSION.isa_code(isa), PATHS.get(path, -1), out, bf16, levels)
+
+
+def pack_bf16(weight: torch.Tensor) -> PackedLinear | None:
+    """A float ``[out, in]`` weight rounded to bfloat16 (nearest even) in the bfloat16 panel's pair
+    layout (``csrc/cpu_linear.h``, format ``bf16``), or None where that panel does not run: for
+    many rows at once under matmul precision ``medium`` / ``low`` without a conversion per call."""
+    if not bf16_supported():
+        return None
+    n, k = weight.shape
+    kb, pairs = -(-k // 2), -(-n // 32)
+    padded = torch.zeros(pairs * 32, 2 * kb, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    words = padded.view(torch.int32).view(pairs, 32, kb).transpose(1, 2).contiguous()  # input 2p in the low half
+    return PackedLinear("bf16", n, k, None, words, torch.zeros(-(-n // TILE), 1, TILE), None, None, None)
 
 
 def running_isa() -> str:

@@ -1,4 +1,5 @@
-"""Quantized KV cache storage: int8 or float8 e4m3 codes with one float32 scale per token and KV head.
+"""KV cache storage: the model's dtype, a 16-bit float (``float16`` / ``bfloat16``: rounded as
+written, widened as read), or int8 / float8 e4m3 codes with one float32 scale per token and KV head.
 
 A token's head vector ``x`` (``head_dim`` values) is stored as ``codes = x / s`` with
 ``s = max|x| / QMAX`` (127 for int8, rounded to nearest; 448 for e4m3, the largest finite
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 from llmopt.core.errors import LlmoptError
 
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "int8")
+FLOAT_STORAGE = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 QMAX = {"int8": 127.0, "fp8": 448.0}
 STORAGE = {"int8": torch.int8, "fp8": torch.uint8}
 SCALE_DTYPE = torch.float32
@@ -27,9 +29,9 @@ def is_quantized(kind: str) -> bool:
 
 
 def storage_dtype(kind: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of cache elements: the model's for ``auto``, the codes' otherwise."""
+    """The dtype of cache elements: the model's for ``auto``, the 16-bit float's, or the codes'."""
     check_kv_cache_dtype(kind)
-    return STORAGE.get(kind, model_dtype)
+    return STORAGE.get(kind) or FLOAT_STORAGE.get(kind, model_dtype)
 
 
 def kind_of(cache: torch.Tensor) -> str:

@@ -90,10 +90,10 @@ def write_kv(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store ``k``/``v`` (``[tokens, kv_heads, head_dim]``) at ``slots``, quantized (codes and
-    per-token, per-head scales) when the cache has scales."""
+    per-token, per-head scales) when the cache has scales, rounded to a 16-bit float cache's dtype."""
     if k_scale is None:
-        k_cache.index_copy_(1, slots, k.transpose(0, 1))
-        v_cache.index_copy_(1, slots, v.transpose(0, 1))
+        k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
         return
     kind = kv_quant.kind_of(k_cache)
     for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
@@ -112,11 +112,11 @@ def gather_context(
     cache: torch.Tensor, scales: torch.Tensor | None, rows: torch.Tensor, block_size: int, space: Workspace, dtype: torch.dtype,
 ) -> torch.Tensor:
     """Rows of ``cache`` as ``[len(rows), block_size * head_dim]`` values of ``dtype`` (dequantized
-    when ``scales`` is given; a view of ``space`` otherwise)."""
+    when ``scales`` is given, widened from a 16-bit float cache; a view of ``space`` otherwise)."""
     heads, slots, dim = cache.shape
     gathered = gather_rows(cache, rows, block_size, space.take(len(rows), block_size * dim))
     if scales is None:
-        return gathered
+        return gathered if gathered.dtype == dtype else gathered.to(dtype)
     s = torch.index_select(scales.view(heads * slots // block_size, block_size), 0, rows)
     return kv_quant.dequantize(gathered.view(len(rows), block_size, dim), s, dtype).view(len(rows), -1)
 

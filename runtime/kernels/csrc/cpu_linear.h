@@ -9,6 +9,9 @@
 //     nl4: 4-bit indices u into llama.cpp's IQ4_NL grid, weight = (kNl4Bytes[u] + half) * scale
 //          with kNl4Bytes = grid + 128 (u8) and half = -128
 //     w8a8: the signed int8 codes, weight = q * scale (per output feature)
+//     bf16 pairs (a float weight rounded to bfloat16, for the bf16 panel only): laid out per pair
+//       of tiles, [ceil(N / 32)][Kb = ceil(K / 2)][32] uint32, word (p, j) holding inputs 2p (low
+//       half) and 2p + 1 (high half) of feature 32 * pair + j; no scales (the scale tensor is unused)
 //   scale / offset: [tiles][groups][16] float32 (scales in bfloat16 when they all are bfloat16
 //   values: fewer bytes per decoded token). Without an offset tensor, offset = half * scale.
 // This header holds plain data only: it is included by translation units built for different
@@ -19,7 +22,7 @@
 
 namespace llmopt_linear {
 
-enum Format : int { kInt4 = 0, kInt8 = 1, kFp8 = 2, kW8A8 = 3, kNl4 = 4 };
+enum Format : int { kInt4 = 0, kInt8 = 1, kFp8 = 2, kW8A8 = 3, kNl4 = 4, kBf16Pairs = 5 };
 
 // IQ4_NL's grid values plus 128: unsigned bytes for the integer dot products.
 constexpr uint8_t kNl4Bytes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -51,7 +54,7 @@ struct Job {
   float* out;           // [M][N]
 };
 
-inline int values_per_lane(int format) { return format == kInt4 || format == kNl4 ? 8 : 4; }
+inline int values_per_lane(int format) { return format == kInt4 || format == kNl4 ? 8 : format == kBf16Pairs ? 2 : 4; }
 
 // Each variant computes output features [16 * t0, 16 * t1) for every row.
 namespace scalar {
@@ -75,6 +78,7 @@ void w8a8(const Job& job, int64_t t0, int64_t t1);
 // The panel with bfloat16 products and float32 sums (matmul precision "medium"; AVX512-BF16).
 namespace avx512bf16 {
 void panel(const Job& job, int64_t t0, int64_t t1, float* work);
+void pairs(const Job& job, int64_t tp0, int64_t tp1);  // bf16 pairs: tile pairs [tp0, tp1)
 }
 
 constexpr int64_t kPanelK = 256;  // K chunk of the panel path: a dequantized tile pair is 32 KiB

@@ -20,5 +20,6 @@ namespace {
 
 namespace llmopt_linear::avx512bf16 {
 void panel(const Job& job, int64_t t0, int64_t t1, float* work) { panel_bf16_entry(job, t0, t1, work); }
+void pairs(const Job& job, int64_t tp0, int64_t tp1) { pairs_bf16_entry(job, tp0, tp1); }
 }  // namespace llmopt_linear::avx512bf16
 #endif  // __x86_64__

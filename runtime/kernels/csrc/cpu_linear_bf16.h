@@ -84,3 +84,12 @@ void panel_bf16_format(const Job& j, int64_t t0, int64_t t1, float* work) {
 inline void panel_bf16_entry(const Job& j, int64_t t0, int64_t t1, float* work) {
   for_format(j, [&](auto bits, auto kind) { panel_bf16_format<decltype(bits)::value, decltype(kind)::value>(j, t0, t1, work); });
 }
+
+// A float weight packed at load as bfloat16 pairs (format kBf16Pairs, [tile pairs][Kb][32]): no
+// dequantization, the micro-kernel reads the pairs in place, kPanelK inputs at a time (32 KiB).
+inline void pairs_bf16_entry(const Job& j, int64_t tp0, int64_t tp1) {
+  constexpr int64_t kPanelPairs = kPanelK / 2;
+  for (int64_t tp = tp0; tp < tp1; ++tp)
+    for (int64_t p0 = 0; p0 < j.Kb; p0 += kPanelPairs)
+      micro_rows_bf16<2>(j, tp * 32, p0, min64(j.Kb, p0 + kPanelPairs), j.data + (tp * j.Kb + p0) * 32);
+}

@@ -127,10 +127,11 @@ struct Packed {
          std::optional<torch::Tensor> wsum_, int64_t format_, int64_t n_, int64_t k_, int64_t group_size_)
       : data(std::move(data_)), scale(std::move(scale_)), offset(std::move(offset_)), wsum(std::move(wsum_)),
         format(format_), n(n_), k(k_), group_size(group_size_) {
-    check(format >= lin::kInt4 && format <= lin::kNl4, "unknown format");
+    check(format >= lin::kInt4 && format <= lin::kBf16Pairs, "unknown format");
     const int vpl = lin::values_per_lane(static_cast<int>(format));
     const int64_t tiles = (n + 15) / 16, kp = (k + vpl - 1) / vpl * vpl;
-    check(data.scalar_type() == torch::kInt && data.is_contiguous() && data.numel() == tiles * (kp / vpl) * 16,
+    const int64_t lane_tiles = format == lin::kBf16Pairs ? (n + 31) / 32 * 2 : tiles;  // bf16 pairs: whole tile pairs
+    check(data.scalar_type() == torch::kInt && data.is_contiguous() && data.numel() == lane_tiles * (kp / vpl) * 16,
           "packed weights do not match the layer's size");
     check((scale.scalar_type() == torch::kFloat || scale.scalar_type() == torch::kBFloat16) && scale.is_contiguous() &&
               scale.dim() == 3 && scale.size(0) == tiles && scale.size(2) == 16, "scales do not match the packed weights");
@@ -199,6 +200,18 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
   thread_local std::vector<int8_t> q_buf;
   thread_local std::vector<uint32_t> pair_buf;
   bool gemv = false, igemv = false, bf16_panel = false;
+  if (format == lin::kBf16Pairs) {
+    check(bf16 && isa == kAvx512 && llmopt_isa::supports_bf16(),
+          "bfloat16 pairs run the bfloat16 panel only (bf16=True, AVX-512 with BF16)");
+    prepare_bf16(j, pair_buf);
+    at::parallel_for(0, (n + 31) / 32, std::max<int64_t>(1, kMinTaskMacs / std::max<int64_t>(1, 32 * K * M)),
+                     [&](int64_t tp0, int64_t tp1) {
+#if defined(__x86_64__)
+                       lin::avx512bf16::pairs(j, tp0, tp1);
+#endif
+                     });
+    return result();
+  }
   if (format == lin::kW8A8) {
     j.wsum = w.wsum->data_ptr<int32_t>();
     prepare_w8a8(j, q_buf, scale_buf);
