@@ -47,7 +47,8 @@ class EngineConfig:
     ``medium`` lets the C++ CPU kernels multiply bfloat16-rounded weights and activations with
     float32 sums in their panel path (prefill, and decode of more than 16 sequences at once) on
     CPUs with AVX512-BF16, as a W4A16 matmul on a GPU does; decode of few sequences stays exact
-    (``bench/results/lm_head.md`` has its accuracy cost, ``serve_load.md`` its speed); ``low``
+    (``bench/results/lm_head.md`` has its accuracy cost, ``serve_load.md`` its speed), and a float
+    output head keeps a bfloat16 copy for more than 16 rows at once (``CpuBackend.prepare_head``); ``low``
     also rounds the activations of int4 weights (int8 and IQ4_NL-grid weights too with AVX-512
     VNNI) to int8 per block of at most 32 inputs, as llama.cpp's CPU kernels do (Q8_0), for
     integer dot products at every batch size (other weights run as with ``medium``).

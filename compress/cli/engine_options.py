@@ -22,7 +22,8 @@ MATMUL_PRECISION_HELP = ("Linear layers' arithmetic (torch's float32 matmul prec
                          "with float32 sums when many rows run at once (prefill, decode of over 16 sequences) on CPUs "
                          "with AVX512-BF16, as W4A16 on a GPU does (speed: bench/results/serve_load.md); on the demo's "
                          "W4A16 g32 a mean KLD of 2.5e-4 nats against float32 products (bench/results/lm_head.md). "
-                         "Decode of few sequences stays exact. low also rounds the activations of int4 weights (int8 "
+                         "Decode of few sequences stays exact; a float output head keeps a bfloat16 copy for many rows "
+                         "(its bytes again). low also rounds the activations of int4 weights (int8 "
                          "and IQ4_NL weights with AVX-512 VNNI) to int8 per block of 32 inputs, as llama.cpp's CPU "
                          "kernels do, for integer dot products at every batch size (accuracy: bench/results/lm_head.md).")
 MODEL_IMPL_HELP = ("Model code: auto runs an architecture's native model when the runtime has one, else transformers' "
