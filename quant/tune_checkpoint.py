@@ -53,5 +53,8 @@ def tune_checkpoint(quantized: Path, source: Path, ids: torch.Tensor, settings: 
     with progress_task("tuning scales and norms", settings.steps) as advance:
         tuned, norms, report = tune_scales(student, teacher, weights, ids, settings, where, advance)
     replacements = {f"{name}.weight_scale": qw.scale for name, qw in tuned.items()}
+    # float zero points (llama.cpp's mins) follow the tuned scales, so that the mins stay as they were
+    replacements.update({f"{name}.weight_zero_point": qw.zero_point for name, qw in tuned.items()
+                         if qw.scheme.float_zero and qw.zero_point is not None})
     replacements.update(norms)
     return replacements, report

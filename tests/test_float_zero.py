@@ -208,3 +208,28 @@ def test_scale_tuning_and_qad_keep_the_mins():
     assert format_of(tuned).gguf_carrier_of(T.Q4_K).carries(tuned)
     student = FakeQuantWeight(fitted("int5m", w))
     torch.testing.assert_close(student().detach(), fitted("int5m", w).dequantize(), rtol=0, atol=1e-6)
+
+
+def test_tuned_checkpoint_keeps_the_mins_and_the_k_quant_blocks(q5_k_m):
+    """quantize --tune-steps on a mixture with float zero points: the checkpoint's zero points follow
+    the tuned scales, so every min is the untuned one, every weight keeps its format (Q5_K's 6-bit
+    scales and mins included) and export --type Q5_K_M still carries every code, scale and min."""
+    root, _ = q5_k_m
+    tuned = root / "tuned"
+    result = CliRunner().invoke(main, ["quantize", str(root / "float"), "--scheme", "Q5_K_M", "--method", "rtn", "--tune-steps", "4",
+                                       "--tune-lr", "0.01", "--calib-samples", "8", "--calib-seq-len", "32", "-o", str(tuned)])
+    assert result.exit_code == 0, result.output
+    before, _ = read_compressed(root / "q")
+    after, _ = read_compressed(tuned)
+    assert sorted(after) == sorted(before) and len(after) == 2 * 7 + 2
+    moved = 0
+    for name, qw in after.items():
+        assert format_of(qw).name == format_of(before[name]).name, name
+        if qw.scheme.float_zero:
+            torch.testing.assert_close(qw.mins(), before[name].mins(), rtol=1e-5, atol=1e-7)
+            moved += int(not torch.equal(qw.scale, before[name].scale))
+    assert moved >= 2 * 6
+    result = CliRunner().invoke(main, ["export", str(tuned), "--type", "Q5_K_M", "-o", str(root / "tuned.gguf"), "--json"])
+    assert result.exit_code == 0, result.output
+    written = [t for t in json.loads(result.stdout)["tensors"] if len(t["shape"]) == 2]
+    assert len(written) == 2 * 7 + 2 and all(t["codes_identical"] for t in written)
