@@ -595,7 +595,7 @@ void igemv_levels(const Job& j, int64_t t0, int64_t t1) {
   constexpr int S = igemv_tiles<1, L>();
   const int64_t len = (t1 - t0) / S, nblk = j.Kp / j.xblock;
   const int64_t step_block_bytes = S * 16 * j.xblock / (INT4 ? 2 : 1);
-  const int64_t range = j.M > 4 && kIgemvRangeBytes > step_block_bytes ? kIgemvRangeBytes / step_block_bytes : j.M > 4 ? 1 : nblk;
+  const int64_t range = j.M > 4 ? (kIgemvRangeBytes / step_block_bytes > 0 ? kIgemvRangeBytes / step_block_bytes : 1) : nblk;
   int64_t tiles[S];
   for (int64_t i = 0; i < len; ++i) {
     for (int s = 0; s < S; ++s) tiles[s] = t0 + s * len + i;
