@@ -1,10 +1,12 @@
 """Offline rotations on the demo model: W4A16 g128 with and without ``--rotate hadamard``, RTN and
-GPTQ, next to the float model rotated alone (what bfloat16 storage of the rotated weights costs).
+GPTQ (with and without activation ordering), W4A8 (int8 activations per token) and W8A8 without
+SmoothQuant, next to the float model rotated alone (what storing the rotated weights costs).
 
 Each variant is made by ``llmopt quantize`` in a child process; KLD (mean, p99) and top-1 against
 the float demo model on WikiText-2 and on the held-out Gutenberg text (neither used for
 calibration: calibration is ``austen``), ``--windows`` windows of 2048 tokens each. The issue's
-target: rotated GPTQ W4A16 g128 at most 0.6× the unrotated GPTQ's mean KLD on both texts.
+targets (``TARGETS``): rotated GPTQ W4A16 g128 at most 0.6× the unrotated GPTQ's mean KLD on both
+texts, rotated W4A8 at most 1.3× the same rotated weights at W4A16, W8A8 without SmoothQuant ≤ 0.01.
 Results: bench/results/rotations.{json,md}.
 
     python bench/rotations.py [--windows 4] [--calib-samples 128] [--force] [--only NAME]
@@ -35,7 +37,19 @@ VARIANTS = {
     "W4A16 g128 RTN, rotated": ["--scheme", "W4A16", "--group-size", "128", "--rotate", "hadamard"],
     "W4A16 g128 GPTQ": ["--scheme", "W4A16", "--group-size", "128", "--method", "gptq"],
     "W4A16 g128 GPTQ, rotated": ["--scheme", "W4A16", "--group-size", "128", "--method", "gptq", "--rotate", "hadamard"],
+    "W4A16 g128 GPTQ act-order": ["--scheme", "W4A16", "--group-size", "128", "--method", "gptq", "--act-order"],
+    "W4A16 g128 GPTQ act-order, rotated": ["--scheme", "W4A16", "--group-size", "128", "--method", "gptq", "--act-order",
+                                           "--rotate", "hadamard"],
+    "W4A8 g128 GPTQ": ["--scheme", "W4A8", "--group-size", "128", "--method", "gptq"],
+    "W4A8 g128 GPTQ, rotated": ["--scheme", "W4A8", "--group-size", "128", "--method", "gptq", "--rotate", "hadamard"],
+    "W8A8 RTN": ["--scheme", "W8A8"],
+    "W8A8 RTN, rotated": ["--scheme", "W8A8", "--rotate", "hadamard"],
 }
+# (variant, the variant it is measured against, the largest ratio of mean KLDs the issue allows)
+TARGETS = [("W4A16 g128 GPTQ, rotated", "W4A16 g128 GPTQ", 0.6),
+           ("W4A16 g128 GPTQ act-order, rotated", "W4A16 g128 GPTQ act-order", 0.6),
+           ("W4A8 g128 GPTQ, rotated", "W4A16 g128 GPTQ, rotated", 1.3)]
+W8A8_TARGET = 0.01  # mean KLD of W8A8 without SmoothQuant
 
 
 @torch.inference_mode()
@@ -100,6 +114,7 @@ def main() -> None:
         variant, _ = load_model(out)
         result = scores(variant, ids, ref)
         result["bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+        result["measured"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         result["rotation"] = (record.get("rotation") or (record.get("record") or {}).get("rotation"))
         return result
 
@@ -122,11 +137,17 @@ def write_md(data: dict) -> None:
         w, h = r["wiki"], r["heldout"]
         lines.append(f"| {name} | {w['kld_mean']:.4f} / {w['kld_p99']:.3f} | {100 * w['top1']:.1f}% | "
                      f"{h['kld_mean']:.4f} / {h['kld_p99']:.3f} | {100 * h['top1']:.1f}% | {r['bytes']:,} |")
-    for method in ("RTN", "GPTQ"):
-        plain, rotated = rows.get(f"W4A16 g128 {method}"), rows.get(f"W4A16 g128 {method}, rotated")
-        if plain and rotated:
-            ratios = ", ".join(f"{t} {rotated[t]['kld_mean'] / plain[t]['kld_mean']:.2f}×" for t in TEXTS)
-            lines.append(f"\n{method}: rotated / unrotated mean KLD: {ratios}" + (" (target ≤ 0.6×)" if method == "GPTQ" else ""))
+    lines.append("")
+    for name, base, most in [("W4A16 g128 RTN, rotated", "W4A16 g128 RTN", None), *TARGETS]:
+        if name in rows and base in rows:
+            ratios = [rows[name][t]["kld_mean"] / rows[base][t]["kld_mean"] for t in TEXTS]
+            verdict = "" if most is None else f" (target ≤ {most}×: {'met' if max(ratios) <= most else '**missed**'})"
+            lines.append(f"- {name} / {base}, mean KLD: " + ", ".join(f"{t} {r:.2f}×" for t, r in zip(TEXTS, ratios)) + verdict)
+    for name in ("W8A8 RTN", "W8A8 RTN, rotated"):
+        if name in rows:
+            worst = max(rows[name][t]["kld_mean"] for t in TEXTS)
+            lines.append(f"- {name} (no SmoothQuant): mean KLD at most {worst:.4f} (target ≤ {W8A8_TARGET}: "
+                         f"{'met' if worst <= W8A8_TARGET else '**missed**'})")
     lines.append("\nThe rotated checkpoints hold an untied float head (the final norm's scale is folded into it), "
                  "hence their larger size.")
     (RESULTS / "rotations.md").write_text("\n".join(lines) + "\n")

@@ -166,7 +166,7 @@ class Awq(ScaleTransform):
         if scheme.activations is not None:
             raise ValueError(
                 f"AWQ optimizes weight-only quantization and does not account for {scheme.name}'s activation "
-                "quantization; use smoothquant or smoothquant+gptq for W8A8, rtn or gptq for FP8_DYNAMIC"
+                "quantization; use smoothquant or smoothquant+gptq for W8A8 / W4A8, rtn or gptq for FP8_DYNAMIC"
             )
 
     def apply(self, mappings: list[ScaleMapping], stats: LinearStats, scheme: QuantScheme, schemes: Schemes,

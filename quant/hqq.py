@@ -192,7 +192,7 @@ class Hqq(Quantizer):
 
     def check(self, scheme: QuantScheme) -> None:
         if scheme.is_float or scheme.grid is not None or scheme.scale_steps is not None or scheme.float_zero:
-            raise ValueError(f"hqq quantizes plain integer weights (W4A16, W4A16_ASYM, W8A16, W8A8), not {scheme.name}")
+            raise ValueError(f"hqq quantizes plain integer weights (W4A16, W4A16_ASYM, W8A16, W8A8, W4A8), not {scheme.name}")
 
     @torch.no_grad()
     def quantize(self, mods: Mapping[str, nn.Linear], schemes: Schemes, group_sizes: GroupSizes,

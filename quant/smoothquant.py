@@ -71,7 +71,7 @@ class SmoothQuant(ScaleTransform):
     def check(self, scheme: QuantScheme) -> None:
         if scheme.activations != "int8":
             raise ValueError(
-                f"SmoothQuant prepares int8 activation quantization and needs scheme W8A8, not {scheme.name}; "
+                f"SmoothQuant prepares int8 activation quantization and needs scheme W8A8 or W4A8, not {scheme.name}; "
                 "for weight-only schemes use awq or gptq"
                 + (", for FP8_DYNAMIC use rtn or gptq" if scheme.activations == "fp8" else "")
             )

@@ -43,6 +43,7 @@ CASES = [
     ("W4A16_ASYM", 32),
     ("W8A16", None),
     ("W8A8", None),
+    ("W4A8", 32),
     ("FP8", None),
     ("FP8_DYNAMIC", None),
 ]
@@ -166,6 +167,7 @@ def test_layout_and_config(saved):
         "W4A16_ASYM": "pack-quantized",
         "W8A16": "pack-quantized",
         "W8A8": "int-quantized",
+        "W4A8": "int-quantized",  # compressed-tensors ranks int-quantized before pack-quantized
         "FP8": "naive-quantized",
         "FP8_DYNAMIC": "float-quantized",
     }[preset]
@@ -173,9 +175,9 @@ def test_layout_and_config(saved):
     (group,) = qc["config_groups"].values()
     assert group["targets"] == ["Linear"]
     acts = group["input_activations"]
-    if preset in ("W8A8", "FP8_DYNAMIC"):
+    if preset in ("W8A8", "W4A8", "FP8_DYNAMIC"):
         assert acts["dynamic"] is True and acts["strategy"] == "token" and acts["symmetric"] is True
-        assert acts["num_bits"] == 8 and acts["type"] == ("int" if preset == "W8A8" else "float")
+        assert acts["num_bits"] == 8 and acts["type"] == ("float" if preset == "FP8_DYNAMIC" else "int")
     else:
         assert acts is None
     assert json.loads((out / "llmopt.json").read_text()) == provenance
@@ -199,8 +201,10 @@ def test_layout_and_config(saved):
                 assert f.get_tensor(f"{name}.weight_zero_point").shape == (64 // 8, 192 // 32)
         else:
             w = f.get_tensor(f"{name}.weight")
-            assert w.dtype == (torch.int8 if preset == "W8A8" else torch.float8_e4m3fn)
-            assert f.get_tensor(f"{name}.weight_scale").shape == (64, 1)
+            assert w.dtype == (torch.float8_e4m3fn if preset.startswith("FP8") else torch.int8)
+            assert f.get_tensor(f"{name}.weight_scale").shape == (64, 192 // (qw.group_size or 192))
+            if preset == "W4A8":  # int4 codes, one a byte
+                assert -8 <= int(w.min()) and int(w.max()) <= 7
 
 
 def test_read_back_exact(saved):

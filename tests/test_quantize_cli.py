@@ -69,7 +69,7 @@ def check_w8a8_activation_rules(model, out, weights, ids, logits, expected) -> N
 @pytest.mark.parametrize(
     "scheme, method, group",
     [("W4A16", "rtn", "32"), ("W4A16", "gptq", "64"), ("W4A16", "awq", "32"), ("W8A16", "rtn", None),
-     ("W8A8", "smoothquant", None), ("FP8", "rtn", None), ("IQ4_NL", "gptq", None)],
+     ("W8A8", "smoothquant", None), ("W4A8", "gptq", "32"), ("FP8", "rtn", None), ("IQ4_NL", "gptq", None)],
 )
 def test_quantize_writes_loadable_checkpoint(tmp_path, tiny_model_dir, scheme, method, group):
     out = tmp_path / "q"
@@ -97,14 +97,14 @@ def test_quantize_writes_loadable_checkpoint(tmp_path, tiny_model_dir, scheme, m
     ids = torch.randint(0, 259, (1, 24))
     with torch.no_grad():
         logits, expected = model(ids).logits, reference(ids).logits
-    if scheme == "W8A8":  # compressed-tensors rounds activations on a 127.5 grid, we (and vLLM) on 127
+    if scheme in ("W8A8", "W4A8"):  # compressed-tensors rounds activations on a 127.5 grid, we (and vLLM) on 127
         check_w8a8_activation_rules(model, out, weights, ids, logits, expected)
     else:
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
     info = json.loads(run_cli("inspect", str(out), "--json").stdout)
     q_proj = next(m for m in info["modules"] if m["name"].endswith("layers.0.self_attn.q_proj"))
-    expected_format = {"W4A16": "int4", "W8A16": "int8", "W8A8": "int8", "FP8": "fp8", "IQ4_NL": "int8"}[scheme]
+    expected_format = {"W4A16": "int4", "W8A16": "int8", "W8A8": "int8", "W4A8": "int4", "FP8": "fp8", "IQ4_NL": "int8"}[scheme]
     assert q_proj["format"] == expected_format
     if group:
         assert q_proj["group_size"] == int(group)

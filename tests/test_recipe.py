@@ -128,6 +128,19 @@ def test_llmcompressor_recipe_mapping(tmp_path):
     (stage,) = load_recipe(str(groups), ["model=demo"]).stages
     assert (stage.options["scheme"], stage.options["method"], stage.options["group_size"]) == ("W4A16_ASYM", "awq", 64)
 
+    w4a8 = write(tmp_path, """
+        w_stage:
+          w_modifiers:
+            GPTQModifier:
+              config_groups:
+                group_0:
+                  targets: [Linear]
+                  weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 128}
+                  input_activations: {num_bits: 8, type: int, symmetric: true, strategy: token, dynamic: true}
+    """, "w4a8.yaml")
+    (stage,) = load_recipe(str(w4a8), ["model=demo"]).stages
+    assert (stage.options["scheme"], stage.options["method"], stage.options["group_size"]) == ("W4A8", "gptq", 128)
+
     unsupported = write(tmp_path, """
         s_stage:
           s_modifiers:

@@ -95,9 +95,11 @@ def test_rotation_spreads_an_outlier_feature(tmp_path):
     assert peakiness(rotated.model.layers[0].self_attn.q_proj.weight) < 2
 
 
-def test_quantizing_the_rotated_model_loses_less(tmp_path):
-    """W4A16 g32 RTN of the outlier model, with and without --rotate: the rotated output's
-    next-token distributions are closer to the float model's."""
+@pytest.mark.parametrize("scheme", [["--scheme", "W4A16", "--group-size", "32"], ["--scheme", "W8A8"], ["--scheme", "W4A8", "--group-size", "32"]],
+                         ids=["W4A16", "W8A8", "W4A8"])
+def test_quantizing_the_rotated_model_loses_less(tmp_path, scheme):
+    """RTN of the outlier model, with and without --rotate: the rotated output's next-token
+    distributions are closer to the float model's (weights only, and with int8 activations per token)."""
     model, src = _outlier_model(tmp_path)
     runner = CliRunner()
     ids = torch.randint(3, 259, (4, 32), generator=torch.Generator().manual_seed(5))
@@ -105,8 +107,7 @@ def test_quantizing_the_rotated_model_loses_less(tmp_path):
     kld = {}
     for rotate in ("none", "hadamard"):
         out = tmp_path / rotate
-        result = runner.invoke(main, ["quantize", str(src), "--scheme", "W4A16", "--group-size", "32", "--rotate", rotate,
-                                      "-o", str(out)])
+        result = runner.invoke(main, ["quantize", str(src), *scheme, "--rotate", rotate, "-o", str(out)])
         assert result.exit_code == 0, result.output
         quantized, _ = load_model(out)
         got = _logits(quantized, ids).log_softmax(-1)

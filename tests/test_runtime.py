@@ -193,7 +193,7 @@ def test_same_tokens_alone_batched_cached_chunked_and_preempted(models):
             assert stats["prefix_cache_hit_tokens"] >= 2 * 24  # the shared 24-token prefix, several times
 
 
-@pytest.mark.parametrize("preset,group", [("W4A16", 32), ("W4A16_ASYM", 32), ("W8A16", None), ("W8A8", None),
+@pytest.mark.parametrize("preset,group", [("W4A16", 32), ("W4A16_ASYM", 32), ("W8A16", None), ("W8A8", None), ("W4A8", 32),
                                           ("FP8", None), ("FP8_DYNAMIC", None), ("int4m", 32), ("int5m", 32)])
 def test_quantized_checkpoints_stay_quantized_and_match(tmp_path, preset, group):
     """Presets, and formats with float zero points (llama.cpp's mins: int4m, int5m)."""

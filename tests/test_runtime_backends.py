@@ -123,7 +123,7 @@ def test_decode_attention_of_every_backend_matches_the_reference(kind):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"{backend.name}")
 
 
-@pytest.mark.parametrize("preset,group", [("W4A16", 32), ("W4A16_ASYM", 32), ("W8A16", None), ("W8A8", None), ("FP8", None)])
+@pytest.mark.parametrize("preset,group", [("W4A16", 32), ("W4A16_ASYM", 32), ("W8A16", None), ("W8A8", None), ("W4A8", 32), ("FP8", None)])
 def test_quantized_linear_of_every_backend_matches_the_reference(preset, group):
     scheme = get_scheme(preset, group or 0)
     weight = torch.randn(40, 96) * 0.1

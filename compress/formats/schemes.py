@@ -187,6 +187,7 @@ PRESETS: dict[str, QuantScheme] = {
     "W4A16_ASYM": QuantScheme("W4A16_ASYM", 4, group_size=128, symmetric=False),
     "W8A16": QuantScheme("W8A16", 8),
     "W8A8": QuantScheme("W8A8", 8, activations="int8"),
+    "W4A8": QuantScheme("W4A8", 4, group_size=128, activations="int8"),
     "FP8": QuantScheme("FP8", 8, weight_type="float"),
     "FP8_DYNAMIC": QuantScheme("FP8_DYNAMIC", 8, weight_type="float", activations="fp8"),
     # llama.cpp's IQ4_NL grid (defined below), held as int8 grid values in compressed-tensors
@@ -196,7 +197,7 @@ PRESETS: dict[str, QuantScheme] = {
     "MXFP4A16": QuantScheme("MXFP4A16", 4, "float", group_size=32, scale_format="e8m0"),
 }
 FP4_SCHEMES = {"NVFP4A16", "MXFP4A16"}
-GROUPED_SCHEMES = {"W4A16", "W4A16_ASYM", "IQ4_NL"}
+GROUPED_SCHEMES = {"W4A16", "W4A16_ASYM", "W4A8", "IQ4_NL"}
 
 
 def get_scheme(name: str, group_size: int | None = None) -> QuantScheme:

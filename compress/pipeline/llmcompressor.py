@@ -62,11 +62,13 @@ def _scheme(args: dict, where: str) -> tuple[str, int | None]:
     group_size = weights.get("group_size") if weights.get("strategy") == "group" else None
     if kind == "int" and bits == 4 and not acts:
         return ("W4A16" if sym else "W4A16_ASYM"), (group_size or 0)
+    if kind == "int" and bits == 4 and sym:
+        return "W4A8", (group_size or 0)
     if kind == "int" and bits == 8:
         return ("W8A8" if acts else "W8A16"), None
     if kind == "float" and bits == 8:
         return ("FP8_DYNAMIC" if acts else "FP8"), None
-    raise LlmoptError(f"{where}: config group {weights} has no llmopt equivalent", "use W4A16, W4A16_ASYM, W8A16, W8A8, FP8 or FP8_DYNAMIC")
+    raise LlmoptError(f"{where}: config group {weights} has no llmopt equivalent", "use W4A16, W4A16_ASYM, W8A16, W8A8, W4A8, FP8 or FP8_DYNAMIC")
 
 
 def _ignore(args: dict) -> list[str]:

@@ -52,5 +52,5 @@ def quantize_object(model: nn.Module, tokenizer: Any, values: dict, dataset: Any
         raise LlmoptError(str(exc)) from exc
     weights = done.result.weights
     record.update(result_record(done.result, request.method), memory_estimate=None)
-    add_activation_quantization(model, weights)  # W8A8 / FP8_DYNAMIC inputs, per token, as engines run them
+    add_activation_quantization(model, weights)  # W8A8 / W4A8 / FP8_DYNAMIC inputs, per token, as engines run them
     return finish(model, record, start, config, values, tokenizer, weights, list(request.ignore))

@@ -52,7 +52,8 @@ class QuantizeConfig:
 
     model: str = option(help="Model to quantize.", argument=True, runner_owned=True)
     output: str = option(help="Output checkpoint directory.", short="-o", runner_owned=True)
-    scheme: str = option(help="W4A16, W4A16_ASYM, W8A16, W8A8, FP8, FP8_DYNAMIC or NF4 (compressed-tensors names); "
+    scheme: str = option(help="W4A16, W4A16_ASYM, W8A16, W8A8, W4A8, FP8, FP8_DYNAMIC or NF4 (compressed-tensors names; "
+                              "W8A8 / W4A8 / FP8_DYNAMIC also round each token's inputs at run time); "
                               "IQ4_NL: llama.cpp's non-uniform 4-bit grid, groups of 32 (int8 grid codes in the checkpoint, "
                               "IQ4_NL blocks in a GGUF export); "
                               "AUTO: a format per tensor from measured sensitivities (--target-bpw, --target-kld or --plan); "
