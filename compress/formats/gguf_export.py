@@ -112,6 +112,8 @@ class Planned:
     expected_codes: np.ndarray | None = None  # carried codes as stored (for the read-back check)
     expected_d: np.ndarray | None = None  # their fp16 block scales, as float32
     expected_min: np.ndarray | None = None  # Q4_K / Q5_K with float zero points: their sub-block mins dmin · m
+    # super-block types: (d, k) of the scales and (dmin, m) of the mins or None, found once when planned
+    superblock: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None] | None = None
     parts: list[Planned] | None = None  # experts stacked into this one 3-D tensor, in order
 
     def reference(self) -> torch.Tensor:
@@ -215,11 +217,6 @@ def carry_types(qw: Any) -> list[T]:
     return format_of(qw).gguf_types(qw)
 
 
-def _factors(qw: Any, qtype: T) -> tuple[torch.Tensor, torch.Tensor]:
-    """The super-block ``d`` and integer sub-block scales of ``qw``'s scales for ``qtype`` (IQ4_XS, Q3_K, Q6_K)."""
-    return format_of(qw).gguf_carrier_of(qtype).factors(qw)
-
-
 def _fits(qtype: T, cols: int) -> bool:
     return cols % blocks.block_size(qtype) == 0
 
@@ -300,12 +297,16 @@ def _carry(name: str, source: str, qw: Any, qtype: T, fmt: str, note: str) -> Pl
     codes = (qw.codes.float() * 2).to(torch.int16) if qtype == T.MXFP4 else qw.codes.to(torch.int16)
     if qtype == T.Q8_0 and qw.zero_point is not None:
         codes = codes - qw.zero_point.to(torch.int16).repeat_interleave(group, dim=1)
-    mins = None
+    mins = min_factors = superblock = None
     if carrier.min_steps is not None:  # the mins are carried exactly too: dmin per super-block times an integer
         dmin, m = carrier.min_factors(qw)
         mins = (m * dmin.repeat_interleave(m.shape[1] // dmin.shape[1], dim=1)).numpy()
-    return Planned(name, source, qw, qtype, "carried codes", fmt, note,
-                   expected_codes=codes.numpy().astype(np.int8), expected_d=d16.float().numpy(), expected_min=mins)
+        min_factors = (dmin.numpy(), m.numpy())
+    if qtype in SUPERBLOCK_ENCODERS:
+        d, k = carrier.factors(qw)
+        superblock = ((d.numpy(), k.numpy()), min_factors)
+    return Planned(name, source, qw, qtype, "carried codes", fmt, note, expected_codes=codes.numpy().astype(np.int8),
+                   expected_d=d16.float().numpy(), expected_min=mins, superblock=superblock)
 
 
 def _plan_float(name: str, source: str, t: torch.Tensor, opts: Options, is_output: bool, quantized_source: bool,
@@ -436,12 +437,9 @@ def encode(p: Planned) -> tuple[np.ndarray, T | None]:
             return blocks.encode_iq4_nl(codes, p.expected_d), T.IQ4_NL
         if p.qtype == T.MXFP4:
             return blocks.encode_mxfp4(codes, p.expected_d), T.MXFP4
-        if p.qtype in SUPERBLOCK_ENCODERS:
-            d, k = _factors(qw, p.qtype)
-            if p.expected_min is not None:
-                dmin, m = format_of(qw).gguf_carrier_of(p.qtype).min_factors(qw)
-                return SUPERBLOCK_ENCODERS[p.qtype](codes, d.numpy(), k.numpy(), (dmin.numpy(), m.numpy())), p.qtype
-            return SUPERBLOCK_ENCODERS[p.qtype](codes, d.numpy(), k.numpy()), p.qtype
+        if p.superblock is not None:
+            (d, k), min_factors = p.superblock
+            return SUPERBLOCK_ENCODERS[p.qtype](codes, d, k, *([min_factors] if min_factors is not None else [])), p.qtype
         cols = codes.shape[1]
         group = qw.group_size or cols
         scale = qw.scale.float().repeat_interleave(group // blocks.QK, dim=1)
