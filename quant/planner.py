@@ -64,11 +64,15 @@ class AutoPlanner:
         from llmopt.checkpoints.models import load_model
         from llmopt.quant.allocate import allocate, plan_table, totals
         from llmopt.quant.consumers import restrict, tie, untie
-        from llmopt.quant.sensitivity import measure_sensitivity
+        from llmopt.formats.registry import GGUF_SIZED_CANDIDATES
+        from llmopt.quant.sensitivity import LINEAR_FORMATS, measure_sensitivity
 
+        # formats that only pay off in a GGUF file are priced only when sizes are counted as one
+        formats = tuple(f for f in LINEAR_FORMATS if self.size_of == "gguf" or f not in GGUF_SIZED_CANDIDATES)
         model, _ = load_model(source)
         sens = measure_sensitivity(model, calibration[: self.sensitivity_samples], seed=self.seed,
-                                   head_gptq=method.calibrated, linear_gptq=self.price_by == PRICED_BY_GPTQ)
+                                   head_gptq=method.calibrated, linear_gptq=self.price_by == PRICED_BY_GPTQ,
+                                   linear_formats=formats)
         del model
         sens = restrict(sens, self.consumer)
         seconds = decode_speeds(sens) if self.objective == "speed" else None

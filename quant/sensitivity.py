@@ -221,13 +221,14 @@ def _gptq_error(w: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme) -> 
     return qw.dequantize() - w.float()
 
 
-def _linear_costs(w: torch.Tensor, hessian: torch.Tensor | None, fisher: torch.Tensor, gptq: bool) -> dict[str, float]:
-    """Nats per token of each Linear format of ``w``: ``½ Σ_j F_j (ΔW H ΔWᵀ)_jj`` (``hessian``
-    None: the Linear saw no token, an expert nothing was routed to, and costs nothing)."""
+def _linear_costs(w: torch.Tensor, hessian: torch.Tensor | None, fisher: torch.Tensor, gptq: bool,
+                  formats: tuple[str, ...]) -> dict[str, float]:
+    """Nats per token of each Linear format (of ``formats``) of ``w``: ``½ Σ_j F_j (ΔW H ΔWᵀ)_jj``
+    (``hessian`` None: the Linear saw no token, an expert nothing was routed to, and costs nothing)."""
     if hessian is None:
-        return dict.fromkeys(LINEAR_FORMATS, 0.0)
+        return dict.fromkeys(formats, 0.0)
     costs = {}
-    for fmt in LINEAR_FORMATS:
+    for fmt in formats:
         scheme = format_scheme(fmt, w.shape[1])
         dw = _gptq_error(w, hessian, scheme) if gptq else _weight_error(w, scheme)
         costs[fmt] = 0.5 * float((fisher * ((dw @ hessian) * dw).sum(1)).sum())
@@ -236,13 +237,14 @@ def _linear_costs(w: torch.Tensor, hessian: torch.Tensor | None, fisher: torch.T
 
 def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0,
                         head_chunk: int = 256, head_gptq: bool = False, linear_gptq: bool = False,
-                        source: Path | str | None = None) -> Sensitivity:
+                        source: Path | str | None = None, linear_formats: tuple[str, ...] | None = None) -> Sensitivity:
     """Per-tensor costs of every candidate format on ``calib_ids`` ``[n, seq]`` (float model, CPU).
     ``head_gptq``: the head (and a tied embedding) quantized by GPTQ on its inputs' Hessian, as a
     calibrated quantization stores it, instead of RTN with the clipping search; ``linear_gptq``:
     the decoder Linears' errors likewise GPTQ's on their inputs' second moments. ``source``: the
     checkpoint directory the model was loaded from (default: the model's ``name_or_path``), whose
-    stored dtypes and tokenizer the sizes are counted with (:class:`FileSizes`). Fused experts
+    stored dtypes and tokenizer the sizes are counted with (:class:`FileSizes`); ``linear_formats``:
+    the Linear formats to price (default: every candidate). Fused experts
     of ``model`` are unfused in place (one Linear per expert projection, each priced)."""
     model.eval()
     unfuse_experts(model)
@@ -325,7 +327,8 @@ def measure_sensitivity(model: nn.Module, calib_ids: torch.Tensor, seed: int = 0
         for name, m in linears.items():
             seen = shared.get(name, name)  # the Linear whose inputs' moments this one shares
             h = (hess[seen] / rows[seen]).float() if seen in hess else None
-            costs = _linear_costs(m.weight, h, (fisher[name] / tokens).float(), linear_gptq)
+            costs = _linear_costs(m.weight, h, (fisher[name] / tokens).float(), linear_gptq,
+                                  tuple(linear_formats or LINEAR_FORMATS))
             shape = tuple(m.weight.shape)
             costs[FLOAT] = 0.0
             bits = {fmt: sizes.checkpoint(name, shape, fmt) for fmt in costs}

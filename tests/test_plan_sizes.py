@@ -58,6 +58,14 @@ def test_gguf_file_holds_the_target_bits(tmp_path, dtype):
     written = gguf.stat().st_size * 8 / params
     assert abs(written - TARGET) < 0.01 * TARGET, written
     assert abs(plan["gguf_bpw"] - written) < 0.005 * written, (plan["gguf_bpw"], written)
+    # K-quants with mins (Q4_K, Q5_K) are priced only where sizes are counted as a GGUF file's
+    for name, tensor in plan["sensitivity"]["tensors"].items():
+        if tensor["kind"] == "linear":
+            gguf = tensor["gguf"]  # block bits plus the tensor's share of the file's index
+            assert 4.5 <= gguf["int4km_g32"] < 4.52 and 5.5 <= gguf["int5km_g32"] < 5.52, (name, gguf)
+            assert 0 < tensor["costs"]["int5km_g32"] < tensor["costs"]["int4km_g32"], name
+    checkpoint_sized = _quantize(src, tmp_path / "c")
+    assert not any("int4km_g32" in t["costs"] for t in checkpoint_sized["sensitivity"]["tensors"].values())
 
 
 def _dtypes(path: Path, suffix: str) -> list[str]:

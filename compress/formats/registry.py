@@ -170,7 +170,11 @@ LINEAR_CANDIDATES = _candidates(
     ("int4a_g32", "int4a", 32), ("nl4x_g32", "nl4x", 32), ("nl4_g32", "nl4", 32), ("int5_g32", "int5", 32),
     ("int5a_g32", "int5a", 32), ("int6_g32", "int6", 32), ("int6x_g16", "int6x", 16), ("int3x_g16", "int3x", 16),
     ("int8_g32", "int8", 32), ("int8", "int8", None),
+    # llama.cpp's K-quants with mins (Q4_K, Q5_K): one code a byte in a checkpoint, 4.5 / 5.5 bits in GGUF
+    ("int4km_g32", "int4km", 32), ("int5km_g32", "int5km", 32),
 )
+# candidates larger in a checkpoint than int8 (one code a byte, float32 mins), smaller only in a GGUF file
+GGUF_SIZED_CANDIDATES = ("int4km_g32", "int5km_g32")
 OUTER_GROUP = 32  # the group size of the grouped embedding/head formats
 # the token embedding and the output head (``--head`` / ``--embedding``)
 OUTER_CANDIDATES = _candidates(
