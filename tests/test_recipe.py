@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -141,13 +142,33 @@ def test_llmcompressor_recipe_mapping(tmp_path):
     (stage,) = load_recipe(str(w4a8), ["model=demo"]).stages
     assert (stage.options["scheme"], stage.options["method"], stage.options["group_size"]) == ("W4A8", "gptq", 128)
 
-    unsupported = write(tmp_path, """
+    spin = write(tmp_path, """
         s_stage:
           s_modifiers:
-            SpinQuantModifier: {rotations: [R1]}
+            SpinQuantModifier: {rotations: [R1, R2], transform_type: random-hadamard}
+            GPTQModifier: {scheme: W4A16, targets: Linear, ignore: [lm_head]}
     """, "spin.yaml")
-    with pytest.raises(LlmoptError, match="'SpinQuantModifier' is not supported"):
-        load_recipe(str(unsupported), ["model=demo"])
+    (stage,) = load_recipe(str(spin), ["model=demo"]).stages
+    assert (stage.options["scheme"], stage.options["method"], stage.options["rotate"]) == ("W4A16", "gptq", "hadamard")
+    for body, message in [("SpinQuantModifier: {rotations: [R1, R2, R4]}", "no online rotations"),
+                          ("SpinQuantModifier: {learnable: true}", "no learned rotations"),
+                          ("SpinQuantModifier: {transform_type: dct}", "transform_type 'dct'"),
+                          ("QuIPModifier: {rotations: [v, u]}", "'QuIPModifier' is not supported")]:
+        bad = write(tmp_path, f"""
+            s_stage:
+              s_modifiers:
+                {body}
+                GPTQModifier: {{scheme: W4A16, targets: Linear}}
+        """, "bad.yaml")
+        with pytest.raises(LlmoptError, match=re.escape(message)):
+            load_recipe(str(bad), ["model=demo"])
+    alone = write(tmp_path, """
+        s_stage:
+          s_modifiers:
+            SpinQuantModifier: {}
+    """, "alone.yaml")
+    with pytest.raises(LlmoptError, match="not followed by a quantization modifier"):
+        load_recipe(str(alone), ["model=demo"])
 
 
 def test_run_resumes_and_skips_unchanged_stages(tmp_path, tiny_model_dir):

@@ -10,8 +10,12 @@ Supported modifiers and what they become:
 | SmoothQuantModifier     | SmoothQuant pre-pass: smoothquant / smoothquant+gptq         |
 | SparseGPTModifier       | prune, method sparsegpt (sparsity, mask_structure)           |
 | WandaPruningModifier    | prune, method wanda                                          |
+| SpinQuantModifier       | the next quantize stage's ``rotate`` (offline R1 + R2 only)  |
 
-Anything else is refused by name.
+SpinQuantModifier's offline rotations R1 (residual stream) and R2 (value / output heads) are what
+``--rotate`` fuses into the weights; llmopt applies both whenever R1 is asked for (R2 changes
+nothing the model computes). Its online rotations (R3, R4) and learned rotations are refused by
+name, as is anything else.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from llmopt.core.errors import LlmoptError
 QUANT_MODIFIERS = {"QuantizationModifier": "rtn", "GPTQModifier": "gptq"}
 PRUNE_MODIFIERS = {"SparseGPTModifier": "sparsegpt", "WandaPruningModifier": "wanda"}
 SCALING_MODIFIERS = {"AWQModifier", "SmoothQuantModifier"}
+ROTATION_MODIFIERS = {"SpinQuantModifier"}
+ROTATION_KINDS = {"hadamard": "hadamard", "random-hadamard": "hadamard", "random-matrix": "orthogonal"}
 PASS_THROUGH = {"model", "output", "calibration", "evaluate", "benchmark", "runtime", "description"}
 
 
@@ -84,8 +90,12 @@ def map_llmcompressor(data: dict, source: str, lines: dict[tuple, int]) -> dict:
     """Translate an llm-compressor recipe into our recipe layout (top-level model/output kept)."""
     stages: list[dict[str, Any]] = []
     pending_scaling: tuple[str, dict] | None = None
+    pending_rotation: str | None = None
     for name, args, path in _modifiers(data):
         where = f"{source}:{lines.get(path, 0)}"
+        if name in ROTATION_MODIFIERS:
+            pending_rotation = _rotation(args, where)
+            continue
         if name in SCALING_MODIFIERS:
             pending_scaling = (name, args)
             if name == "AWQModifier" and (args.get("scheme") or args.get("config_groups")):
@@ -103,6 +113,8 @@ def map_llmcompressor(data: dict, source: str, lines: dict[tuple, int]) -> dict:
                     options["act_order"] = True
             options.update(_scaling_options(pending_scaling, options["method"]))
             pending_scaling = None
+            if pending_rotation is not None:
+                options["rotate"], pending_rotation = pending_rotation, None
             ignore = _ignore(args)
             if ignore:
                 options["ignore"] = ignore
@@ -118,8 +130,11 @@ def map_llmcompressor(data: dict, source: str, lines: dict[tuple, int]) -> dict:
         else:
             raise LlmoptError(
                 f"{where}: llm-compressor modifier '{name}' is not supported by llmopt",
-                f"supported: {', '.join(sorted([*QUANT_MODIFIERS, *PRUNE_MODIFIERS, *SCALING_MODIFIERS]))}",
+                f"supported: {', '.join(sorted([*QUANT_MODIFIERS, *PRUNE_MODIFIERS, *SCALING_MODIFIERS, *ROTATION_MODIFIERS]))}",
             )
+    if pending_rotation is not None and (pending_scaling is None or pending_scaling[0] != "AWQModifier"):
+        raise LlmoptError(f"{source}: SpinQuantModifier is not followed by a quantization modifier",
+                          "add QuantizationModifier or GPTQModifier after it")
     if pending_scaling is not None:
         name, args = pending_scaling
         if name != "AWQModifier" or not (args.get("scheme") or args.get("config_groups")):
@@ -128,12 +143,31 @@ def map_llmcompressor(data: dict, source: str, lines: dict[tuple, int]) -> dict:
         options = {"scheme": scheme, "method": "awq"}
         if group is not None:
             options["group_size"] = group
+        if pending_rotation is not None:
+            options["rotate"] = pending_rotation
         stages.append({"quantize": options})
     if not stages:
         raise LlmoptError(f"{source}: no modifiers found", "an llm-compressor recipe lists modifiers under <name>_stage: <name>_modifiers:")
     out = {k: v for k, v in data.items() if k in PASS_THROUGH}
     out["stages"] = stages
     return out
+
+
+def _rotation(args: dict, where: str) -> str:
+    """``--rotate``'s value for a SpinQuantModifier's arguments, or a refusal naming what does not map."""
+    rotations = [str(r).upper() for r in args.get("rotations", ["R1", "R2"])]
+    online = [r for r in rotations if r not in ("R1", "R2")]
+    if online or "R1" not in rotations:
+        raise LlmoptError(f"{where}: SpinQuantModifier rotations {rotations}: llmopt fuses R1 (with R2) into the weights "
+                          "and has no online rotations (R3, R4)", "use rotations: [R1, R2]")
+    if args.get("learnable"):
+        raise LlmoptError(f"{where}: SpinQuantModifier learnable: true — llmopt has no learned rotations",
+                          "drop learnable (a randomized Hadamard is used)")
+    kind = str(args.get("transform_type", "hadamard"))
+    if kind not in ROTATION_KINDS:
+        raise LlmoptError(f"{where}: SpinQuantModifier transform_type '{kind}' is not supported",
+                          f"use one of {', '.join(ROTATION_KINDS)}")
+    return ROTATION_KINDS[kind]
 
 
 def _scaling_options(pending: tuple[str, dict] | None, method: str) -> dict[str, Any]:
