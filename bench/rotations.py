@@ -9,7 +9,11 @@ targets (``TARGETS``): rotated GPTQ W4A16 g128 at most 0.6× the unrotated GPTQ'
 texts, rotated W4A8 at most 1.3× the same rotated weights at W4A16, W8A8 without SmoothQuant ≤ 0.01.
 Results: bench/results/rotations.{json,md}.
 
-    python bench/rotations.py [--windows 4] [--calib-samples 128] [--force] [--only NAME]
+With ``--speed``, the decode speed of the rotated GPTQ checkpoint against the unrotated one in
+llmopt's runtime (``llmopt bench``: tg128, 2 threads, ``--rounds`` interleaved rounds of a median of
+5, the median over rounds); the issue's target: rotated at least 0.9× unrotated.
+
+    python bench/rotations.py [--windows 4] [--calib-samples 128] [--force] [--only NAME] [--speed]
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import llmopt, run_variants  # noqa: E402
+from common import llmopt, log, run_variants  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -50,6 +55,8 @@ TARGETS = [("W4A16 g128 GPTQ, rotated", "W4A16 g128 GPTQ", 0.6),
            ("W4A16 g128 GPTQ act-order, rotated", "W4A16 g128 GPTQ act-order", 0.6),
            ("W4A8 g128 GPTQ, rotated", "W4A16 g128 GPTQ, rotated", 1.3)]
 W8A8_TARGET = 0.01  # mean KLD of W8A8 without SmoothQuant
+SPEED_PAIR = ("W4A16 g128 GPTQ", "W4A16 g128 GPTQ, rotated")  # decode speed: unrotated, rotated
+SPEED_TARGET = 0.9
 
 
 @torch.inference_mode()
@@ -93,10 +100,17 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--only", nargs="*")
+    parser.add_argument("--speed", action="store_true", help="measure decode speeds (rotated vs unrotated) only")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(2)
     path = RESULTS / "rotations.json"
     data = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "variants": {}}
+    if args.speed:
+        data["speed"] = decode_speeds(args.rounds)
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        write_md(data)
+        return
     demo = resolve_model("demo")
     ids, ref = reference(args.windows)
     data["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "windows": args.windows,
@@ -104,7 +118,7 @@ def main() -> None:
                     "load": [round(x, 2) for x in os.getloadavg()]}
 
     def measure(name: str) -> dict:
-        out = WORK / name.replace(", ", "-").replace(" ", "_")
+        out = workdir(name)
         shutil.rmtree(out, ignore_errors=True)
         if VARIANTS[name] is None:
             record = {"rotation": rotate_checkpoint(demo, out, "hadamard")}
@@ -124,6 +138,24 @@ def main() -> None:
 
     run_variants(list(VARIANTS), data["variants"], measure, kld_summary, save, args.only, args.force)
     save()
+
+
+def workdir(name: str) -> Path:
+    return WORK / name.replace(", ", "-").replace(" ", "_")
+
+
+def decode_speeds(rounds: int) -> dict:
+    """tg128 tokens/s of both checkpoints of ``SPEED_PAIR``, interleaved rounds, medians."""
+    tg: dict[str, list[float]] = {name: [] for name in SPEED_PAIR}
+    for _ in range(rounds):
+        for name in SPEED_PAIR:
+            r = llmopt("bench", str(workdir(name)), "--threads", "2", "-n", "0", "-r", "5")
+            tg[name].append(r["tg128_tok_s"])
+            log(f"{name}: tg128 {tg[name][-1]:.1f} tok/s")
+    medians = {name: statistics.median(v) for name, v in tg.items()}
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rounds": rounds,
+            "load": [round(x, 2) for x in os.getloadavg()], "tg128_tok_s": tg, "median_tok_s": medians,
+            "ratio": medians[SPEED_PAIR[1]] / medians[SPEED_PAIR[0]]}
 
 
 def write_md(data: dict) -> None:
@@ -148,6 +180,12 @@ def write_md(data: dict) -> None:
             worst = max(rows[name][t]["kld_mean"] for t in TEXTS)
             lines.append(f"- {name} (no SmoothQuant): mean KLD at most {worst:.4f} (target ≤ {W8A8_TARGET}: "
                          f"{'met' if worst <= W8A8_TARGET else '**missed**'})")
+    speed = data.get("speed")
+    if speed:
+        (plain, rotated), m = SPEED_PAIR, speed["median_tok_s"]
+        lines.append(f"- Decode speed (llmopt bench tg128, 2 threads, median of {speed['rounds']} interleaved rounds, "
+                     f"{speed['date']}): {rotated} {m[rotated]:.1f} tok/s, {plain} {m[plain]:.1f} tok/s: "
+                     f"{speed['ratio']:.2f}× (target ≥ {SPEED_TARGET}×: {'met' if speed['ratio'] >= SPEED_TARGET else '**missed**'})")
     lines.append("\nThe rotated checkpoints hold an untied float head (the final norm's scale is folded into it), "
                  "hence their larger size.")
     (RESULTS / "rotations.md").write_text("\n".join(lines) + "\n")
