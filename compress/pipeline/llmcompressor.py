@@ -68,7 +68,7 @@ def _scheme(args: dict, where: str) -> tuple[str, int | None]:
     group_size = weights.get("group_size") if weights.get("strategy") == "group" else None
     if kind == "int" and bits == 4 and not acts:
         return ("W4A16" if sym else "W4A16_ASYM"), (group_size or 0)
-    if kind == "int" and bits == 4 and sym:
+    if kind == "int" and bits == 4 and sym and acts.get("type", "int") == "int" and acts.get("num_bits") == 8:
         return "W4A8", (group_size or 0)
     if kind == "int" and bits == 8:
         return ("W8A8" if acts else "W8A16"), None
