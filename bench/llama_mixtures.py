@@ -92,9 +92,15 @@ def slug(text: str) -> str:
 
 
 def kld(bin_dir: Path, model: Path, base: Path, label: str) -> dict:
-    """llama-perplexity's KL-divergence statistics of ``model`` against the saved float logits ``base``."""
-    text = run([str(bin_dir / "llama-perplexity"), "-m", str(model), "--kl-divergence-base", str(base), "--kl-divergence",
-                "-t", "2", "-c", str(CTX)], OUT / f"{label}.log")
+    """llama-perplexity's KL-divergence statistics of ``model`` against the saved float logits ``base``
+    (its log is reused when newer than both files: the score is deterministic)."""
+    log = OUT / f"{label}.log"
+    fresh = log.is_file() and log.stat().st_mtime > max(model.stat().st_mtime, base.stat().st_mtime)
+    if fresh and re.search(r"Mean\s+KLD", log.read_text()):
+        text = log.read_text()
+    else:
+        text = run([str(bin_dir / "llama-perplexity"), "-m", str(model), "--kl-divergence-base", str(base), "--kl-divergence",
+                    "-t", "2", "-c", str(CTX)], log)
 
     def stat(pattern: str) -> float:
         found = re.search(pattern + r"\s*:\s*([-0-9.]+)", text)
