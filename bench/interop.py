@@ -7,7 +7,7 @@ logits are far from uniform; MoE routers are scaled ×10 so expert choices are n
 float rounding flips.
 
 Outputs (made by llmopt's own API, as the CLI makes them): compressed-tensors W4A16 g128,
-W4A16_ASYM g128, W8A16, W8A8, FP8_DYNAMIC, bitsandbytes NF4, an AUTO plan at 4.85 bits per weight
+W4A16_ASYM g128, W8A16, W8A8, W4A8 g128, FP8_DYNAMIC, bitsandbytes NF4, an AUTO plan at 4.85 bits per weight
 (its embedding and head quantized where the plan says so), one made ``--for vllm`` at 10.6 bits
 per weight (int4 groups, int8 and FP8 only; embedding and head in float), magnitude 2:4 then W4A16; GGUF files Q4_K_M (``quantize --scheme Q4_K_M`` then ``export --type Q4_K_M``), Q8_0 (the
 same with Q8_0), ``auto`` (the W4A16 checkpoint's codes carried) and F32 (the W4A16 checkpoint's
@@ -29,7 +29,7 @@ Consumers and what each cell measures, on the same 48 seeded token ids (teacher-
   own tokens (``bench/llama_cpp_kld.py``).
 
 A cell passes when the consumer's log-probability of each next token is within the tolerance of
-the reference's (``max |Δ logp|``: 1e-3 for transformers, 5e-3 for llmopt's runtime; for W8A8 / FP8_DYNAMIC, whose
+the reference's (``max |Δ logp|``: 1e-3 for transformers, 5e-3 for llmopt's runtime; for W8A8 / W4A8 / FP8_DYNAMIC, whose
 activations are quantized at run time and so round to a neighbouring code when a consumer computes
 a layer's input in another order: 0.05; NF4 in transformers: 0.05, as
 bitsandbytes' CPU kernel multiplies in bfloat16; GGUF files in transformers: 0.02, their scales being
@@ -67,14 +67,14 @@ WORK = ROOT / "out" / "interop"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ROWS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "demo"]
-HF_OUTPUTS = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC", "NF4", "AUTO", "AUTO --for vllm", "2:4+W4A16"]
+HF_OUTPUTS = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W4A8", "FP8_DYNAMIC", "NF4", "AUTO", "AUTO --for vllm", "2:4+W4A16"]
 GGUF_OUTPUTS = ["GGUF Q4_K_M", "GGUF Q8_0", "GGUF auto", "GGUF F32"]
 HF_CONSUMERS = ["llmopt eval", "llmopt runtime", "transformers", "vLLM"]
 GGUF_CONSUMERS = ["llama.cpp", "transformers"]
 TOLERANCE = {"llmopt eval": 1e-3, "transformers": 1e-3, "llmopt runtime": 5e-3}
 # outputs whose activations are quantized at run time: a consumer that computes a layer's input in
 # another order rounds some activations to the neighbouring code, so they get a looser bound
-ACTIVATION_OUTPUTS = {"W8A8", "FP8_DYNAMIC"}
+ACTIVATION_OUTPUTS = {"W8A8", "W4A8", "FP8_DYNAMIC"}
 ACTIVATION_TOLERANCE = {"llmopt eval": 1e-3, "transformers": 0.05, "llmopt runtime": 0.05}
 # bitsandbytes' CPU kernel multiplies NF4 weights in bfloat16 (outputs of ~9 off by 0.04, measured)
 REDUCED_PRECISION = {("NF4", "transformers"): 0.05}
@@ -489,8 +489,8 @@ def write_md(data: dict) -> None:
              "reference by KLD ~1e-5 on the tiny models and 0.004–0.01 on the demo model's 30 layers (the GGUF F32 column holds "
              "the same weights without that rounding); "
              "bitsandbytes' CPU kernel multiplies NF4 in "
-             "bfloat16; W8A8 / FP8_DYNAMIC round activations at run time, so a consumer computing a layer's input in another "
-             "order lands some of them on a neighbouring code. The MoE rows' eval-loader cells for W8A8 / FP8_DYNAMIC compare "
+             "bfloat16; W8A8 / W4A8 / FP8_DYNAMIC round activations at run time, so a consumer computing a layer's input in another "
+             "order lands some of them on a neighbouring code. The MoE rows' eval-loader cells for W8A8 / W4A8 / FP8_DYNAMIC compare "
              "with a reference that quantizes no expert's activations (transformers holds experts as fused tensors, not "
              "Linears, so it has nowhere to hook them); llmopt's loader unfuses them and quantizes every expert's input.", ""]
     for output in HF_OUTPUTS + GGUF_OUTPUTS:
