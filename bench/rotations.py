@@ -46,6 +46,8 @@ VARIANTS = {
     "W4A8 g128 GPTQ, rotated": ["--scheme", "W4A8", "--group-size", "128", "--method", "gptq", "--rotate", "hadamard"],
     "W8A8 RTN": ["--scheme", "W8A8"],
     "W8A8 RTN, rotated": ["--scheme", "W8A8", "--rotate", "hadamard"],
+    # where the rest comes from: the down projections' inputs, which no offline rotation reaches
+    "W8A8 RTN, rotated, down_proj in float": ["--scheme", "W8A8", "--rotate", "hadamard", "--ignore", r".*down_proj$"],
 }
 # (variant, the variant it is measured against, the largest ratio of mean KLDs the issue allows)
 TARGETS = [("W4A16 g128 GPTQ, rotated", "W4A16 g128 GPTQ", 0.6),
