@@ -160,7 +160,8 @@ def decode_speeds(rounds: int) -> dict:
 def write_md(data: dict) -> None:
     meta, rows = data["meta"], data["variants"]
     lines = ["# Offline rotations (`quantize --rotate hadamard`) on the demo model", "",
-             f"Written by bench/rotations.py on {meta['date']}: KLD against the float demo model on WikiText-2 and a "
+             f"Written by bench/rotations.py (last run {meta['date']}; a row keeps the numbers of the run that measured it, "
+             f"dated in rotations.json when measured since 2026-12-06): KLD against the float demo model on WikiText-2 and a "
              f"held-out Gutenberg text, {meta['windows']} × {meta['seq_len']} tokens each; calibration {meta['calibration']}.", "",
              "| variant | KLD wiki (mean / p99) | top-1 wiki | KLD held-out (mean / p99) | top-1 held-out | safetensors bytes |",
              "|---|---|---:|---|---:|---:|"]
