@@ -166,6 +166,8 @@ def main() -> None:
     parser.add_argument("--auto", action="store_true", help="also an AUTO plan for llama.cpp filling each mixture's file "
                         "size: quantize --scheme AUTO --for llama.cpp --size-of gguf --target-bpw <its bits per weight>, "
                         "export --type auto")
+    parser.add_argument("--auto-price-by", choices=("rtn", "gptq"), help="the AUTO plan's --price-by (default: the "
+                        "method's: GPTQ's errors for gptq, one GPTQ solve per Linear and format; rtn is far quicker)")
     args = parser.parse_args()
     from llmopt.pipeline.stages.export import ExportConfig, run_export
     from llmopt.pipeline.stages.quantize import QuantizeConfig, run_quantize
@@ -185,7 +187,8 @@ def main() -> None:
         files = {"llama.cpp": OUT / f"llama-{mixture}.gguf", "llama.cpp + imatrix": OUT / f"llama-imatrix-{tag}-{mixture}.gguf",
                  "llmopt": OUT / f"llmopt-{slug(args.method)}{tuned}-{tag}-{mixture}.gguf"}
         if args.auto:
-            files["llmopt AUTO"] = OUT / f"llmopt-auto-{slug(args.method)}{tuned}-{tag}-{mixture}.gguf"
+            priced = f"-{args.auto_price_by}-priced" if args.auto_price_by else ""
+            files["llmopt AUTO"] = OUT / f"llmopt-auto{priced}-{slug(args.method)}{tuned}-{tag}-{mixture}.gguf"
         if not files["llama.cpp"].is_file():
             run([str(bins / "llama-quantize"), str(f32), str(files["llama.cpp"]), mixture, "2"], OUT / f"quantize-{mixture}.log")
         if not files["llama.cpp + imatrix"].is_file():
@@ -207,7 +210,8 @@ def main() -> None:
         seconds = ours("llmopt", mixture, scheme=mixture)
         if args.auto:  # the same bits per weight as llama.cpp's file, as the exported GGUF counts them
             bpw = files["llama.cpp"].stat().st_size * 8 / demo_parameters()
-            ours("llmopt AUTO", "auto", scheme="AUTO", for_consumer="llama.cpp", size_of="gguf", target_bpw=round(bpw, 4))
+            ours("llmopt AUTO", "auto", scheme="AUTO", for_consumer="llama.cpp", size_of="gguf", target_bpw=round(bpw, 4),
+                 price_by=args.auto_price_by)
         ours, theirs = gguf_types(files["llmopt"]), gguf_types(files["llama.cpp"])
         differ = sorted(n for n in theirs if ours.get(n) != theirs[n])
         row = {"mixture": mixture, "quantize_seconds": seconds, "types_differ": differ[:20], "n_types_differ": len(differ),
@@ -263,8 +267,9 @@ def write(rows: list[dict], args: argparse.Namespace, started: float) -> None:
               f"its plain file and ≤ {TARGETS['kld_vs_imatrix']}× its file with an importance matrix, on both texts."]
     autos = [r for r in rows if "auto_size_ratio" in r]
     if autos:
-        lines += ["", "llmopt AUTO: `quantize --scheme AUTO --for llama.cpp --size-of gguf --target-bpw <llama.cpp's file's bits "
-                  "per weight>` (same method, calibration and tuning), then `export --type auto`.", "",
+        priced = f" --price-by {args.auto_price_by}" if args.auto_price_by else ""
+        lines += ["", f"llmopt AUTO: `quantize --scheme AUTO --for llama.cpp --size-of gguf --target-bpw <llama.cpp's file's bits "
+                  f"per weight>{priced}` (same method, calibration and tuning), then `export --type auto`.", "",
                   "| mixture | AUTO size vs llama.cpp | AUTO KLD vs imatrix (wiki / held-out) | target met |", "|---|---:|---:|---|"]
         for r in autos:
             lines.append(f"| {r['mixture']} | {r['auto_size_ratio']:.4f}× | {r['auto_kld_vs_imatrix_wikitext2']:.2f}× / "
