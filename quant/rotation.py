@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from llmopt.core.errors import LlmoptError
+from llmopt.formats.hadamard import DOWN_PROJ_TARGET, OnlineHadamard, block_for, fuse_into_weight
 
 ROTATIONS = ("none", "hadamard", "orthogonal")
 READERS_ATTN = ("q_proj", "k_proj", "v_proj", "qkv_proj")
@@ -119,9 +120,11 @@ class Rotation:
     kv_heads: int
     head_dim: int
     record: dict
+    online: OnlineHadamard | None = None  # R4: a Hadamard on the dense MLPs' down_proj inputs, at run time
 
     @classmethod
-    def for_config(cls, config: dict, kind: str, seed: int = 0) -> Rotation:
+    def for_config(cls, config: dict, kind: str, seed: int = 0, online_down: bool = False) -> Rotation:
+        """``online_down``: add R4 (for schemes that quantize activations) where the MLP width allows."""
         check_rotatable(config)
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
@@ -132,7 +135,16 @@ class Rotation:
         h, head_made = rotation(head_dim, kind, generator)
         record = {"kind": kind, "residual": f"{made}, {hidden} × {hidden}", "heads": f"{head_made}, {head_dim} × {head_dim}",
                   "seed": seed}
-        return cls(q, h, heads, kv_heads, head_dim, record)
+        online = None
+        if online_down:
+            width = int(config.get("intermediate_size") or 0)
+            block = block_for(width)
+            if block is None:
+                record["online"] = f"none: the MLP width {width} has no power-of-two factor of at least 16"
+            else:
+                online = OnlineHadamard((DOWN_PROJ_TARGET,), block)
+                record["online"] = online.record()
+        return cls(q, h, heads, kv_heads, head_dim, record, online)
 
     def embedding(self, weight: torch.Tensor) -> torch.Tensor:
         return (weight.double() @ self.q).to(weight.dtype)
@@ -156,7 +168,10 @@ class Rotation:
         if role == "writes":
             if leaf == "o_proj" and part == "weight":  # the value heads' rotation, undone on the inputs
                 x = (x.reshape(x.shape[0], self.heads, self.head_dim) @ self.h).reshape(x.shape)
-            return (self.q.T @ x).to(tensor.dtype)
+            x = self.q.T @ x
+            if self.online is not None and part == "weight" and self.online.applies_to(rest):
+                x = fuse_into_weight(x, self.online.block)
+            return x.to(tensor.dtype)
         # a reader: the output rows of v (or of v inside a fused qkv) are rotated per head
         v_rows = _value_rows(leaf, x.shape[0], self.heads, self.kv_heads, self.head_dim)
         if v_rows is not None:

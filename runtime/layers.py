@@ -118,6 +118,31 @@ class ConcatLinear(Linear):
         return sum(p.nbytes() for p in self.parts)
 
 
+@dataclass
+class TransformedLinear(Linear):
+    """A linear that reads its input multiplied by an online Hadamard (compressed-tensors'
+    ``transform_config``, QuaRot / SpinQuant's R4) whose inverse its weight holds: ``transform``
+    is the backend's (a fast Walsh–Hadamard transform on the CPU), ``block`` its order."""
+
+    inner: Linear
+    block: int
+    transform: Callable[[torch.Tensor, int], torch.Tensor] = field(repr=False, compare=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.inner.out_features
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.inner.bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.transform(x, self.block))
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+
 def int8_rows(lin: DenseLinear) -> QuantLinear:
     """``lin`` quantized per output channel to int8: symmetric round-to-nearest, scale = max|w| / 127
     (``W8A16``'s rule; the output head option ``lm_head="int8"``)."""

@@ -20,7 +20,7 @@ from llmopt.formats.schemes import QuantizedWeight, dequantize
 
 from .backends import Backend
 from .config import ModelArch
-from .layers import ConcatLinear, DenseLinear, Linear, QuantLinear, SparseMoE, HALF_HEADS, merge_linears, smaller_head
+from .layers import ConcatLinear, DenseLinear, Linear, QuantLinear, SparseMoE, HALF_HEADS, TransformedLinear, merge_linears, smaller_head
 
 
 @dataclass
@@ -116,6 +116,18 @@ def _quantized(path: Path, config: dict) -> tuple[dict, dict[str, torch.Tensor],
     raise LlmoptError(f"the runtime cannot read '{method}' checkpoints", "use a dense or compressed-tensors checkpoint (llmopt quantize writes those)")
 
 
+def _online_transforms(path: Path) -> list:
+    """The online input transforms the checkpoint's ``transform_config`` asks for (refused in one
+    line when the runtime cannot run them)."""
+    from llmopt.formats.hadamard import online_inputs
+
+    config = json.loads((path / "config.json").read_text())
+    try:
+        return online_inputs(config.get("quantization_config"))
+    except ValueError as exc:
+        raise LlmoptError(f"{path}: {exc}", "quantize the model with llmopt (--rotate hadamard), or without online transforms") from exc
+
+
 class Reader:
     """The tensors of one checkpoint, handed out on ``device`` in ``dtype``: norms and other
     plain tensors (``tensor``) and linears (``linear``: quantized ones stay quantized)."""
@@ -123,6 +135,7 @@ class Reader:
     def __init__(self, path: Path, quantized: dict, dense: dict[str, torch.Tensor], dtype: torch.dtype, backend: Backend) -> None:
         self.path, self.quantized, self.dense, self.dtype = path, quantized, dense, dtype
         self.backend, self.device = backend, backend.device
+        self.online = _online_transforms(path)
 
     def has(self, module: str) -> bool:
         """Whether ``module`` is a linear (quantized, or with a ``weight``) of the checkpoint."""
@@ -143,10 +156,13 @@ class Reader:
         return lin
 
     def linear(self, module: str) -> Linear:
+        """A linear as stored; one whose input the checkpoint transforms online is wrapped so it does."""
         bias = self.tensor(f"{module}.bias", required=False)
-        if module in self.quantized:
-            return self.quant(module, bias)
-        return DenseLinear.from_weight(self.tensor(f"{module}.weight"), bias)
+        lin = self.quant(module, bias) if module in self.quantized else DenseLinear.from_weight(self.tensor(f"{module}.weight"), bias)
+        for t in self.online:
+            if t.applies_to(module):
+                return TransformedLinear(lin, t.block, self.backend.input_transform)
+        return lin
 
     def norm(self, name: str, offset: float = 0.0) -> torch.Tensor:
         """An RMSNorm weight, as ``offset + w`` (Gemma's ``1 + w``) so every kernel multiplies by it."""
@@ -245,6 +261,8 @@ def _linears(weights: ModelWeights) -> list[DenseLinear | QuantLinear]:
         lin = todo.pop()
         if isinstance(lin, ConcatLinear):
             todo += lin.parts
+        elif isinstance(lin, TransformedLinear):
+            todo.append(lin.inner)
         elif isinstance(lin, (DenseLinear, QuantLinear)):
             found.append(lin)
     return found

@@ -71,6 +71,13 @@ def consumers(config: dict) -> dict[str, str]:
         out["llmopt"] = "loads (`llmopt eval`, `llmopt serve`: E2M1 codes run on the fp8 kernel)"
         out["llama.cpp"] = ("after `llmopt export --type auto`: MXFP4 codes carried into MXFP4 blocks" if all(
             w.get("group_size") == 32 for w in fp4_groups) else "after `llmopt export --type auto`, in F16 (GGUF has no NVFP4 type)")
+    if any(a.get("location") == "input" for g in ((qc.get("transform_config") or {}).get("config_groups") or {}).values()
+           for a in g.get("apply") or []):  # R4: its consumers must transform those inputs at run time
+        out["transformers"] = ("loads but ignores the online Hadamard in transform_config (transformers 5.25, measured): "
+                               "wrong outputs; use `llmopt.load_model`, or `llmopt export --format hf` for a dense copy")
+        out["vLLM"] = "needs compressed-tensors' online transforms (transform_config); not measured by llmopt"
+        out["llama.cpp"] = "no: GGUF cannot carry the online Hadamard; `llmopt export --format hf` writes a dense copy"
+        out["llmopt"] = "loads (`llmopt eval`, `llmopt serve`: the Hadamard runs as a fast Walsh–Hadamard transform)"
     return out
 
 

@@ -23,6 +23,7 @@ from llmopt.checkpoints.in_memory import InMemoryModel
 from llmopt.checkpoints.streaming import StreamedModel
 from llmopt.checkpoints.writer import DEFAULT_SHARD_BYTES, ShardedWriter
 from llmopt.formats.compressed import final_quantization_config, quantized_tensors, sparsity_config, write_side_files
+from llmopt.formats.hadamard import OnlineHadamard
 from llmopt.formats.schemes import QuantizedWeight
 
 
@@ -64,6 +65,9 @@ class QuantizedCheckpointWriter:
         pruned = record.get("source_sparsity")
         if pruned:  # the source was pruned to an N:M pattern that quantization keeps (zeros stay code 0)
             qconfig["sparsity_config"] = sparsity_config(pruned["pattern"], pruned["overall"], qconfig["ignore"])
+        online = OnlineHadamard.from_record((record.get("rotation") or {}).get("online"))
+        if online is not None:  # an online Hadamard fused into the down projections: consumers apply it
+            qconfig["transform_config"] = online.transform_config()
         write_side_files(self.stream.model, tokenizer, self.out_dir, qconfig, record)
 
     def _stored_names(self, qconfig: dict) -> dict:

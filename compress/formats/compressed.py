@@ -488,7 +488,7 @@ def read_compressed(path: Path) -> tuple[dict[str, QuantizedWeight], dict]:
     return out, qdict
 
 
-def load_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
+def load_dequantized(path: Path, dtype: torch.dtype | None = None, fold_online: bool = False) -> Any:
     """A plain float transformers model from a compressed-tensors checkpoint, dequantized by us.
 
     Independent of transformers' compressed-tensors loader (which, in transformers 5.24 with
@@ -496,9 +496,16 @@ def load_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
     dequantized tensors go through transformers' own loading, so every conversion it applies
     between the stored and the in-memory layout (per-expert MoE tensors fused into 3-D experts,
     renamed keys) applies here too.
+
+    Online input transforms (``transform_config``) run as hooks before the activation
+    quantization; ``fold_online`` folds them back into their weights instead (``W V V = W``), for
+    a plain float model that needs no hooks (a dense export).
     """
+    from llmopt.formats.hadamard import add_input_hooks, fuse_into_weight, online_inputs
+
     path = Path(path)
-    weights, _ = read_compressed(path)
+    weights, qdict = read_compressed(path)
+    online = online_inputs(qdict)
     config = float_config(path)
     target = dtype or config.dtype or torch.float32
     # a quantized Linear's packed tensors are replaced by its dequantized weight; its bias stays
@@ -506,7 +513,13 @@ def load_dequantized(path: Path, dtype: torch.dtype | None = None) -> Any:
              if k.rpartition(".")[0] not in weights or k.rpartition(".")[2] == "bias"}
     for name, qw in weights.items():
         state[f"{name}.weight"] = qw.dequantize(target)
+    if fold_online:
+        for t in online:
+            for key in [k for k in state if k.endswith(".weight") and t.applies_to(k.removesuffix(".weight"))]:
+                state[key] = fuse_into_weight(state[key], t.block)
+        online = []
     model = _float_model(config, state, target)
+    add_input_hooks(model, online)  # first: activation quantization reads the transformed inputs
     add_activation_quantization(model, _in_memory_names(model, weights))
     return model.eval()
 

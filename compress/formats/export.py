@@ -66,7 +66,7 @@ def float_model(path: Path, dtype: Any) -> tuple[Any, str]:
 
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), "dense"
     source = read_source(path)  # refuses quantization methods we cannot dequantize
-    return source_model(source).to(dtype), method
+    return source_model(source, fold_online=True).to(dtype), method
 
 
 def export_hf(model: str | Path, output: str | Path, dtype: str = "auto", overwrite: bool = False) -> DirExportReport:

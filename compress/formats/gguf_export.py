@@ -583,6 +583,20 @@ def _decisions(plans: list[Planned]) -> list[str]:
 # Entry points
 
 
+def _refuse_online_transforms(source: Any, model: Any) -> None:
+    """GGUF has no online transforms: a checkpoint whose Linears read transformed inputs is refused."""
+    from llmopt.formats.hadamard import online_inputs
+
+    try:
+        online = online_inputs(source.config.get("quantization_config"))
+    except ValueError as exc:
+        raise LlmoptError(f"{model}: {exc}") from exc
+    if online:
+        raise LlmoptError(f"{model} applies an online Hadamard to its {', '.join(online[0].targets)} inputs "
+                          "(transform_config), which GGUF cannot carry",
+                          "export the float model, or quantize for GGUF without --rotate or with a weight-only scheme")
+
+
 def export_gguf(
     model: str | Path,
     output: str | Path,
@@ -613,6 +627,7 @@ def export_gguf(
     opts = Options(parse_type(gguf_type), parse_type(dense_type) if dense_type else None, requantize)
     path = resolve_model(model)
     source = read_source(path)
+    _refuse_online_transforms(source, model)
     arch = check_architecture(source.config)
     layout = read_layout(source)
     plans, notes = plan_tensors(source, arch, layout, opts)

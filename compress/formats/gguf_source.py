@@ -267,14 +267,15 @@ def read_layout(source: Source) -> Layout:
     return layout
 
 
-def source_model(source: Source) -> Any:
-    """The source checkpoint as a float32 transformers model (quantized Linears dequantized by us)."""
+def source_model(source: Source, fold_online: bool = False) -> Any:
+    """The source checkpoint as a float32 transformers model (quantized Linears dequantized by us;
+    ``fold_online``: online input transforms folded back into their weights, no hooks)."""
     from transformers import AutoModelForCausalLM
 
     if source.kind == "compressed-tensors":
         from llmopt.formats.compressed import load_dequantized
 
-        return load_dequantized(source.path, torch.float32)
+        return load_dequantized(source.path, torch.float32, fold_online)
     if source.kind == "bitsandbytes":
         from llmopt.formats.compressed import load_nf4_dequantized
 

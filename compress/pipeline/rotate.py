@@ -23,16 +23,18 @@ def _tied(source: Path) -> bool:
     return bool(getattr(loaded.get_text_config(), "tie_word_embeddings", False))
 
 
-def rotate_checkpoint(source: Path, output: Path, kind: str, seed: int = 0) -> dict:
+def rotate_checkpoint(source: Path, output: Path, kind: str, seed: int = 0, online_down: bool = False) -> dict:
     """Write ``source`` rotated by ``kind`` (hadamard / orthogonal) to the new folder ``output``:
-    norms folded, every tensor rotated, the head untied; returns what was done, for llmopt.json."""
+    norms folded, every tensor rotated, the head untied; returns what was done, for llmopt.json.
+    ``online_down``: also fuse an online Hadamard into the down projections (the record's
+    ``online`` says which; whoever runs the output must apply it to their inputs)."""
     import torch
 
     from llmopt.checkpoints.lazy import LazyCheckpoint, safetensors_files
     from llmopt.checkpoints.models import read_config
     from llmopt.checkpoints.writer import ShardedWriter
 
-    rotation = Rotation.for_config(read_config(source), kind, seed)
+    rotation = Rotation.for_config(read_config(source), kind, seed, online_down)
     tied = _tied(source)
     output.mkdir(parents=True)
     shards = set(safetensors_files(source))

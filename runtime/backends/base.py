@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from llmopt.core.errors import LlmoptError
+from llmopt.formats.hadamard import transform_inputs
 
 from ..kernels import reference
 from ..kv_cache import KVCache
@@ -133,6 +134,11 @@ class Backend:
 
     def prepare_head(self, head: DenseLinear | QuantLinear) -> None:
         """After :meth:`prepare_linear`: what the output head alone gets (nothing here)."""
+
+    def input_transform(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """``x V``: block-diagonal Sylvester Hadamard blocks of order ``block``, scaled to be
+        orthogonal (an online transform before a Linear). Here: one matrix product per block."""
+        return transform_inputs(x, block)
 
     # -- a layer's elementwise steps ------------------------------------------------------------
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,

@@ -56,6 +56,12 @@ class CpuBackend(Backend):
         bf16 = self.matmul_precision == "medium" or (low and cpu_linear.bf16_supported())
         lin.run = cpu_linear.bind(lin.packed, lin.bias, bf16=bf16, levels=1 if low else 3)
 
+    def input_transform(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """The fast Walsh–Hadamard transform in C++ for float32 inputs."""
+        if self.ops is None or x.dtype != torch.float32:
+            return super().input_transform(x, block)
+        return self.ops.hadamard(x.contiguous(), block)
+
     def prepare_head(self, head: DenseLinear | QuantLinear) -> None:
         """Under ``medium`` / ``low`` (AVX512-BF16 CPUs) a float head also keeps a bfloat16 copy in
         the panel's pair layout (``cpu_linear.pack_bf16``: as many bytes again as a 16-bit head) for

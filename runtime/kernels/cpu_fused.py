@@ -2,6 +2,7 @@
 with RMSNorm, SwiGLU's ``silu(gate) * up``, and RoPE (with Qwen3's per-head q/k norm) applied in
 place to the merged q/k/v output while k / v go to the KV cache.
 
+``hadamard`` runs online input transforms (compressed-tensors' R4) before a Linear.
 ``argmax`` serves greedy sampling (torch's runs one element at a time). A decode step runs each
 of the others 30 times per token; in plain torch every one is several tensor
 operations whose dispatch and temporaries cost more than their arithmetic. Built at first use by
@@ -37,6 +38,12 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv
     (after ``qk_norm`` per head when given) with ``cos`` / ``sin`` ``[tokens, head_dim]``; then
     store k and v at ``slots`` of float32 caches ``[kv_heads, slots, head_dim]`` when given."""
     extension().rope(qkv, cos, sin, heads, kv_heads, qk_norm, eps, k_cache, v_cache, slots)
+
+
+def hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x V`` for block-diagonal Sylvester Hadamard blocks of order ``block`` scaled by
+    ``1 / √block`` (a fast Walsh–Hadamard transform per block) on float32 ``[..., width]``."""
+    return extension().hadamard(x, block)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from ..backends import Backend, ForwardBatch
 from ..config import ModelArch
 from ..kernels.reference import write_kv
 from ..kv_cache import KVCache
-from ..layers import HALF_HEADS, DenseLinear, Linear, smaller_head
+from ..layers import HALF_HEADS, DenseLinear, Linear, TransformedLinear, smaller_head
 from ..loader import Reader, _quantized
 
 ATTN_NAME = "llmopt_paged"
@@ -263,7 +263,7 @@ def load_model(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backend
         replaced[head_name] = head
     modules = _linear_modules(hf)
     for name, lin in replaced.items():
-        backend.prepare_linear(lin)
+        backend.prepare_linear(lin.inner if isinstance(lin, TransformedLinear) else lin)
         module = modules[name]
         width = module.in_features if isinstance(module, nn.Linear) else module.weight.shape[0]
         _set_module(hf, name, RuntimeLinear(lin, width))

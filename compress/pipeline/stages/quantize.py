@@ -63,7 +63,9 @@ class QuantizeConfig:
     method: str = option("rtn", f"{', '.join(method_names())} (a scale transform then a quantizer).", metavar="METHOD")
     rotate: str = option("none", "Rotate the model first (QuaRot / SpinQuant's offline rotations, fused into the "
                          "weights): hadamard (randomized Hadamard on the residual stream and per attention head) or "
-                         "orthogonal (random orthogonal); the output stays an ordinary checkpoint, its head untied.",
+                         "orthogonal (random orthogonal); the output stays an ordinary checkpoint, its head untied. With a scheme "
+                         "that quantizes activations (W8A8, W4A8, FP8_DYNAMIC) it adds an online Hadamard before each "
+                         "MLP down_proj (R4, in compressed-tensors' transform_config), which its consumers must run.",
                          choices=ROTATIONS)
     group_size: int | None = option(None, "int4 / IQ4_NL group size (32/64/128; 0: per-channel). Default 128 (IQ4_NL: 32).", min=0)
     strict_groups: bool = option(False, "Refuse layers the group size does not divide instead of using the largest divisor.")
@@ -228,7 +230,11 @@ class QuantizeConfig:
             raise LlmoptError(f"--ignore keeps lm_head in float but --head {self.head} asks to quantize it", "drop one of them")
         self._check_auto(method)
         self._check_imatrix(method)
-        self.parse_scheme()
+        scheme = self.parse_scheme()
+        if self.rotate != "none" and scheme is not None and scheme.activations is not None and method.transform is not None:
+            raise LlmoptError(f"--rotate with {self.scheme} adds an online Hadamard before each down_proj, which "
+                              f"--method {self.method} cannot fold its input scales through",
+                              "use --method rtn or gptq with --rotate (the rotation spreads the outliers those scales move)")
         self._check_tuning()
         if not self.needs_calibration and not self.is_auto:
             changed = [f"--{k.replace('_', '-')}" for k, v in CALIBRATION_DEFAULTS.items() if getattr(self, k) != v]
@@ -322,14 +328,18 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     rotated = output.parent / f".{output.name}.rotated-{os.getpid()}"  # a float scratch copy, removed at the end
     shutil.rmtree(rotated, ignore_errors=True)
     try:
-        record["rotation"] = rotate_checkpoint(source, rotated, config.rotate, config.seed)
-        return _quantize(config, rotated, record, start, progress)
+        online_down = config.parse_scheme() is not None and config.parse_scheme().activations is not None
+        record["rotation"] = rotate_checkpoint(source, rotated, config.rotate, config.seed, online_down)
+        return _quantize(config, rotated, record, start, progress, float_source=source)
     finally:
         shutil.rmtree(rotated, ignore_errors=True)
 
 
-def _quantize(config: "QuantizeConfig", source: Path, record: dict, start: float, progress) -> dict:
-    """Quantize the float checkpoint ``source`` as ``config`` asks (after any rotation)."""
+def _quantize(config: "QuantizeConfig", source: Path, record: dict, start: float, progress,
+              float_source: Path | None = None) -> dict:
+    """Quantize the float checkpoint ``source`` as ``config`` asks (after any rotation).
+    ``float_source``: the unrotated model, which computes the same function; it samples the
+    calibration text and teaches the scale tuning (the rotated copy may need online transforms)."""
     from llmopt.core.data import calibration_ids
     from llmopt.formats.compressed import save_nf4
     from llmopt.self_calibration import sampler
@@ -349,7 +359,7 @@ def _quantize(config: "QuantizeConfig", source: Path, record: dict, start: float
     calib = None
     if config.needs_calibration:
         calib, record["calibration"] = calibration_ids(tokenizer, config.calib, config.calib_samples, config.calib_seq_len,
-                                                       config.seed, sample_self=sampler(source, config.device))
+                                                       config.seed, sample_self=sampler(float_source or source, config.device))
     if config.plans_per_tensor:
         if config.is_auto:
             options, record["plan"] = config.planner().make(source, calib, request.method)
@@ -375,7 +385,7 @@ def _quantize(config: "QuantizeConfig", source: Path, record: dict, start: float
         if config.save_imatrix is not None:
             _save_imatrix(source, Path(config.save_imatrix), done.result.inputs, config)
         if config.tune_steps:
-            record["scale_tuning"] = _tune(config, source, quantized, tune_ids)
+            record["scale_tuning"] = _tune(config, float_source or source, quantized, tune_ids)
     except ValueError as exc:
         raise LlmoptError(str(exc)) from exc
     finally:
@@ -450,6 +460,7 @@ def quantize_checkpoint(source: Path, output: Path, request: QuantizeRequest, ca
     from llmopt.checkpoints.streaming import StreamedModel
     from llmopt.checkpoints.writer import DEFAULT_SHARD_BYTES
     from llmopt.core.atomic import atomic_dir
+    from llmopt.formats.hadamard import OnlineHadamard, add_input_hooks
     from llmopt.quant.streaming import quantize_estimate, quantize_streaming
 
     start = time.perf_counter() if started is None else started
@@ -461,6 +472,9 @@ def quantize_checkpoint(source: Path, output: Path, request: QuantizeRequest, ca
     check_fits(estimate, (resolve_device(request.device) or torch.device("cpu")).type)
     stream = StreamedModel(source)
     stream.announce = announce
+    online = OnlineHadamard.from_record((record.get("rotation") or {}).get("online"))
+    if online is not None:  # the rotated source's down projections read Hadamard-transformed inputs
+        add_input_hooks(stream.model, [online])
     try:
         with atomic_dir(Path(output), overwrite) as tmp:
             writer = QuantizedCheckpointWriter(stream, tmp, max_shard_bytes or DEFAULT_SHARD_BYTES)

@@ -6,6 +6,9 @@
 //   rope          q / k rotated in place inside the merged q/k/v output (after the optional
 //                 per-head q/k norm of Qwen3), and k / v written to the KV cache slots
 //   argmax        greedy sampling's row-wise argmax over the vocabulary (torch's is scalar)
+//   hadamard      x V for block-diagonal Sylvester Hadamard blocks scaled by 1/sqrt(block): an
+//                 online transform on a Linear's input, as a fast Walsh-Hadamard transform
+//                 (log2(block) butterfly passes per block instead of a block x block product)
 // Rows are split across torch's intra-op threads when there are many (prefill). The row loops
 // are written for the compiler's vectorizer (partial sums, a branch-free exp) and built for
 // AVX-512, AVX2 and baseline x86-64, chosen at load (GCC target_clones). Arithmetic follows the
@@ -264,7 +267,37 @@ void rope(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin
   check(!bad_slot, "a slot is outside the cache");
 }
 
+// One block of a fast Walsh-Hadamard transform in place: Sylvester's order (the matrix
+// [[H, H], [H, -H]] at every doubling), then the 1/sqrt(n) scale.
+LLMOPT_CLONES void fwht_block(float* x, int64_t n, float scale) {
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  for (int64_t j = 0; j < n; ++j) x[j] *= scale;
+}
+
+torch::Tensor hadamard(const torch::Tensor& x, int64_t block) {
+  check(is_f32_contiguous(x), "hadamard takes a contiguous float32 CPU tensor");
+  check(block > 0 && (block & (block - 1)) == 0, "the block must be a power of two");
+  const int64_t width = x.dim() ? x.size(-1) : 0;
+  check(width % block == 0, "the block must divide the last dimension");
+  torch::Tensor out = x.clone();
+  const int64_t blocks = width ? out.numel() / block : 0;
+  float* data = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(block));
+  at::parallel_for(0, blocks, grain(block), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) fwht_block(data + b * block, block, scale);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("hadamard", &hadamard, "x V: block-diagonal Sylvester Hadamard blocks / sqrt(block), a fast Walsh-Hadamard transform",
+        pybind11::arg("x"), pybind11::arg("block"));
   m.def("add_rms_norm", &add_rms_norm, "h += delta; out = rms_norm(h) * weight", pybind11::arg("h"),
         pybind11::arg("delta"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("out"));
   m.def("argmax", &argmax, "row-wise argmax of float32 logits (first maximum; first NaN, as torch)", pybind11::arg("logits"));

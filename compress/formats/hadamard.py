@@ -1,0 +1,136 @@
+"""Online Hadamard transforms on Linear inputs (QuaRot / SpinQuant's R4), in compressed-tensors'
+transform format.
+
+Where activations are quantized, the input of an MLP's down projection keeps the outliers that an
+offline rotation of the residual stream cannot reach. An orthogonal ``V`` on that input removes
+them: the stored weight becomes ``W V`` (fused offline) and every consumer multiplies the input by
+``V`` at run time, so ``(x V)(W V)ᵀ = x Wᵀ``. ``V`` is compressed-tensors' ``hadamard`` transform:
+Sylvester's ±1 matrix of order ``B`` scaled by ``1 / √B``, block-diagonal over the input when
+``B`` (its ``head_dim``) is smaller than the width. ``B`` here is the largest power of two that
+divides the width, so a fast Walsh–Hadamard transform applies it in ``log2 B`` steps per value.
+
+The checkpoint says so in ``quantization_config.transform_config`` (one config group with an
+online ``input`` and a fused ``weight_input`` entry, as llm-compressor's SpinQuant R4 writes it);
+:func:`online_inputs` reads that back and refuses transforms llmopt cannot run.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+DOWN_PROJ_TARGET = r"re:.*mlp\.down_proj$"  # dense MLPs' down projections (not per-expert ones)
+MIN_BLOCK = 16  # a smaller power-of-two factor spreads outliers too little to be worth a transform
+
+
+def block_for(width: int) -> int | None:
+    """The transform's block: the largest power of two dividing ``width``; None below MIN_BLOCK."""
+    block = width & -width
+    return block if block >= MIN_BLOCK else None
+
+
+@lru_cache(maxsize=16)
+def _sylvester(block: int, dtype: torch.dtype) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / block ** 0.5).to(dtype)
+
+
+def hadamard_matrix(block: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Sylvester's Hadamard matrix of order ``block`` (a power of two), scaled to be orthogonal."""
+    if block <= 0 or block & (block - 1):
+        raise ValueError(f"a Hadamard block must be a power of two, not {block}")
+    return _sylvester(block, dtype)
+
+
+def transform_inputs(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x V`` with ``V`` block-diagonal Sylvester blocks of order ``block`` over ``x``'s last axis
+    (the reference: one matrix product in float32 or wider)."""
+    dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    h = hadamard_matrix(block, dtype).to(x.device)
+    return (x.to(dtype).unflatten(-1, (-1, block)) @ h).flatten(-2).to(x.dtype)
+
+
+def fuse_into_weight(weight: torch.Tensor, block: int) -> torch.Tensor:
+    """A Linear weight ``[out, in]`` that reads transformed inputs: ``W V`` (in float64, cast back)."""
+    return transform_inputs(weight.double(), block).to(weight.dtype)
+
+
+@dataclass(frozen=True)
+class OnlineHadamard:
+    """An online Hadamard on the inputs of the Linears ``targets`` matches (compressed-tensors
+    target strings: a module name, or ``re:`` and a regular expression)."""
+
+    targets: tuple[str, ...]
+    block: int
+
+    @classmethod
+    def from_record(cls, record: dict | str | None) -> OnlineHadamard | None:
+        """The transform a provenance record's ``rotation.online`` holds (None when it holds none)."""
+        return cls(tuple(record["targets"]), int(record["block"])) if isinstance(record, dict) else None
+
+    def record(self) -> dict:
+        return {"transform": "hadamard", "location": "input", "block": self.block, "targets": list(self.targets)}
+
+    def applies_to(self, module: str) -> bool:
+        return any(_matches(module, t) for t in self.targets)
+
+    def transform_config(self) -> dict:
+        """The compressed-tensors ``transform_config`` that records it (validated by that library)."""
+        from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
+
+        targets = list(self.targets)
+        scheme = TransformScheme(type="hadamard", head_dim=self.block, apply=[
+            TransformArgs(targets=targets, location="input"),
+            TransformArgs(targets=targets, location="weight_input", inverse=True),
+        ])
+        return TransformConfig(config_groups={"R4": scheme}).model_dump(mode="json")
+
+
+def _matches(module: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return module == target
+
+
+def online_inputs(qconfig: dict | None) -> list[OnlineHadamard]:
+    """The online input transforms a checkpoint's ``quantization_config`` records; a transform llmopt
+    cannot apply (another type, an output / KV-cache location, a permutation) raises ValueError."""
+    groups = ((qconfig or {}).get("transform_config") or {}).get("config_groups") or {}
+    found = []
+    for name, group in groups.items():
+        online = [a for a in group.get("apply") or [] if a.get("location") not in ("weight_input", "weight_output")]
+        if not online:
+            continue  # fused into the weights: nothing to do at run time
+        if group.get("type") != "hadamard" or group.get("randomize") or any(a.get("location") != "input" for a in online):
+            kinds = sorted({str(a.get("location")) for a in online})
+            raise ValueError(f"transform group '{name}' is a {group.get('type')} transform at {', '.join(kinds)}"
+                             f"{' (randomized)' if group.get('randomize') else ''}: llmopt runs online Hadamard "
+                             "transforms on Linear inputs only")
+        block = group.get("head_dim")
+        if not block:
+            raise ValueError(f"transform group '{name}' has no head_dim: llmopt runs block Hadamards of a stated size only")
+        for args in online:
+            if args.get("ignore"):
+                raise ValueError(f"transform group '{name}' ignores {args['ignore']}: not supported")
+            found.append(OnlineHadamard(tuple(args["targets"]), int(block)))
+    return found
+
+
+def add_input_hooks(model: torch.nn.Module, transforms: list[OnlineHadamard]) -> list:
+    """Forward pre-hooks applying ``transforms`` to the inputs of the Linears they target (register
+    them before any other input hook: activation quantization must see the transformed input).
+    Returns the hook handles; a transform that matches no Linear raises ValueError."""
+    handles = []
+    for t in transforms:
+        hit = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and t.applies_to(n)]
+        if not hit:
+            raise ValueError(f"the online Hadamard's targets {list(t.targets)} match no Linear of the model")
+        for _, module in hit:
+            handles.append(module.register_forward_pre_hook(
+                lambda _m, args, block=t.block: (transform_inputs(args[0], block), *args[1:])))
+    return handles
