@@ -1,6 +1,8 @@
-"""Offline rotations on the demo model: W4A16 g128 with and without ``--rotate hadamard``, RTN and
-GPTQ, W4A8 (int8 activations per token) and W8A8 without
-SmoothQuant, next to the float model rotated alone (what storing the rotated weights costs).
+"""Rotations on the demo model: W4A16 g128 with and without ``--rotate hadamard``, RTN and GPTQ,
+W4A8 (int8 activations per token) and W8A8 without SmoothQuant, next to the float model rotated
+alone (what storing the rotated weights costs). Rotations of schemes that quantize activations add
+the online Hadamard before every down_proj (R4, ``--online-hadamard auto``); the rows "without R4"
+turn it off, "+ R4" turns it on for a weight-only scheme.
 
 Each variant is made by ``llmopt quantize`` in a child process; KLD (mean, p99) and top-1 against
 the float demo model on WikiText-2 and on the held-out Gutenberg text (neither used for
@@ -42,15 +44,20 @@ VARIANTS = {
     "W4A16 g128 RTN, rotated": ["--scheme", "W4A16", "--group-size", "128", "--rotate", "hadamard"],
     "W4A16 g128 GPTQ": ["--scheme", "W4A16", "--group-size", "128", "--method", "gptq"],
     "W4A16 g128 GPTQ, rotated": ["--scheme", "W4A16", "--group-size", "128", "--method", "gptq", "--rotate", "hadamard"],
+    "W4A16 g128 GPTQ, rotated + R4": ["--scheme", "W4A16", "--group-size", "128", "--method", "gptq", "--rotate", "hadamard",
+                                      "--online-hadamard", "on"],
     "W4A8 g128 GPTQ": ["--scheme", "W4A8", "--group-size", "128", "--method", "gptq"],
     "W4A8 g128 GPTQ, rotated": ["--scheme", "W4A8", "--group-size", "128", "--method", "gptq", "--rotate", "hadamard"],
     "W8A8 RTN": ["--scheme", "W8A8"],
     "W8A8 RTN, rotated": ["--scheme", "W8A8", "--rotate", "hadamard"],
-    # where the rest comes from: the down projections' inputs, which no offline rotation reaches
-    "W8A8 RTN, rotated, down_proj in float": ["--scheme", "W8A8", "--rotate", "hadamard", "--ignore", r".*down_proj$"],
+    "W8A8 RTN, rotated without R4": ["--scheme", "W8A8", "--rotate", "hadamard", "--online-hadamard", "off"],
+    # what R4 addresses: the down projections' inputs, which no offline rotation reaches
+    "W8A8 RTN, rotated without R4, down_proj in float": ["--scheme", "W8A8", "--rotate", "hadamard", "--online-hadamard", "off",
+                                                         "--ignore", r".*down_proj$"],
 }
 # (variant, the variant it is measured against, the largest ratio of mean KLDs the issue allows)
 TARGETS = [("W4A16 g128 GPTQ, rotated", "W4A16 g128 GPTQ", 0.6),
+           ("W4A16 g128 GPTQ, rotated + R4", "W4A16 g128 GPTQ", 0.6),
            ("W4A8 g128 GPTQ, rotated", "W4A16 g128 GPTQ, rotated", 1.3)]
 W8A8_TARGET = 0.01  # mean KLD of W8A8 without SmoothQuant
 # decode speed: unrotated, rotated (the same formats; the rotated one has an untied float head)
@@ -110,6 +117,7 @@ def main() -> None:
         path.write_text(json.dumps(data, indent=1) + "\n")
         write_md(data)
         return
+    data["variants"] = {name: data["variants"][name] for name in VARIANTS if name in data["variants"]}  # no retired rows
     demo = resolve_model("demo")
     ids, ref = reference(args.windows)
     data["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "windows": args.windows,
@@ -159,7 +167,7 @@ def decode_speeds(rounds: int) -> dict:
 
 def write_md(data: dict) -> None:
     meta, rows = data["meta"], data["variants"]
-    lines = ["# Offline rotations (`quantize --rotate hadamard`) on the demo model", "",
+    lines = ["# Rotations (`quantize --rotate hadamard`, with and without the online R4) on the demo model", "",
              f"Written by bench/rotations.py (last run {meta['date']}; a row keeps the numbers of the run that measured it, "
              f"dated in rotations.json when measured since 2026-12-06): KLD against the float demo model on WikiText-2 and a "
              f"held-out Gutenberg text, {meta['windows']} × {meta['seq_len']} tokens each; calibration {meta['calibration']}.", "",
@@ -175,7 +183,7 @@ def write_md(data: dict) -> None:
             ratios = [rows[name][t]["kld_mean"] / rows[base][t]["kld_mean"] for t in TEXTS]
             verdict = "" if most is None else f" (target ≤ {most}×: {'met' if max(ratios) <= most else '**missed**'})"
             lines.append(f"- {name} / {base}, mean KLD: " + ", ".join(f"{t} {r:.2f}×" for t, r in zip(TEXTS, ratios)) + verdict)
-    for name in ("W8A8 RTN", "W8A8 RTN, rotated"):
+    for name in ("W8A8 RTN", "W8A8 RTN, rotated", "W8A8 RTN, rotated without R4"):
         if name in rows:
             worst = max(rows[name][t]["kld_mean"] for t in TEXTS)
             lines.append(f"- {name} (no SmoothQuant): mean KLD at most {worst:.4f} (target ≤ {W8A8_TARGET}: "

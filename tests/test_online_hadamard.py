@@ -223,3 +223,36 @@ def test_smoothquant_with_rotation_and_activations_is_refused(tmp_path):
                                        "--rotate", "hadamard", "-o", str(tmp_path / "o")])
     assert result.exit_code == 2 and "cannot fold its input scales through" in result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--scheme", "W8A8", "--online-hadamard", "on"], "--online-hadamard applies with --rotate"),
+    (["--scheme", "W4A16", "--method", "awq", "--rotate", "hadamard", "--online-hadamard", "on"], "--method awq cannot fold"),
+    (["--scheme", "Q4_K_M", "--rotate", "hadamard", "--online-hadamard", "on"], "plans formats per tensor"),
+    (["--scheme", "W4A16", "--rotate", "hadamard", "--online-hadamard", "on", "--tune-steps", "4"], "--tune-steps does not run"),
+])
+def test_online_hadamard_options_that_do_not_apply_are_refused(tmp_path, args, message):
+    _, src = _down_outlier_model(tmp_path)
+    result = CliRunner().invoke(main, ["quantize", str(src), *args, "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_weight_only_with_online_hadamard_on_and_activations_with_it_off(tmp_path):
+    """``on`` adds R4 to a weight-only scheme (the runtime runs it); ``off`` keeps a W8A8 rotation
+    an ordinary checkpoint (no transform_config), which transformers runs as it is."""
+    model, src = _down_outlier_model(tmp_path)
+    runner = CliRunner()
+    for scheme, online in (("W4A16", "on"), ("W8A8", "off")):
+        out = tmp_path / f"{scheme}-{online}"
+        result = runner.invoke(main, ["quantize", str(src), "--scheme", scheme, "--rotate", "hadamard",
+                                      "--online-hadamard", online, "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert bool(online_inputs(qconfig)) == (online == "on")
+        loaded, _ = load_model(out)
+        llm = LLM(out)
+        prompts = random_prompts(2, seed=4)
+        for prompt, got in zip(prompts, llm.generate(prompts, greedy(8))):
+            ref, scores = reference(loaded, prompt, 8)
+            assert_greedy_match(got.token_ids, ref, scores, f"{scheme} {online}")

@@ -150,7 +150,16 @@ def test_llmcompressor_recipe_mapping(tmp_path):
     """, "spin.yaml")
     (stage,) = load_recipe(str(spin), ["model=demo"]).stages
     assert (stage.options["scheme"], stage.options["method"], stage.options["rotate"]) == ("W4A16", "gptq", "hadamard")
-    for body, message in [("SpinQuantModifier: {rotations: [R1, R2, R4]}", "no online rotations"),
+    assert stage.options["online_hadamard"] == "off"  # no R4 asked: none added, even for schemes with activations
+    r4 = write(tmp_path, """
+        s_stage:
+          s_modifiers:
+            SpinQuantModifier: {rotations: [R1, R2, R4]}
+            QuantizationModifier: {scheme: W8A8, targets: Linear, ignore: [lm_head]}
+    """, "r4.yaml")
+    (stage,) = load_recipe(str(r4), ["model=demo"]).stages
+    assert (stage.options["scheme"], stage.options["rotate"], stage.options["online_hadamard"]) == ("W8A8", "hadamard", "on")
+    for body, message in [("SpinQuantModifier: {rotations: [R1, R2, R3]}", "it has no R3"),
                           ("SpinQuantModifier: {learnable: true}", "no learned rotations"),
                           ("SpinQuantModifier: {transform_type: dct}", "transform_type 'dct'"),
                           ("QuIPModifier: {rotations: [v, u]}", "'QuIPModifier' is not supported")]:

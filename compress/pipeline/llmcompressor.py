@@ -10,12 +10,13 @@ Supported modifiers and what they become:
 | SmoothQuantModifier     | SmoothQuant pre-pass: smoothquant / smoothquant+gptq         |
 | SparseGPTModifier       | prune, method sparsegpt (sparsity, mask_structure)           |
 | WandaPruningModifier    | prune, method wanda                                          |
-| SpinQuantModifier       | the next quantize stage's ``rotate`` (offline R1 + R2 only)  |
+| SpinQuantModifier       | the next quantize stage's ``rotate`` and ``online_hadamard`` |
 
 SpinQuantModifier's offline rotations R1 (residual stream) and R2 (value / output heads) are what
 ``--rotate`` fuses into the weights; llmopt applies both whenever R1 is asked for (R2 changes
-nothing the model computes). Its online rotations (R3, R4) and learned rotations are refused by
-name, as is anything else.
+nothing the model computes). R4 (a Hadamard on the down projections' inputs) is
+``online_hadamard: on``; without it, ``off``. R3 (online, inside attention) and learned rotations
+are refused by name, as is anything else.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def map_llmcompressor(data: dict, source: str, lines: dict[tuple, int]) -> dict:
     """Translate an llm-compressor recipe into our recipe layout (top-level model/output kept)."""
     stages: list[dict[str, Any]] = []
     pending_scaling: tuple[str, dict] | None = None
-    pending_rotation: str | None = None
+    pending_rotation: dict[str, str] | None = None
     for name, args, path in _modifiers(data):
         where = f"{source}:{lines.get(path, 0)}"
         if name in ROTATION_MODIFIERS:
@@ -114,7 +115,8 @@ def map_llmcompressor(data: dict, source: str, lines: dict[tuple, int]) -> dict:
             options.update(_scaling_options(pending_scaling, options["method"]))
             pending_scaling = None
             if pending_rotation is not None:
-                options["rotate"], pending_rotation = pending_rotation, None
+                options.update(pending_rotation)
+                pending_rotation = None
             ignore = _ignore(args)
             if ignore:
                 options["ignore"] = ignore
@@ -144,7 +146,7 @@ def map_llmcompressor(data: dict, source: str, lines: dict[tuple, int]) -> dict:
         if group is not None:
             options["group_size"] = group
         if pending_rotation is not None:
-            options["rotate"] = pending_rotation
+            options.update(pending_rotation)
         stages.append({"quantize": options})
     if not stages:
         raise LlmoptError(f"{source}: no modifiers found", "an llm-compressor recipe lists modifiers under <name>_stage: <name>_modifiers:")
@@ -153,13 +155,14 @@ def map_llmcompressor(data: dict, source: str, lines: dict[tuple, int]) -> dict:
     return out
 
 
-def _rotation(args: dict, where: str) -> str:
-    """``--rotate``'s value for a SpinQuantModifier's arguments, or a refusal naming what does not map."""
+def _rotation(args: dict, where: str) -> dict[str, str]:
+    """The quantize stage's ``rotate`` / ``online_hadamard`` for a SpinQuantModifier's arguments, or
+    a refusal naming what does not map."""
     rotations = [str(r).upper() for r in args.get("rotations", ["R1", "R2"])]
-    online = [r for r in rotations if r not in ("R1", "R2")]
-    if online or "R1" not in rotations:
+    unknown = [r for r in rotations if r not in ("R1", "R2", "R4")]
+    if unknown or "R1" not in rotations:
         raise LlmoptError(f"{where}: SpinQuantModifier rotations {rotations}: llmopt fuses R1 (with R2) into the weights "
-                          "and has no online rotations (R3, R4)", "use rotations: [R1, R2]")
+                          "and runs R4 online; it has no R3 (the attention's online rotation)", "use rotations: [R1, R2] or [R1, R2, R4]")
     if args.get("learnable"):
         raise LlmoptError(f"{where}: SpinQuantModifier learnable: true — llmopt has no learned rotations",
                           "drop learnable (a randomized Hadamard is used)")
@@ -167,7 +170,7 @@ def _rotation(args: dict, where: str) -> str:
     if kind not in ROTATION_KINDS:
         raise LlmoptError(f"{where}: SpinQuantModifier transform_type '{kind}' is not supported",
                           f"use one of {', '.join(ROTATION_KINDS)}")
-    return ROTATION_KINDS[kind]
+    return {"rotate": ROTATION_KINDS[kind], "online_hadamard": "on" if "R4" in rotations else "off"}
 
 
 def _scaling_options(pending: tuple[str, dict] | None, method: str) -> dict[str, Any]:

@@ -34,6 +34,8 @@ from llmopt.quant.llama_mixtures import MIXTURES
 from llmopt.quant.planner import AutoPlanner
 from llmopt.quant.registry import build_method, method_names
 from llmopt.quant.rotation import ROTATIONS
+
+ONLINE_HADAMARD = ("auto", "on", "off")
 from llmopt.quant.request import QuantizeRequest, resolve_scheme
 from llmopt.quant.rtn import Rtn
 from llmopt.quant.streaming import StreamedQuantization
@@ -67,6 +69,10 @@ class QuantizeConfig:
                          "that quantizes activations (W8A8, W4A8, FP8_DYNAMIC) it adds an online Hadamard before each "
                          "MLP down_proj (R4, in compressed-tensors' transform_config), which its consumers must run.",
                          choices=ROTATIONS)
+    online_hadamard: str = option("auto", "With --rotate: an online Hadamard on every MLP down_proj's input (R4), fused "
+                                  "into its weight and run by consumers at inference (compressed-tensors' transform_config; "
+                                  "transformers and GGUF cannot run it). auto: on for schemes that quantize activations.",
+                                  choices=ONLINE_HADAMARD)
     group_size: int | None = option(None, "int4 / IQ4_NL group size (32/64/128; 0: per-channel). Default 128 (IQ4_NL: 32).", min=0)
     strict_groups: bool = option(False, "Refuse layers the group size does not divide instead of using the largest divisor.")
     calib: str = option("austen", CALIB_HELP)
@@ -230,17 +236,37 @@ class QuantizeConfig:
             raise LlmoptError(f"--ignore keeps lm_head in float but --head {self.head} asks to quantize it", "drop one of them")
         self._check_auto(method)
         self._check_imatrix(method)
-        scheme = self.parse_scheme()
-        if self.rotate != "none" and scheme is not None and scheme.activations is not None and method.transform is not None:
-            raise LlmoptError(f"--rotate with {self.scheme} adds an online Hadamard before each down_proj, which "
-                              f"--method {self.method} cannot fold its input scales through",
-                              "use --method rtn or gptq with --rotate (the rotation spreads the outliers those scales move)")
+        self._check_online_hadamard(method)
         self._check_tuning()
         if not self.needs_calibration and not self.is_auto:
             changed = [f"--{k.replace('_', '-')}" for k, v in CALIBRATION_DEFAULTS.items() if getattr(self, k) != v]
             if changed:
                 raise LlmoptError(f"{', '.join(changed)} only apply to calibrated methods, not {self.method}",
                                   "drop them, or pick --method gptq / awq / smoothquant")
+
+    @property
+    def online_down(self) -> bool:
+        """Whether the rotation adds the online Hadamard before the down projections (R4)."""
+        if self.rotate == "none" or self.online_hadamard == "off":
+            return False
+        scheme = self.parse_scheme()
+        return self.online_hadamard == "on" or (scheme is not None and scheme.activations is not None)
+
+    def _check_online_hadamard(self, method: QuantMethod) -> None:
+        if self.online_hadamard != "auto" and self.rotate == "none":
+            raise LlmoptError("--online-hadamard applies with --rotate", "add --rotate hadamard, or drop --online-hadamard")
+        if not self.online_down:
+            return
+        if self.plans_per_tensor:
+            raise LlmoptError(f"--scheme {self.scheme} plans formats per tensor on the model without online transforms",
+                              "use --online-hadamard off with it, or a single scheme (W4A16, W4A8, W8A8 …)")
+        if self.scheme == NF4:
+            raise LlmoptError("NF4 (bitsandbytes) checkpoints carry no online transforms", "drop --online-hadamard on")
+        if method.transform is not None:
+            raise LlmoptError(f"--rotate with an online Hadamard before each down_proj: --method {self.method} "
+                              "cannot fold its input scales through it", "use --method rtn or gptq, or --online-hadamard off")
+        if self.tune_steps:
+            raise LlmoptError("--tune-steps does not run online Hadamards", "use --online-hadamard off with --tune-steps")
 
     def _check_tuning(self) -> None:
         for flag, given in (("--tune-lr", self.tune_lr != 1e-3), ("--tune-per", self.tune_per != "group")):
@@ -328,8 +354,7 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     rotated = output.parent / f".{output.name}.rotated-{os.getpid()}"  # a float scratch copy, removed at the end
     shutil.rmtree(rotated, ignore_errors=True)
     try:
-        online_down = config.parse_scheme() is not None and config.parse_scheme().activations is not None
-        record["rotation"] = rotate_checkpoint(source, rotated, config.rotate, config.seed, online_down)
+        record["rotation"] = rotate_checkpoint(source, rotated, config.rotate, config.seed, config.online_down)
         return _quantize(config, rotated, record, start, progress, float_source=source)
     finally:
         shutil.rmtree(rotated, ignore_errors=True)
