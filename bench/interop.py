@@ -7,7 +7,9 @@ logits are far from uniform; MoE routers are scaled ×10 so expert choices are n
 float rounding flips.
 
 Outputs (made by llmopt's own API, as the CLI makes them): compressed-tensors W4A16 g128,
-W4A16_ASYM g128, W8A16, W8A8, W4A8 g128, FP8_DYNAMIC, bitsandbytes NF4, an AUTO plan at 4.85 bits per weight
+W4A16_ASYM g128, W8A16, W8A8, W8A8 rotated (``--rotate hadamard``: R1 / R2 fused, R4 the online
+Hadamard before each down_proj in compressed-tensors' ``transform_config``; the reference applies
+it with compressed-tensors' own Hadamard matrix), W4A8 g128, FP8_DYNAMIC, bitsandbytes NF4, an AUTO plan at 4.85 bits per weight
 (its embedding and head quantized where the plan says so), one made ``--for vllm`` at 10.6 bits
 per weight (int4 groups, int8 and FP8 only; embedding and head in float), magnitude 2:4 then W4A16; GGUF files Q4_K_M (``quantize --scheme Q4_K_M`` then ``export --type Q4_K_M``), Q8_0 (the
 same with Q8_0), ``auto`` (the W4A16 checkpoint's codes carried) and F32 (the W4A16 checkpoint's
@@ -67,14 +69,15 @@ WORK = ROOT / "out" / "interop"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ROWS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "demo"]
-HF_OUTPUTS = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W4A8", "FP8_DYNAMIC", "NF4", "AUTO", "AUTO --for vllm", "2:4+W4A16"]
+HF_OUTPUTS = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W8A8 rotated", "W4A8", "FP8_DYNAMIC", "NF4", "AUTO", "AUTO --for vllm",
+              "2:4+W4A16"]
 GGUF_OUTPUTS = ["GGUF Q4_K_M", "GGUF Q8_0", "GGUF auto", "GGUF F32"]
 HF_CONSUMERS = ["llmopt eval", "llmopt runtime", "transformers", "vLLM"]
 GGUF_CONSUMERS = ["llama.cpp", "transformers"]
 TOLERANCE = {"llmopt eval": 1e-3, "transformers": 1e-3, "llmopt runtime": 5e-3}
 # outputs whose activations are quantized at run time: a consumer that computes a layer's input in
 # another order rounds some activations to the neighbouring code, so they get a looser bound
-ACTIVATION_OUTPUTS = {"W8A8", "W4A8", "FP8_DYNAMIC"}
+ACTIVATION_OUTPUTS = {"W8A8", "W8A8 rotated", "W4A8", "FP8_DYNAMIC"}
 ACTIVATION_TOLERANCE = {"llmopt eval": 1e-3, "transformers": 0.05, "llmopt runtime": 0.05}
 # bitsandbytes' CPU kernel multiplies NF4 weights in bfloat16 (outputs of ~9 off by 0.04, measured)
 REDUCED_PRECISION = {("NF4", "transformers"): 0.05}
@@ -207,7 +210,7 @@ def make_output(output: str, source: Path, folder: Path) -> Path:
                 run_quantize(QuantizeConfig(model=str(source), output=str(ckpt), scheme=kind, method="rtn", overwrite=True))
             run_export(ExportConfig(model=str(ckpt), output=str(gguf), type=kind))
         return gguf
-    out = folder / output.replace(":", "").replace("+", "_").replace(" --for ", "-for-")
+    out = folder / output.replace(":", "").replace("+", "_").replace(" --for ", "-for-").replace(" ", "-")
     if (out / "config.json").is_file():
         return out
     if output == "2:4+W4A16":
@@ -221,6 +224,9 @@ def make_output(output: str, source: Path, folder: Path) -> Path:
         target = VLLM_BPW if consumer == "vllm" else 4.85
         run_quantize(QuantizeConfig(model=str(source), output=str(out), scheme="AUTO", target_bpw=target, method="rtn",
                                     overwrite=True, sensitivity_samples=2, for_consumer=consumer))
+    elif output == "W8A8 rotated":  # --rotate hadamard: R1 + R2 fused, R4 (down_proj inputs) online
+        run_quantize(QuantizeConfig(model=str(source), output=str(out), scheme="W8A8", method="rtn", rotate="hadamard",
+                                    overwrite=True))
     else:
         group = {"group_size": 128} if output.startswith("W4") else {}
         run_quantize(QuantizeConfig(model=str(source), output=str(out), scheme=output, method="rtn", overwrite=True, **group))
@@ -308,12 +314,32 @@ def independent_reference(source: Path, ckpt: Path):
         state[f"{name}.weight"] = qw.dequantize(torch.float32)
     _put(model, state)
     modules = dict(model.named_modules())
+    for group in ((qconfig.get("transform_config") or {}).get("config_groups") or {}).values():
+        _online_hadamard(modules, group)  # before the activation hooks: they read the transformed inputs
     for name, qw in weights.items():
         kind = qw.scheme.activations
         if kind and name in modules:
             modules[name].register_forward_pre_hook(lambda _m, args, kind=kind: (fake_quantize_activations(args[0], kind),))
     model.tie_weights()
     return model
+
+
+def _online_hadamard(modules: dict, group: dict) -> None:
+    """Hooks multiplying the inputs of a transform group's online targets by its block-diagonal
+    Hadamard matrix, built by compressed-tensors' own function (the format's reference)."""
+    from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
+
+    assert group["type"] == "hadamard" and not group.get("randomize"), group
+    block = group["head_dim"]
+    h = deterministic_hadamard_matrix(block, torch.float64) / block ** 0.5
+    for args in group["apply"]:
+        if args["location"] != "input":
+            continue
+        pattern = re.compile(args["targets"][0].removeprefix("re:"))
+        hit = [m for name, m in modules.items() if isinstance(m, torch.nn.Linear) and pattern.match(name)]
+        assert hit, args
+        for module in hit:
+            module.register_forward_pre_hook(lambda _m, a: ((a[0].double().unflatten(-1, (-1, block)) @ h).flatten(-2).to(a[0].dtype),))
 
 
 EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
@@ -414,6 +440,10 @@ def measure_hf(row: str, output: str, source: Path, folder: Path, args, cells: d
         try:
             cells["transformers"] = compare(ref, scored(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval(), ids),
                                             "transformers")
+            online = json.loads((ckpt / "config.json").read_text())["quantization_config"].get("transform_config")
+            if online and judged(cells["transformers"], output, "transformers")["status"] != "pass":
+                cells["transformers"] = {"status": "limitation", "detail": "transformers ignores transform_config (the online "
+                                         f"Hadamard): max |Δlogp| {cells['transformers']['max_dlogp']:.3g}, measured"}
         except Exception as exc:  # noqa: BLE001
             cells["transformers"] = limitation(exc)
     if "llmopt runtime" not in cells:

@@ -148,6 +148,34 @@ def test_scales_packed_in_bfloat16_only_when_exact():
     assert bf16_bytes < cpu_linear.pack(codes, wide, zp, 32, act).nbytes()
 
 
+@pytest.mark.parametrize("group", [32, 128, None])
+def test_w4a8_rounds_activations_per_token_in_the_kernel(group):
+    """W4A8: int4 codes with int8 activations per token, rounded by the C++ kernel (one integer
+    level scaled per row where the integer GEMV runs; rounded values on the exact paths elsewhere)."""
+    k = 4 * group if group else 136
+    codes, scale, zp, act = quantized("W4A8", group, N, k)
+    packed = cpu_linear.pack(codes, scale, zp, group, act)
+    assert act == "int8" and packed.act_quant is None
+    if group is None:  # one scale per row: the W8A8 kernel (int8 weights, int8 activations) holds the int4 codes
+        assert packed.format == "w8a8" and not packed.token_int8
+    else:
+        assert packed.format == "int4" and packed.token_int8
+    check_all(codes, scale, zp, group, act, k, bias=torch.randn(N))
+
+
+def test_w4a8_ties_round_as_torch():
+    """Exact .5 ties after scaling: the kernel's per-token codes are torch's (half to even)."""
+    codes, scale, zp, act = quantized("W4A8", 32, N, 64)
+    packed = cpu_linear.pack(codes, scale, zp, 32, act)
+    x = torch.randint(-254, 255, (5, 64)).float() / 2
+    x[:, 0] = 127.0  # scale exactly 1
+    ref = reference.quant_linear(x, codes, scale, zp, 32, act, None)
+    for isa in cpu_linear.supported_isas():
+        for levels in (1, 3):  # the matmul precision does not change the checkpoint's per-token rounding
+            got = cpu_linear.linear(x, packed, isa=isa, levels=levels)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=f"{isa} {levels}")
+
+
 def test_group_sizes_off_the_lanes():
     """Groups of 12 (not whole 8-value lanes): the panel path serves every row count."""
     codes, scale, zp, act = quantized("W4A16_ASYM", 12, 21, 60)

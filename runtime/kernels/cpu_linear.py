@@ -25,7 +25,9 @@ or portable C++; ``isa`` or ``LLMOPT_CPU_ISA``, read once per process, force one
   sums (``vdpbf16ps``: twice the products per instruction of an FMA), as a W4A16 matmul on a GPU
   does; the GEMVs (decode of few rows) stay exact;
 - W8A8 always multiplies int8 activations (quantized per token as ``fake_quantize_activations``
-  does) by int8 weights.
+  does) by int8 weights; W4A8 (and grouped W8A8) round their activations to int8 per token in
+  C++ too and run the integer GEMV with one level (one int8 code per input, one scale per row)
+  at every row count where it runs, else the exact paths on the rounded values.
 
 Results match ``reference.quant_linear`` up to float32 rounding (see tests/test_kernels_linear.py).
 """
@@ -63,7 +65,8 @@ class PackedLinear:
     scale: torch.Tensor  # [tiles, groups, 16]: bfloat16 when every scale is a bfloat16 value, else float32
     offset: torch.Tensor | None  # float32 like scale (asymmetric codes), else offset = -2^(bits-1) * scale
     wsum: torch.Tensor | None  # int32 [tiles * 16]: sum of each feature's codes (w8a8)
-    act_quant: str | None  # activations quantize-dequantized in torch first (FP8_DYNAMIC, grouped W8A8)
+    act_quant: str | None  # activations quantize-dequantized in torch first (FP8_DYNAMIC)
+    token_int8: bool = False  # int8 activations per token (W4A8, grouped W8A8): the C++ kernel rounds them (levels 0)
     handle: object = field(default=None, repr=False)  # the C++ view of the tensors above
 
     def __post_init__(self) -> None:
@@ -165,7 +168,8 @@ def pack(
     narrow = tiled.to(torch.bfloat16)
     if torch.equal(narrow.float(), tiled):  # bfloat16 scales (checkpoints' default) kept exactly in half the bytes
         tiled = narrow
-    return PackedLinear(fmt, n, k, gs, data, tiled, offset, wsum, act_quant)
+    token_int8 = act_quant == "int8" and fmt in ("int4", "int8", "nl4")
+    return PackedLinear(fmt, n, k, gs, data, tiled, offset, wsum, None if token_int8 else act_quant, token_int8)
 
 
 def linear(
@@ -192,7 +196,8 @@ def linear(
         raise LlmoptError(f"levels must be 1 or 3, not {levels}", "use 3 (exact) or 1 (int8 activations)")
     if packed.act_quant is not None:
         x = fake_quantize_activations(x, packed.act_quant)
-    return _module().linear(x, packed.handle, bias, EXTENSION.isa_code(isa), PATHS.get(path, -1), out, bf16, levels)
+    return _module().linear(x, packed.handle, bias, EXTENSION.isa_code(isa), PATHS.get(path, -1), out, bf16,
+                            0 if packed.token_int8 else levels)
 
 
 def pack_bf16(weight: torch.Tensor) -> PackedLinear | None:
@@ -229,4 +234,5 @@ def bind(packed: PackedLinear, bias: torch.Tensor | None = None, bf16: bool = Fa
     if packed.act_quant is not None:
         return lambda x: linear(x, packed, bias, bf16=bf16, levels=levels)
     run, handle, isa = _module().linear, packed.handle, EXTENSION.isa_code(None)
+    levels = 0 if packed.token_int8 else levels  # the checkpoint's per-token activations, whatever the precision
     return lambda x: run(x, handle, bias, isa, -1, None, bf16, levels)

@@ -46,6 +46,7 @@ struct Job {
   int levels;           // integer GEMV: int8 levels of the activations (3: exact to float32 rounding; 1: one int8 code per input)
   const float* xls;     // [M][Kp / xblock][3] the levels' scales (integer GEMV)
   const float* xbsum;   // [M][Kp / xblock] sums of the activations per block (integer GEMV)
+  const float* xrow;    // [M] max |x| of each row: one int8 scale per row instead of per block (per-token int8 activations), or nullptr
   const float* xscale;  // [M] their per-token scale (w8a8)
   const int32_t* wsum;  // [tiles * 16] sum of each feature's int8 codes (w8a8)
   const uint32_t* xb;   // [M][Kb] activations as bfloat16 pairs (bf16 panel: low half input 2p, high 2p + 1)

@@ -389,7 +389,7 @@ inline void w8a8_all(const Job& j, int64_t t0, int64_t t1) {
 // |r| <= s / (2 * 254^2), s = max|x| / 127: the residual is max|x| * 6.1e-8, the size of
 // float32's own rounding. With one level (matmul precision "low") x = s q0 + r, |r| <= s / 2:
 // the activations rounded to int8 per block, llama.cpp's Q8 arithmetic, three times fewer dot
-// products. Each level is then an exact integer dot product with the unsigned
+// products; with j.xrow, one scale per row (per-token int8 activations: W4A8, grouped W8A8). Each level is then an exact integer dot product with the unsigned
 // codes (VNNI: 64 multiply-adds per instruction), scaled per block; the code offset uses the
 // float sums of x. Int4 lanes split into even and odd nibbles, so activations are stored
 // permuted within each 8-input chunk: bytes 0-3 hold inputs 0, 2, 4, 6 and bytes 4-7 inputs 1, 3, 5, 7.
@@ -415,7 +415,7 @@ inline void split_levels_all(const Job& j, int8_t* xq, float* xls, float* xbsum,
           top = Vec::maxf(top, Vec::absf(v));
           total = Vec::add(total, v);
         }
-        const float absmax = Vec::hmax(top);
+        const float absmax = j.xrow ? j.xrow[m] : Vec::hmax(top);
         float scale = absmax / 127.0f, inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
         Vec::F codes = Vec::zero();  // one level: the block's sum is that of the rounded values
         for (int l = 0; l < j.levels; ++l) {
@@ -453,6 +453,7 @@ inline void split_levels_all(const Job& j, int8_t* xq, float* xls, float* xbsum,
         absmax = lane_max[i] > absmax ? lane_max[i] : absmax;
         sum += lane_sum[i];
       }
+      if (j.xrow) absmax = j.xrow[m];
       float scale = absmax / 127.0f, inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
       float codes = 0.0f;
       for (int l = 0; l < j.levels; ++l) {

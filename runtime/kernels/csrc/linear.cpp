@@ -39,6 +39,48 @@ float* scratch(std::vector<float>& buf, int64_t n) {
   return buf.data();
 }
 
+// max |x| of each row of x [M, K] (16 partial maxima per row, so the loop vectorizes).
+const float* row_absmax(const torch::Tensor& x, std::vector<float>& buf) {
+  const int64_t M = x.size(0), K = x.size(1);
+  float* out = scratch(buf, M);
+  const float* p = x.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, kMinSplitInputs / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* r = p + m * K;
+      float lane[16] = {};
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16)
+        for (int i = 0; i < 16; ++i) lane[i] = std::max(lane[i], std::fabs(r[k + i]));
+      for (; k < K; ++k) lane[0] = std::max(lane[0], std::fabs(r[k]));
+      float top = 0.0f;
+      for (int i = 0; i < 16; ++i) top = std::max(top, lane[i]);
+      out[m] = top;
+    }
+  });
+  return out;
+}
+
+// x [M, K] rounded to int8 per row (codes round(x * 127 / max|x|), times max|x| / 127): the
+// per-token activations of W4A8 where the integer GEMV does not run, as the split computes them.
+torch::Tensor round_per_row(const torch::Tensor& x, std::vector<float>& buf) {
+  const float* top = row_absmax(x, buf);
+  torch::Tensor out = torch::empty_like(x);
+  const int64_t M = x.size(0), K = x.size(1);
+  const float* p = x.data_ptr<float>();
+  float* q = out.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, kMinSplitInputs / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float scale = top[m] / 127.0f, inv = top[m] > 0.0f ? 127.0f / top[m] : 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        float v = __builtin_nearbyintf(p[m * K + k] * inv);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        q[m * K + k] = v * scale;
+      }
+    }
+  });
+  return out;
+}
+
 // GEMV activations: value i of a lane is read as u * 2^(bits * i), so activation k is scaled by
 // 2^-(bits * (k % VPL)) (the top value is shifted down instead); zero padding up to Kp.
 void prepare_gemv(lin::Job& j, std::vector<float>& xs_buf, std::vector<float>& sum_buf) {
@@ -152,7 +194,9 @@ struct Packed {
 // (matmul precision "medium"; AVX-512 with BF16 only); the GEMVs stay exact. levels: the int8
 // levels of the integer GEMV's activations, 3 (exact) or 1 (matmul precision "low": activations
 // rounded to int8 per block of at most 32 inputs, as llama.cpp's Q8_0; the integer GEMV then
-// runs at every row count, prefill included).
+// runs at every row count, prefill included) or 0 (the checkpoint's per-token int8 activations,
+// W4A8: one scale max|x| / 127 per row; the integer GEMV's single level where it runs, else the
+// activations rounded in place first and the exact path).
 torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::optional<torch::Tensor>& bias_in,
                      int64_t isa, int64_t path, const std::optional<torch::Tensor>& out_in, bool bf16, int64_t levels) {
   check(x_in.dim() >= 1 && x_in.size(-1) == w.k, "input features do not match the layer");
@@ -168,7 +212,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
   const int64_t M = x.size(0), K = w.k, tiles = (n + 15) / 16, Kp = (K + vpl - 1) / vpl * vpl;
   const int64_t groups = w.scale.size(1);
   check(llmopt_isa::resolve(isa, true), "this CPU lacks the requested instruction set");
-  check(levels == 1 || levels == 3, "levels must be 1 or 3");
+  check(levels == 0 || levels == 1 || levels == 3, "levels must be 0, 1 or 3");
 
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = n;
@@ -183,6 +227,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
   auto result = [&] { return is_float ? out.view(shape) : out.view(shape).to(x_in.scalar_type()); };
   if (M == 0 || n == 0) return result();
   lin::Job j{};
+  torch::Tensor rounded;  // per-token int8 activations where the integer GEMV does not run (levels 0)
   j.format = static_cast<int>(format);
   j.M = M, j.N = n, j.K = K, j.Kp = Kp, j.groups = groups, j.gs = groups == 1 ? Kp : group_size;
   j.data = reinterpret_cast<const uint32_t*>(w.data.data_ptr<int32_t>());
@@ -196,7 +241,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
   if (w.offset) j.offset = w.offset->data_ptr<float>();
   if (bias) j.bias = bias->data_ptr<float>();
 
-  thread_local std::vector<float> xs_buf, sum_buf, scale_buf;
+  thread_local std::vector<float> xs_buf, sum_buf, scale_buf, row_buf;
   thread_local std::vector<int8_t> q_buf;
   thread_local std::vector<uint32_t> pair_buf;
   bool gemv = false, igemv = false, bf16_panel = false;
@@ -215,6 +260,9 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
   if (format == lin::kW8A8) {
     j.wsum = w.wsum->data_ptr<int32_t>();
     prepare_w8a8(j, q_buf, scale_buf);
+  } else if (isa == kScalar && levels == 0) {
+    rounded = round_per_row(x, row_buf);
+    j.x = rounded.data_ptr<float>();
   } else if (isa != kScalar) {
     const bool fits = j.gs % vpl == 0;
     check((path != kGemv && path != kFloatGemv) || fits, "the GEMV paths need groups of whole lanes");
@@ -222,11 +270,13 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
     // maddubs would saturate).
     const bool int_ok = format == lin::kInt4 || ((format == lin::kInt8 || format == lin::kNl4) && isa == kAvx512);
     const int64_t int_rows = isa == kAvx512 ? kIntGemvRowsAvx512 : kIntGemvRowsAvx2;
-    igemv = fits && int_ok && (path == kGemv || (path == kAuto && (M <= int_rows || levels == 1)));
+    igemv = fits && int_ok && (path == kGemv || (path == kAuto && (M <= int_rows || levels <= 1)));
     gemv = igemv || path == kGemv || path == kFloatGemv || (path == kAuto && fits && M <= kGemvRows);
     if (igemv) {
+      if (levels == 0) j.xrow = row_absmax(x, row_buf);  // one level, scaled per row
+      levels = std::max<int64_t>(levels, 1);
       j.levels = static_cast<int>(levels);
-      j.xblock = activation_block(j.gs, vpl, levels == 1 ? 32 : 256);
+      j.xblock = activation_block(j.gs, vpl, levels == 1 && !j.xrow ? 32 : 256);
       const int64_t blocks = Kp / j.xblock;
       if (static_cast<int64_t>(q_buf.size()) < levels * M * Kp) q_buf.resize(levels * M * Kp);
       float* levels = scratch(xs_buf, M * blocks * 3);
@@ -239,6 +289,10 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& w, const std::opti
       });
 #endif
       j.xq = q_buf.data(), j.xls = levels, j.xbsum = sums;
+    } else if (levels == 0) {
+      rounded = round_per_row(x, row_buf);  // per-token int8 values, then the exact paths
+      j.x = rounded.data_ptr<float>();
+      if (gemv) prepare_gemv(j, xs_buf, sum_buf);
     } else if (gemv) {
       prepare_gemv(j, xs_buf, sum_buf);
     } else if (bf16) {
