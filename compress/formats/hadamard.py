@@ -49,10 +49,10 @@ def hadamard_matrix(block: int, dtype: torch.dtype = torch.float64) -> torch.Ten
 
 def transform_inputs(x: torch.Tensor, block: int) -> torch.Tensor:
     """``x V`` with ``V`` block-diagonal Sylvester blocks of order ``block`` over ``x``'s last axis
-    (the reference: one matrix product in float32 or wider)."""
-    dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-    h = hadamard_matrix(block, dtype).to(x.device)
-    return (x.to(dtype).unflatten(-1, (-1, block)) @ h).flatten(-2).to(x.dtype)
+    (the reference: one matrix product in float64, so the result is ``x V`` rounded once to
+    ``x``'s dtype and activation quantization after it rounds as an exact transform would)."""
+    h = hadamard_matrix(block, torch.float64).to(x.device)
+    return (x.double().unflatten(-1, (-1, block)) @ h).flatten(-2).to(x.dtype)
 
 
 def fuse_into_weight(weight: torch.Tensor, block: int) -> torch.Tensor:
