@@ -302,8 +302,10 @@ def independent_reference(source: Path, ckpt: Path):
     from llmopt.formats.compressed import nf4_dequantized_state, read_compressed
     from llmopt.formats.schemes import fake_quantize_activations
 
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    qconfig = json.loads((ckpt / "config.json").read_text()).get("quantization_config", {})
+    stored = json.loads((ckpt / "config.json").read_text())
+    tie = {"tie_word_embeddings": False} if stored.get("tie_word_embeddings") is False else {}  # a rotation unties the head
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **tie).eval()
+    qconfig = stored.get("quantization_config", {})
     floats = {k: v.float() for k, v in read_tensors(ckpt).items()}
     if qconfig.get("quant_method") == "bitsandbytes":
         _put(model, {k: v.float() for k, v in nf4_dequantized_state(ckpt).items()})

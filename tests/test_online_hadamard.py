@@ -256,3 +256,16 @@ def test_weight_only_with_online_hadamard_on_and_activations_with_it_off(tmp_pat
         for prompt, got in zip(prompts, llm.generate(prompts, greedy(8))):
             ref, scores = reference(loaded, prompt, 8)
             assert_greedy_match(got.token_ids, ref, scores, f"{scheme} {online}")
+
+
+def test_moe_models_get_no_online_hadamard(tmp_path):
+    """Mixtral's MLPs are experts (no dense down_proj): the rotation is fused, no online transform
+    is added, and the output is an ordinary W8A8 checkpoint."""
+    from test_export_gguf_archs import build
+
+    src, _ = build("mixtral", tmp_path / "src")
+    out = tmp_path / "q"
+    result = CliRunner().invoke(main, ["quantize", str(src), "--scheme", "W8A8", "--rotate", "hadamard", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "transform_config" not in json.loads((out / "config.json").read_text())["quantization_config"]
+    assert json.loads((out / "llmopt.json").read_text())["rotation"]["online"].startswith("none: the model has no dense MLP")

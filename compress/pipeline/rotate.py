@@ -46,6 +46,9 @@ def rotate_checkpoint(source: Path, output: Path, kind: str, seed: int = 0, onli
         keys = list(ckpt.keys())
         if "model.norm.weight" not in keys or "model.embed_tokens.weight" not in keys:
             raise LlmoptError(f"{source} has no model.norm / model.embed_tokens weights", "rotate a Llama-style checkpoint")
+        if rotation.online is not None and not any(rotation.online.applies_to(k.removesuffix(".weight")) for k in keys):
+            rotation.online = None  # MoE layers: the experts' down projections are not transformed
+            rotation.record["online"] = "none: the model has no dense MLP down_proj (experts are not transformed)"
         embed, final_norm = ckpt.get("model.embed_tokens.weight"), ckpt.get("model.norm.weight")
         writer.add("model.embed_tokens.weight", rotation.embedding(embed))
         head = ckpt.get("lm_head.weight") if "lm_head.weight" in keys and not tied else embed
