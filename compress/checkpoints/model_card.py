@@ -75,7 +75,8 @@ def consumers(config: dict) -> dict[str, str]:
            for a in g.get("apply") or []):  # R4: its consumers must transform those inputs at run time
         out["transformers"] = ("loads but ignores the online Hadamard in transform_config (transformers 5.25, measured): "
                                "wrong outputs; use `llmopt.load_model`, or `llmopt export --format hf` for a dense copy")
-        out["vLLM"] = "needs compressed-tensors' online transforms (transform_config); not measured by llmopt"
+        out["vLLM"] = ("its CPU build (0.32) cannot: no hadacore_transform op (measured); its GPU builds run "
+                       "compressed-tensors' online Hadamards (not measured by llmopt)")
         out["llama.cpp"] = "no: GGUF cannot carry the online Hadamard; `llmopt export --format hf` writes a dense copy"
         out["llmopt"] = "loads (`llmopt eval`, `llmopt serve`: the Hadamard runs as a fast Walsh–Hadamard transform)"
     return out
