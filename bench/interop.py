@@ -311,7 +311,7 @@ def independent_reference(source: Path, ckpt: Path):
         _put(model, {k: v.float() for k, v in nf4_dequantized_state(ckpt).items()})
         return model
     weights, _ = read_compressed(ckpt)
-    state = {k: v for k, v in floats.items() if k.rpartition(".")[0] not in weights}
+    state = {k: v for k, v in floats.items() if k.rpartition(".")[0] not in weights or k.endswith(".bias")}  # biases as stored
     for name, qw in weights.items():
         state[f"{name}.weight"] = qw.dequantize(torch.float32)
     _put(model, state)
