@@ -20,6 +20,10 @@ REFUSALS = (
     ("scheme", lambda v: str(v).upper() == NF4, "NF4 is written by bitsandbytes from a float checkpoint",
      f"choose W4A16 (or load the model with transformers' BitsAndBytesConfig), or {PASS_A_PATH}"),
     ("tune_steps", bool, "scale tuning (tune_steps) rewrites a quantized checkpoint on disk", PASS_A_PATH),
+    ("rotate", lambda v: v not in (None, "none"), "rotate rewrites the float checkpoint on disk (norms folded, head untied)",
+     PASS_A_PATH),
+    ("online_hadamard", lambda v: v not in (None, "auto"), "online_hadamard goes with rotate, which needs a checkpoint on disk",
+     PASS_A_PATH),
     ("eval", bool, "eval compares checkpoints on disk",
      "llmopt.save(model, path, tokenizer=tokenizer), then llmopt.evaluate(path, baseline=...)"),
 )
