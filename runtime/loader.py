@@ -116,12 +116,11 @@ def _quantized(path: Path, config: dict) -> tuple[dict, dict[str, torch.Tensor],
     raise LlmoptError(f"the runtime cannot read '{method}' checkpoints", "use a dense or compressed-tensors checkpoint (llmopt quantize writes those)")
 
 
-def _online_transforms(path: Path) -> list:
-    """The online input transforms the checkpoint's ``transform_config`` asks for (refused in one
-    line when the runtime cannot run them)."""
+def _online_transforms(path: Path, config: dict) -> list:
+    """The online input transforms the checkpoint's ``transform_config`` (in its ``config``) asks
+    for (refused in one line when the runtime cannot run them)."""
     from llmopt.formats.hadamard import online_inputs
 
-    config = json.loads((path / "config.json").read_text())
     try:
         return online_inputs(config.get("quantization_config"))
     except ValueError as exc:
@@ -132,10 +131,11 @@ class Reader:
     """The tensors of one checkpoint, handed out on ``device`` in ``dtype``: norms and other
     plain tensors (``tensor``) and linears (``linear``: quantized ones stay quantized)."""
 
-    def __init__(self, path: Path, quantized: dict, dense: dict[str, torch.Tensor], dtype: torch.dtype, backend: Backend) -> None:
+    def __init__(self, path: Path, quantized: dict, dense: dict[str, torch.Tensor], dtype: torch.dtype, backend: Backend,
+                 config: dict) -> None:
         self.path, self.quantized, self.dense, self.dtype = path, quantized, dense, dtype
         self.backend, self.device = backend, backend.device
-        self.online = _online_transforms(path)
+        self.online = _online_transforms(path, config)
 
     def has(self, module: str) -> bool:
         """Whether ``module`` is a linear (quantized, or with a ``weight``) of the checkpoint."""
@@ -206,7 +206,7 @@ def load_weights(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backe
     config = json.loads((path / "config.json").read_text())
     quantized, dense, description = _quantized(path, config)
     device = backend.device
-    r = Reader(path, quantized, dense, dtype, backend)
+    r = Reader(path, quantized, dense, dtype, backend, config)
     tensor, quant = r.tensor, r.quant
     layers = [layer(r, arch, i) for i in range(arch.num_layers)]
     embed_q = _on_device(quantized.get(EMBED_MODULE), device)

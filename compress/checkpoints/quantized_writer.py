@@ -65,7 +65,7 @@ class QuantizedCheckpointWriter:
         pruned = record.get("source_sparsity")
         if pruned:  # the source was pruned to an N:M pattern that quantization keeps (zeros stay code 0)
             qconfig["sparsity_config"] = sparsity_config(pruned["pattern"], pruned["overall"], qconfig["ignore"])
-        online = OnlineHadamard.from_record((record.get("rotation") or {}).get("online"))
+        online = OnlineHadamard.of_provenance(record)
         if online is not None:  # an online Hadamard fused into the down projections: consumers apply it
             qconfig["transform_config"] = online.transform_config()
         write_side_files(self.stream.model, tokenizer, self.out_dir, qconfig, record)

@@ -73,6 +73,11 @@ class OnlineHadamard:
         """The transform a provenance record's ``rotation.online`` holds (None when it holds none)."""
         return cls(tuple(record["targets"]), int(record["block"])) if isinstance(record, dict) else None
 
+    @classmethod
+    def of_provenance(cls, record: dict) -> OnlineHadamard | None:
+        """The transform a checkpoint's provenance (``llmopt.json``) says its rotation added."""
+        return cls.from_record((record.get("rotation") or {}).get("online"))
+
     def record(self) -> dict:
         return {"transform": "hadamard", "location": "input", "block": self.block, "targets": list(self.targets)}
 

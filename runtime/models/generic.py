@@ -205,7 +205,7 @@ def load_model(path: Path, arch: ModelArch, dtype: torch.dtype, backend: Backend
     cfg = arch.hf_config
     config = json.loads((path / "config.json").read_text())
     quantized, dense, description = _quantized(path, config)
-    r = Reader(path, quantized, dense, dtype, backend)
+    r = Reader(path, quantized, dense, dtype, backend, config)
     with no_init_weights(), torch.device(backend.device):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=ATTN_NAME)
     unfuse_experts(hf)  # fused 3-D experts (transformers v5) become one Linear per expert projection, as checkpoints store them

@@ -497,7 +497,7 @@ def quantize_checkpoint(source: Path, output: Path, request: QuantizeRequest, ca
     check_fits(estimate, (resolve_device(request.device) or torch.device("cpu")).type)
     stream = StreamedModel(source)
     stream.announce = announce
-    online = OnlineHadamard.from_record((record.get("rotation") or {}).get("online"))
+    online = OnlineHadamard.of_provenance(record)
     if online is not None:  # the rotated source's down projections read Hadamard-transformed inputs
         add_input_hooks(stream.model, [online])
     try:
