@@ -1,11 +1,14 @@
-"""KV cache dtype (float / fp8 / int8): accuracy cost and decode speed on the demo model, in one run.
+"""KV cache dtype (float / fp8 / int8 / int4): accuracy cost and decode speed on the demo model, in one run.
 
-Accuracy: WikiText-2 test text, ``--windows`` windows of ``--window`` tokens. Each window runs
+Accuracy: WikiText-2 test text and the held-out Gutenberg novel (never used for calibration),
+``--windows`` windows of ``--window`` tokens each. Each window runs
 through the engine's forward teacher-forced: the first ``window - decode`` tokens in chunks of
 ``--chunk`` (so later chunks read earlier ones from the cache), the last ``--decode`` tokens one
 decode step each (the decode attention kernel reading the cache). Every next-token distribution
-with an fp8 / int8 cache is compared with the float cache's: KL divergence (nats, mean over
-positions), top-1 agreement, and each cache's perplexity.
+with an fp8 / int8 / int4 cache is compared with the float cache's: KL divergence (nats, mean
+over positions), top-1 agreement, and each cache's perplexity. int4 is measured as the engine
+runs it (Hadamard-rotated, calibrated key offsets) and in two ablations: rotated without key
+offsets, and neither rotated nor offset (plain per-token asymmetric int4).
 
 Speed: decode tokens/s single stream (``--tg`` tokens after a ``--pp``-token prompt, mean time
 per output token after the first) and for a batch of ``--batch`` streams (``--batch-pp``-token
@@ -39,8 +42,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-KINDS = ["auto", "fp8", "int8"]
-LABEL = {"auto": "float32 (auto)", "fp8": "fp8 e4m3", "int8": "int8"}
+KINDS = ["auto", "fp8", "int8", "int4"]
+# int4 ablations: the engine's int4 with parts switched off (accuracy only)
+ABLATIONS = {"int4 no offsets": ("int4", False, True), "int4 plain": ("int4", False, False)}
+VARIANTS = KINDS + list(ABLATIONS)
+TEXTS = {"wikitext2": "WikiText-2", "heldout": "held-out Gutenberg"}
+TEXT_START = {"wikitext2": 0, "heldout": 2048}  # tokens skipped: the novel's front matter
+LABEL = {"auto": "float32 (auto)", "fp8": "fp8 e4m3", "int8": "int8", "int4": "int4 (rotated, key offsets)",
+         "int4 no offsets": "int4 rotated, no key offsets", "int4 plain": "int4 plain (no rotation, no offsets)"}
 
 
 def log(message: str) -> None:
@@ -83,16 +92,27 @@ def forced_logits(engine, ids: list[int], chunk: int, decode: int) -> torch.Tens
     return torch.cat(out)
 
 
+def variant_engine(variant: str):
+    """The engine of a KV dtype, or of an int4 ablation (offsets and/or rotation removed)."""
+    kind, offsets, rotation = ABLATIONS.get(variant, (variant, True, True))
+    engine = engine_for(kind, cpp=True, max_num_seqs=1)
+    if not offsets:
+        engine.cache.k_offset = [None] * len(engine.cache.k_offset)
+    if not rotation:
+        engine.cache.rotation = None
+    return engine
+
+
 def accuracy(windows: list[list[int]], chunk: int, decode: int) -> dict:
     logits = {}
-    for kind in KINDS:
-        engine = engine_for(kind, cpp=True, max_num_seqs=1)
+    for kind in VARIANTS:
+        engine = variant_engine(kind)
         logits[kind] = [forced_logits(engine, w, chunk, decode) for w in windows]
         log(f"accuracy: {kind} done")
     result = {}
     base = [x.log_softmax(-1) for x in logits["auto"]]
     targets = [torch.tensor(w[1:]) for w in windows]
-    for kind in KINDS:
+    for kind in VARIANTS:
         logp = [x.log_softmax(-1) for x in logits[kind]]
         nll = torch.cat([-lp[:-1].gather(1, t[:, None])[:, 0] for lp, t in zip(logp, targets)])
         entry = {"perplexity": float(nll.mean().exp())}
@@ -207,11 +227,11 @@ def kernel_times(contexts: list[tuple[int, int]]) -> dict:
         rows = ref.block_rows(tables, kv_heads, num_blocks)
         for kind in KINDS:
             storage = kv_quant.storage_dtype(kind, torch.float32)
-            k = torch.empty(kv_heads, num_blocks * bs, dim, dtype=storage)
+            k = torch.empty(kv_heads, num_blocks * bs, dim // kv_quant.values_per_element(kind), dtype=storage)
             v = torch.empty_like(k)
             ks = vs = None
             if kv_quant.is_quantized(kind):
-                ks, vs = torch.empty(kv_heads, num_blocks * bs), torch.empty(kv_heads, num_blocks * bs)
+                ks, vs = (torch.empty(kv_heads, num_blocks * bs, *kv_quant.scale_shape(kind)) for _ in range(2))
             slots = torch.arange(num_blocks * bs)
             ref.write_kv(k, v, torch.randn(len(slots), kv_heads, dim), torch.randn(len(slots), kv_heads, dim), slots, ks, vs)
             spaces = ref.Workspace(storage), ref.Workspace(storage)
@@ -232,20 +252,24 @@ def markdown(report: dict) -> str:
          f"torch {report['torch']}, AVX2 path: {report['avx2']}; the machine was shared with other jobs, so absolute "
          "speeds are noisy — compare rows of this run."),
         "",
-        (f"## Accuracy vs the float cache ({cfg['windows']} WikiText-2 windows × {cfg['window']} tokens; chunks of "
-         f"{cfg['chunk']}, last {cfg['decode']} tokens as decode steps)"),
-        "",
-        "| KV cache | bytes/token (all layers) | perplexity | mean KLD (nats) | KLD p99 | KLD max | mean KLD, decode positions | top-1 agreement |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for kind in KINDS:
-        e = a[kind]
-        mem = f"{s['kv_bytes_per_token'][kind]:,}"
-        if kind == "auto":
-            lines.append(f"| {LABEL[kind]} | {mem} | {e['perplexity']:.3f} | — | — | — | — | — |")
-        else:
-            lines.append(f"| {LABEL[kind]} | {mem} | {e['perplexity']:.3f} | {e['kld_mean']:.5f} | {e['kld_p99']:.4f} | "
-                         f"{e['kld_max']:.4f} | {e['kld_mean_decode_positions']:.5f} | {100 * e['top1_agreement']:.2f}% |")
+    for text, name in TEXTS.items():
+        lines += [
+            (f"## Accuracy vs the float cache: {name} ({cfg['windows']} windows × {cfg['window']} tokens; chunks of "
+             f"{cfg['chunk']}, last {cfg['decode']} tokens as decode steps)"),
+            "",
+            "| KV cache | bytes/token (all layers) | perplexity | mean KLD (nats) | KLD p99 | KLD max | mean KLD, decode positions | top-1 agreement |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for kind in VARIANTS:
+            e = a[text][kind]
+            mem = f"{s['kv_bytes_per_token'][ABLATIONS.get(kind, (kind,))[0]]:,}"
+            if kind == "auto":
+                lines.append(f"| {LABEL[kind]} | {mem} | {e['perplexity']:.3f} | — | — | — | — | — |")
+            else:
+                lines.append(f"| {LABEL[kind]} | {mem} | {e['perplexity']:.3f} | {e['kld_mean']:.5f} | {e['kld_p99']:.4f} | "
+                             f"{e['kld_max']:.4f} | {e['kld_mean_decode_positions']:.5f} | {100 * e['top1_agreement']:.2f}% |")
+        lines.append("")
     lines += [
         "",
         f"## Decode speed (best of {cfg['repetitions']}, round-robin)",
@@ -265,7 +289,7 @@ def markdown(report: dict) -> str:
     base = s["auto cpp"]
     lines += ["", "Ratios to the float cache with the C++ kernel: " + "; ".join(
         f"{LABEL[k]} {s[f'{k} cpp']['single_tg_tok_s'] / base['single_tg_tok_s']:.2f}× single, "
-        f"{s[f'{k} cpp']['batch_decode_tok_s'] / base['batch_decode_tok_s']:.2f}× batch" for k in ("fp8", "int8")) + ".",
+        f"{s[f'{k} cpp']['batch_decode_tok_s'] / base['batch_decode_tok_s']:.2f}× batch" for k in KINDS[1:]) + ".",
         "C++ vs plain-torch attention: " + "; ".join(
         f"{LABEL[k]} {s[f'{k} cpp']['single_tg_tok_s'] / s[f'{k} reference']['single_tg_tok_s']:.2f}× single, "
         f"{s[f'{k} cpp']['batch_decode_tok_s'] / s[f'{k} reference']['batch_decode_tok_s']:.2f}× batch" for k in KINDS) + ".", ""]
@@ -302,8 +326,10 @@ def main() -> None:
     if not cpu_attention.available():
         raise SystemExit("the C++ attention kernel is not available here; nothing to compare")
     tokenizer = engine_for("auto", cpp=True, max_num_seqs=1).tokenizer
-    ids = torch.cat(tokenize_documents(tokenizer, load_text("wikitext2"))).tolist()
-    windows = [ids[i * args.window:(i + 1) * args.window] for i in range(args.windows)]
+    texts = {name: torch.cat(tokenize_documents(tokenizer, load_text(name))).tolist() for name in TEXTS}
+    ids = texts["wikitext2"]
+    windows = {name: [t[TEXT_START[name] + i * args.window:TEXT_START[name] + (i + 1) * args.window] for i in range(args.windows)]
+               for name, t in texts.items()}
     log(f"{len(ids)} WikiText-2 tokens; timing the attention kernel")
     report = {
         "model": "demo", "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
@@ -312,7 +338,7 @@ def main() -> None:
     }
     report["kernel"] = kernel_times([(1, args.pp), (args.batch, args.pp)])
     log("measuring accuracy")
-    report["accuracy"] = accuracy(windows, args.chunk, args.decode)
+    report["accuracy"] = {name: accuracy(w, args.chunk, args.decode) for name, w in windows.items()}
     log("measuring speed")
     report["speed"] = speed(ids[args.windows * args.window:], args)
     report["seconds"] = time.perf_counter() - start

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
+from llmopt.formats.hadamard import block_for, hadamard_matrix
 
 from .config import ModelArch
 from .kernels import kv_quant
-from .kernels.reference import Workspace
+from .kernels.reference import Workspace, write_kv
 
 
 class KVCache:
@@ -14,18 +15,31 @@ class KVCache:
 
     ``kv_cache_dtype`` ``auto`` stores values in the model's dtype; ``int8`` / ``fp8`` store
     codes (one byte each) with float32 scales ``[kv_heads, num_blocks * block_size]`` per layer
-    (one per token and KV head, see ``kernels.kv_quant``). Allocated once with ``torch.empty``:
-    the operating system backs pages only as blocks are first written, so resident memory
-    follows the blocks actually used.
+    (one per token and KV head, see ``kernels.kv_quant``); ``int4`` packs two codes per byte
+    (last dimension ``head_dim / 2``) with a (scale, minimum) pair per token and KV head.
+
+    An int4 cache holds K and V in a rotated basis: ``rotation`` (a block-diagonal Hadamard
+    matrix over ``head_dim``, orthogonal and symmetric) multiplies queries, keys and values
+    after RoPE (:meth:`rotate`), which leaves every score unchanged, and the attention output
+    is rotated back (:meth:`unrotate_output`). Keys are stored less a per-layer, per-head
+    offset (``k_offset``, the mean rotated key of a calibration text, set by the engine): a
+    constant shift of every key adds the same amount to all of a query's scores, which the
+    softmax ignores, and centring the keys halves their int4 error.
+
+    Allocated once with ``torch.empty``: the operating system backs pages only as blocks are
+    first written, so resident memory follows the blocks actually used.
     """
 
     def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
                  device: torch.device | str = "cpu") -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.head_dim = arch.head_dim
         self.kv_cache_dtype = kv_cache_dtype
         storage = kv_quant.storage_dtype(kv_cache_dtype, dtype)
-        shape = (arch.num_layers, 2, arch.num_kv_heads, num_blocks * block_size, arch.head_dim)
+        slots = num_blocks * block_size
+        stored_dim = arch.head_dim // kv_quant.values_per_element(kv_cache_dtype)
+        shape = (arch.num_layers, 2, arch.num_kv_heads, slots, stored_dim)
         self.data = torch.empty(shape, dtype=storage, device=device)
         self.k = [self.data[i, 0] for i in range(arch.num_layers)]
         self.v = [self.data[i, 1] for i in range(arch.num_layers)]
@@ -33,18 +47,28 @@ class KVCache:
         self.k_scale: list[torch.Tensor | None] = [None] * arch.num_layers
         self.v_scale: list[torch.Tensor | None] = [None] * arch.num_layers
         if kv_quant.is_quantized(kv_cache_dtype):
-            self.scales = torch.empty(shape[:-1], dtype=kv_quant.SCALE_DTYPE, device=device)
+            self.scales = torch.empty(shape[:-1] + kv_quant.scale_shape(kv_cache_dtype), dtype=kv_quant.SCALE_DTYPE, device=device)
             self.k_scale = [self.scales[i, 0] for i in range(arch.num_layers)]
             self.v_scale = [self.scales[i, 1] for i in range(arch.num_layers)]
         self.k_space = Workspace(storage, device)  # scratch for gathered context, reused by every layer
         self.v_space = Workspace(storage, device)
+        self.rotation: torch.Tensor | None = None
+        self.k_offset: list[torch.Tensor | None] = [None] * arch.num_layers
+        self._key_sums: list[list] | None = None  # [sum, count] per layer while calibrating
+        block = block_for(arch.head_dim) if kv_cache_dtype == "int4" else None
+        if block is not None:
+            h = hadamard_matrix(block, torch.float64)
+            self.rotation = torch.block_diag(*[h] * (arch.head_dim // block)).to(dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
         element = torch.empty((), dtype=kv_quant.storage_dtype(kv_cache_dtype, dtype)).element_size()
-        per_token_head = arch.head_dim * element
+        per_token_head = arch.head_dim // kv_quant.values_per_element(kv_cache_dtype) * element
         if kv_quant.is_quantized(kv_cache_dtype):
-            per_token_head += torch.empty((), dtype=kv_quant.SCALE_DTYPE).element_size()
+            scales = 1
+            for n in kv_quant.scale_shape(kv_cache_dtype):
+                scales *= n
+            per_token_head += scales * torch.empty((), dtype=kv_quant.SCALE_DTYPE).element_size()
         return arch.num_layers * 2 * arch.num_kv_heads * block_size * per_token_head
 
     @property
@@ -53,3 +77,36 @@ class KVCache:
         if self.scales is not None:
             total += self.scales.numel() * self.scales.element_size()
         return total
+
+    # -- the rotated basis of an int4 cache ------------------------------------------------------
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., head_dim]`` in the cache's basis (itself when the cache is not rotated)."""
+        return x if self.rotation is None else torch.matmul(x, self.rotation.to(x.dtype))
+
+    def unrotate_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[tokens, heads * head_dim]`` back from the cache's basis."""
+        if self.rotation is None:
+            return out
+        return self.rotate(out.view(out.shape[0], -1, self.head_dim)).view(out.shape)
+
+    def store(self, index: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write ``k``/``v`` ``[tokens, kv_heads, head_dim]`` (already in the cache's basis) of
+        layer ``index`` at ``slots``, keys less the layer's offset."""
+        if self._key_sums is not None:
+            total = self._key_sums[index]
+            total[0] = total[0] + k.double().sum(0)
+            total[1] += k.shape[0]
+        offset = self.k_offset[index]
+        if offset is not None:
+            k = k - offset.to(k.dtype)
+        write_kv(self.k[index], self.v[index], k, v, slots, self.k_scale[index], self.v_scale[index])
+
+    def begin_offset_calibration(self) -> None:
+        """Collect the mean key of each layer and KV head over the following writes."""
+        self.k_offset = [None] * len(self.k)
+        self._key_sums = [[0, 0] for _ in self.k]
+
+    def end_offset_calibration(self) -> None:
+        """Set ``k_offset`` to the collected means (layers that saw no key keep none)."""
+        sums, self._key_sums = self._key_sums, None
+        self.k_offset = [(s / n).to(torch.float32) if n else None for s, n in sums]

@@ -71,15 +71,15 @@ def random_cache(batch: int, kv_heads: int, dim: int, block_size: int, kind: str
         tables.append(order[at:at + c])
         at += c
     storage = kv_quant.storage_dtype(kind, dtype)
-    shape = (kv_heads, num_blocks * block_size, dim)
+    shape = (kv_heads, num_blocks * block_size, dim // kv_quant.values_per_element(kind))
     if storage.is_floating_point:
         k_cache, v_cache = torch.full(shape, float("nan"), dtype=storage), torch.full(shape, float("nan"), dtype=storage)
     else:  # 0x7f is a float8 NaN; int8 codes get NaN scales below
         k_cache, v_cache = torch.full(shape, 0x7F, dtype=storage), torch.full(shape, 0x7F, dtype=storage)
     k_scale = v_scale = None
     if kv_quant.is_quantized(kind):
-        k_scale = torch.full(shape[:2], float("nan"))
-        v_scale = torch.full(shape[:2], float("nan"))
+        k_scale = torch.full(shape[:2] + kv_quant.scale_shape(kind), float("nan"))
+        v_scale = torch.full(shape[:2] + kv_quant.scale_shape(kind), float("nan"))
     for table, n in zip(tables, lens):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
         k = (torch.randn(n, kv_heads, dim) * rng.uniform(0.5, 3)).to(dtype)
@@ -156,14 +156,14 @@ def test_half_precision_caches(dtype, portable):
 
 @pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
 @pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
 def test_quantized_kv_matches_dequantized_reference(threads, kind, dim, portable):
     for group in (1, 3, 4):
         got, want = run_case(random.randint(1, 9), group, dim, kind=kind, portable=portable)
         torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
 def test_quantized_kv_with_bfloat16_queries(kind):
     got, want = run_case(random.randint(1, 9), 3, 64, kind=kind, dtype=torch.bfloat16)
     torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-3)
@@ -189,6 +189,27 @@ def test_kv_quantization_error_is_bounded():
     assert ((back - x).abs() <= x.abs() * 2 ** -4 + 1e-7)[normal].all()
     assert ((back - x).abs() <= amax / 448 * 2 ** -9 + 1e-7)[~normal].all()
     torch.testing.assert_close(back.abs().amax(-1, keepdim=True), amax, rtol=1e-6, atol=0)  # 448 * scale: exact
+
+
+def test_int4_kv_codes_round_trip():
+    """Packed int4: codes 0..15 two per byte (even element low), (scale, minimum) pairs; each
+    value within half a step of the input, each row's minimum and maximum kept exactly."""
+    x = torch.randn(40, 3, 64) * torch.rand(40, 3, 1) * 10 + torch.randn(40, 3, 1)
+    x[0, 0] = 2.5  # a constant row: zero range
+    codes, pairs = kv_quant.quantize(x, "int4")
+    assert codes.shape == (40, 3, 32) and codes.dtype == torch.uint8 and pairs.shape == (40, 3, 2)
+    scale, low = pairs[..., 0], pairs[..., 1]
+    torch.testing.assert_close(low, x.amin(-1))
+    torch.testing.assert_close(scale, ((x.amax(-1) - x.amin(-1)) / 15).clamp_min(torch.finfo(torch.float32).tiny))
+    unpacked = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)
+    torch.testing.assert_close(unpacked.float(), ((x - low[..., None]) / scale[..., None]).round().clamp(0, 15))
+    back = kv_quant.dequantize(codes, pairs, torch.float32)
+    assert back.shape == x.shape
+    assert ((back - x).abs() <= scale[..., None] / 2 * (1 + 1e-5) + 1e-6).all()
+    torch.testing.assert_close(back.amax(-1), x.amax(-1), rtol=1e-5, atol=1e-5)
+    assert (back[0, 0] == 2.5).all()
+    with pytest.raises(LlmoptError, match="odd"):
+        kv_quant.quantize(torch.randn(2, 1, 7), "int4")
 
 
 def test_bad_inputs_are_errors():

@@ -163,12 +163,12 @@ def paged_case(lens: list[int], heads: int, kv_heads: int, dim: int, block_size:
     K/V in shuffled blocks, plus the reference's inputs (rows, width, mask) as the model runner
     builds them. Returns ``q, k_cache, v_cache, k_scale, v_scale, rows, width, mask``."""
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    shape = (kv_heads, num_blocks * block_size, dim)
+    shape = (kv_heads, num_blocks * block_size, dim // kv_quant.values_per_element(kv))
     k_scale = v_scale = None
     if kv_quant.is_quantized(kv):
         storage = kv_quant.storage_dtype(kv, dtype)
         k_cache, v_cache = (torch.randint(-128 if storage == torch.int8 else 0, 128, shape).to(storage) for _ in range(2))
-        k_scale, v_scale = (torch.full(shape[:2], float("nan")) for _ in range(2))
+        k_scale, v_scale = (torch.full(shape[:2] + kv_quant.scale_shape(kv), float("nan")) for _ in range(2))
     else:
         k_cache = torch.full(shape, float("nan"), dtype=dtype)
         v_cache = k_cache.clone()
@@ -226,7 +226,7 @@ def test_paged_decode_attention_matches_reference(case: int, dtype: torch.dtype)
     check_attention(case, dtype, "auto")
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("kv", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("case", [0, 1, 3])
 def test_paged_decode_attention_quantized_cache(case: int, kv: str) -> None:
     check_attention(case, torch.float16, kv)

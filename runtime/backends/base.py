@@ -162,15 +162,19 @@ class Backend:
     def rope_and_store(self, qkv: torch.Tensor, heads: int, qk_norm: torch.Tensor | None, eps: float, batch: ForwardBatch,
                        cache: KVCache, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[tokens, heads, head_dim]`` of the merged projection ``qkv`` with q and k
-        normalised per head (``qk_norm``, Qwen3) and rotated; k and v stored in layer ``index``."""
-        kv_heads, _, dim = cache.k[index].shape
+        normalised per head (``qk_norm``, Qwen3) and rotated; k and v stored in layer ``index``
+        (all three in the cache's basis, see ``KVCache.rotate``)."""
+        kv_heads, dim = cache.k[index].shape[0], cache.head_dim
         qkv = qkv.view(qkv.shape[0], heads + 2 * kv_heads, dim)
         qk = qkv[:, :heads + kv_heads]
         if qk_norm is not None:
             qk = F.rms_norm(qk, (dim,), None, eps) * qk_norm
         qk = apply_rotary(qk, batch.cos, batch.sin)
+        if cache.rotation is not None:
+            qkv = cache.rotate(torch.cat([qk, qkv[:, heads + kv_heads:]], dim=1))
+            qk = qkv[:, :heads + kv_heads]
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
-        reference.write_kv(cache.k[index], cache.v[index], k, v, batch.attn.slots, cache.k_scale[index], cache.v_scale[index])
+        cache.store(index, k, v, batch.attn.slots)
         return q, k, v
 
     # -- attention ------------------------------------------------------------------------------
@@ -180,6 +184,10 @@ class Backend:
         ``window``: each token sees only the last ``window`` positions (itself included);
         ``softcap``: scores become ``softcap * tanh(score / softcap)`` (Gemma 2). Either runs
         :meth:`masked_attention` (plain torch, every backend)."""
+        return cache.unrotate_output(self._attention(q, k, v, meta, cache, index, scale, window, softcap))
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
+                   index: int, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
         if window is not None or softcap is not None:
             return self.masked_attention(q, k, v, meta, cache, index, scale, window, softcap)
         outs = []

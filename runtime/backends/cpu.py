@@ -103,18 +103,18 @@ class CpuBackend(Backend):
         """In place on ``qkv``; a float cache is written in the same call."""
         if self.ops is None:
             return super().rope_and_store(qkv, heads, qk_norm, eps, batch, cache, index)
-        k_cache, v_cache, k_scale = cache.k[index], cache.v[index], cache.k_scale[index]
-        kv_heads, _, dim = k_cache.shape
+        k_cache, v_cache = cache.k[index], cache.v[index]
+        kv_heads, dim = k_cache.shape[0], cache.head_dim
         slots = batch.attn.slots
         fused_write = k_cache.dtype == torch.float32  # the fused step writes float32 caches
         if fused_write:
             self.ops.rope(qkv, batch.cos, batch.sin, heads, kv_heads, qk_norm, eps, k_cache, v_cache, slots)
         else:
             self.ops.rope(qkv, batch.cos, batch.sin, heads, kv_heads, qk_norm, eps, None, None, None)
-        qkv = qkv.view(qkv.shape[0], heads + 2 * kv_heads, dim)
+        qkv = cache.rotate(qkv.view(qkv.shape[0], heads + 2 * kv_heads, dim))
         q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
         if not fused_write:
-            reference.write_kv(k_cache, v_cache, k, v, slots, k_scale, cache.v_scale[index])
+            cache.store(index, k, v, slots)
         return q, k, v
 
     def decode_attention(self, q: torch.Tensor, meta: AttentionMetadata, cache, index: int, scale: float) -> torch.Tensor:

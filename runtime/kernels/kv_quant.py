@@ -1,10 +1,17 @@
 """KV cache storage: the model's dtype, a 16-bit float (``float16`` / ``bfloat16``: rounded as
-written, widened as read), or int8 / float8 e4m3 codes with one float32 scale per token and KV head.
+written, widened as read), int8 / float8 e4m3 codes with one float32 scale per token and KV
+head, or int4 codes with a float32 scale and minimum per token and KV head.
 
-A token's head vector ``x`` (``head_dim`` values) is stored as ``codes = x / s`` with
-``s = max|x| / QMAX`` (127 for int8, rounded to nearest; 448 for e4m3, the largest finite
+int8 / fp8: a token's head vector ``x`` (``head_dim`` values) is stored as ``codes = x / s``
+with ``s = max|x| / QMAX`` (127 for int8, rounded to nearest; 448 for e4m3, the largest finite
 value). Float8 codes are kept as their raw bytes (``uint8``), because torch's CPU indexing ops
 do not take float8 tensors; ``dequantize`` reinterprets them.
+
+int4 (asymmetric): ``codes = round((x - min) / s)`` in 0..15 with ``s = (max - min) / 15``, two
+codes per byte (element ``2i`` in the low nibble of byte ``i``), so the cache's last dimension
+is ``head_dim / 2``; scales are ``[..., 2]`` pairs ``(s, min)``. The runtime stores int4 K/V in
+a Hadamard-rotated basis with a calibrated key offset removed (``runtime.kv_cache``): rotation
+spreads a head's outlier channels over all of them, which is what makes 4 bits hold.
 """
 
 from __future__ import annotations
@@ -12,11 +19,12 @@ from __future__ import annotations
 import torch
 from llmopt.core.errors import LlmoptError
 
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "int8")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "int8", "int4")
 FLOAT_STORAGE = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 QMAX = {"int8": 127.0, "fp8": 448.0}
-STORAGE = {"int8": torch.int8, "fp8": torch.uint8}
+STORAGE = {"int8": torch.int8, "fp8": torch.uint8, "int4": torch.uint8}
 SCALE_DTYPE = torch.float32
+INT4_LEVELS = 15
 
 
 def check_kv_cache_dtype(kind: str) -> None:
@@ -34,14 +42,30 @@ def storage_dtype(kind: str, model_dtype: torch.dtype) -> torch.dtype:
     return STORAGE.get(kind) or FLOAT_STORAGE.get(kind, model_dtype)
 
 
-def kind_of(cache: torch.Tensor) -> str:
-    """``int8`` / ``fp8`` for a quantized cache tensor, ``auto`` for a float one."""
+def values_per_element(kind: str) -> int:
+    """Head values per stored element: 2 for packed int4, 1 otherwise."""
+    return 2 if kind == "int4" else 1
+
+
+def scale_shape(kind: str) -> tuple[int, ...]:
+    """The trailing shape of one token-head's scales: ``(2,)`` (scale, minimum) for int4, ``()`` otherwise."""
+    return (2,) if kind == "int4" else ()
+
+
+def kind_of(cache: torch.Tensor, scales: torch.Tensor | None = None) -> str:
+    """``int8`` / ``fp8`` / ``int4`` for a quantized cache tensor (int4 by its ``[..., 2]``
+    scales), ``auto`` for a float one."""
+    if scales is not None and scales.dim() == cache.dim():
+        return "int4"
     return {torch.int8: "int8", torch.uint8: "fp8"}.get(cache.dtype, "auto")
 
 
 def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (``x``'s shape, storage dtype) and scales (``x.shape[:-1]``, float32) of ``x``."""
+    """Codes (``x``'s shape, or its last dimension halved for int4) and scales (``x.shape[:-1]``,
+    plus ``(2,)`` for int4; float32) of ``x``."""
     x = x.float()
+    if kind == "int4":
+        return _quantize_int4(x)
     scale = (x.abs().amax(dim=-1) / QMAX[kind]).clamp_min(torch.finfo(torch.float32).tiny)
     y = x / scale.unsqueeze(-1)
     if kind == "int8":
@@ -49,7 +73,21 @@ def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return y.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8), scale
 
 
+def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.shape[-1] % 2:
+        raise LlmoptError(f"an int4 KV cache packs two values per byte; head_dim {x.shape[-1]} is odd",
+                          "use kv_cache_dtype int8 for this model")
+    low, high = x.amin(dim=-1), x.amax(dim=-1)
+    scale = ((high - low) / INT4_LEVELS).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = ((x - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round_().clamp_(0, INT4_LEVELS).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, torch.stack([scale, low], dim=-1)
+
+
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``codes * scale`` in ``dtype``; ``scale`` has ``codes.shape[:-1]``."""
+    """Values in ``dtype`` of ``codes`` and their scales (see :func:`quantize`)."""
+    if scale.dim() == codes.dim():  # int4: (scale, minimum) pairs
+        values = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2).float()
+        return (values * scale[..., :1] + scale[..., 1:]).to(dtype)
     values = codes.view(torch.float8_e4m3fn).float() if codes.dtype == torch.uint8 else codes.float()
     return (values * scale.unsqueeze(-1)).to(dtype)

@@ -6,8 +6,9 @@ and one head, ``[kv_heads * num_blocks, block_size * head_dim]``, row ``h * num_
 holds head ``h`` of block ``b``: a gather of such rows (``gather_rows``) lays each head's keys
 out contiguously. Gathers write into reusable workspace buffers: a fresh multi-megabyte tensor
 per layer costs page faults that dwarf the copy itself. A quantized cache (int8 / float8 codes,
-see ``kv_quant``) has scales ``[kv_heads, num_blocks * block_size]`` beside it: ``write_kv``
-quantizes, and the attention functions dequantize the gathered rows.
+or packed int4 codes, see ``kv_quant``) has scales ``[kv_heads, num_blocks * block_size]``
+(int4: ``[..., 2]``) beside it: ``write_kv`` quantizes, and the attention functions dequantize
+the gathered rows.
 """
 
 from __future__ import annotations
@@ -95,11 +96,11 @@ def write_kv(
         k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
         return
-    kind = kv_quant.kind_of(k_cache)
+    kind = kv_quant.kind_of(k_cache, k_scale)
     for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
         codes, s = kv_quant.quantize(x, kind)
         cache.index_copy_(1, slots, codes.transpose(0, 1))
-        scales.index_copy_(1, slots, s.t())
+        scales.index_copy_(1, slots, s.transpose(0, 1))
 
 
 def gather_rows(cache: torch.Tensor, rows: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Tensor:
@@ -117,7 +118,7 @@ def gather_context(
     gathered = gather_rows(cache, rows, block_size, space.take(len(rows), block_size * dim))
     if scales is None:
         return gathered if gathered.dtype == dtype else gathered.to(dtype)
-    s = torch.index_select(scales.view(heads * slots // block_size, block_size), 0, rows)
+    s = torch.index_select(scales.view(heads * slots // block_size, block_size, *scales.shape[2:]), 0, rows)
     return kv_quant.dequantize(gathered.view(len(rows), block_size, dim), s, dtype).view(len(rows), -1)
 
 

@@ -7,8 +7,9 @@ sharing that KV head (grouped-query attention) form the rows of its ``tl.dot``, 
 softmax runs over chunks of ``BLOCK_T`` tokens, which may span several small blocks. Long
 contexts with few programs are split into partitions whose partial results (running max,
 normaliser, unnormalised output) a second kernel combines (flash-decoding). A quantized cache
-(int8 codes, or float8 e4m3 codes as bytes, with float32 scales ``[kv_heads, slots]``, see
-``kv_quant``) is dequantized as it is read, to ``q``'s dtype as the reference does.
+(int8 codes, or float8 e4m3 codes as bytes, with float32 scales ``[kv_heads, slots]``; or int4
+codes two per byte with (scale, minimum) pairs ``[kv_heads, slots, 2]``; see ``kv_quant``) is
+dequantized as it is read, to ``q``'s dtype as the reference does.
 Arguments follow :func:`.cpu_attention.paged_decode_attention` (the C++ kernel's); the engine
 reaches it through ``runtime.backends.triton``.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kv_quant
 from .triton_common import (
     dot_dtype_is_f32,
     multiprocessors,
@@ -31,14 +33,22 @@ if triton is not None:
 BLOCK_T = 64  # context tokens per softmax step
 MIN_PART_TOKENS = 256  # shortest context partition worth a program of its own
 
-KV_KINDS = {None: 0, torch.int8: 1, torch.uint8: 2}  # float cache / int8 codes / float8 codes as bytes
+KV_KINDS = {"auto": 0, "int8": 1, "fp8": 2, "int4": 3}  # float cache / int8 codes / float8 codes as bytes / int4 pairs
 
 if triton is not None:
 
     @triton.jit
     def _load_kv(base, scales, slot, offs_d, t_mask, d_mask, stride_t, KV_KIND: tl.constexpr):
         """``[tokens, head_dim]`` of one head at ``slot``: the cache's floats, or float32 values
-        of quantized codes times their per-token scales. Masked-out entries read zero."""
+        of quantized codes times their per-token scales (int4: codes times scale plus minimum).
+        Masked-out entries read zero."""
+        if KV_KIND == 3:  # element d is nibble d % 2 of byte d // 2
+            mask = t_mask[:, None] & d_mask[None, :]
+            byte = tl.load(base + slot[:, None] * stride_t + (offs_d // 2)[None, :], mask=mask, other=0)
+            codes = ((byte.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 15).to(tl.float32)
+            step = tl.load(scales + 2 * slot, mask=t_mask, other=0.0)
+            low = tl.load(scales + 2 * slot + 1, mask=t_mask, other=0.0)
+            return tl.where(mask, codes * step[:, None] + low[:, None], 0.0)
         x = tl.load(base + slot[:, None] * stride_t + offs_d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0)
         if KV_KIND != 0:
             if KV_KIND == 1:
@@ -164,7 +174,8 @@ def triton_paged_decode_attention(
     """Decode attention on the Triton kernel (arguments as the C++ kernel's).
 
     ``q`` ``[B, heads, head_dim]``; caches ``[kv_heads, slots, head_dim]``, float or int8 /
-    float8-byte codes with float32 ``k_scale``/``v_scale`` ``[kv_heads, slots]``;
+    float8-byte codes with float32 ``k_scale``/``v_scale`` ``[kv_heads, slots]`` (int4:
+    ``[kv_heads, slots, head_dim / 2]`` bytes with ``[kv_heads, slots, 2]`` pairs);
     ``block_tables`` ``[B, n]`` and ``context_lens`` ``[B]`` on ``q``'s device. ``max_context``
     bounds the lengths without reading them back (default ``n * block_size``); ``num_parts``
     fixes the context partitions (default: enough to fill the GPU). Returns (or writes ``out``)
@@ -177,14 +188,15 @@ def triton_paged_decode_attention(
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} KV heads evenly")
     quantized = k_cache.dtype in (torch.int8, torch.uint8)
+    kind = kv_quant.kind_of(k_cache, k_scale)
     if quantized and (k_scale is None or v_scale is None):
         raise ValueError("a quantized KV cache needs k_scale and v_scale")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' head dimension must be contiguous")
-    if quantized and (k_scale.stride(-1) != 1 or v_scale.stride() != k_scale.stride()):
-        raise ValueError("the KV scales must be [kv_heads, slots] with contiguous slots")
+    if quantized and (not k_scale.is_contiguous() or v_scale.stride() != k_scale.stride()):
+        raise ValueError("the KV scales must be contiguous [kv_heads, slots] ([kv_heads, slots, 2] for int4)")
     group = heads // kv_heads
     if out is None:
         out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
@@ -214,7 +226,7 @@ def triton_paged_decode_attention(
         scale * 1.4426950408889634, tokens_per_part, block_size, num_parts,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         scales[0].stride(0), block_tables.stride(0), out.stride(0),
-        GROUP=group, HEAD_DIM=dim, KV_KIND=KV_KINDS[k_cache.dtype if quantized else None], SPLIT=split,
+        GROUP=group, HEAD_DIM=dim, KV_KIND=KV_KINDS[kind], SPLIT=split,
         DOT_F32=dot_dtype_is_f32(q.dtype), BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_T=BLOCK_T,
         num_warps=4, num_stages=2,
     )

@@ -27,7 +27,6 @@ from torch import nn
 
 from ..backends import Backend, ForwardBatch
 from ..config import ModelArch
-from ..kernels.reference import write_kv
 from ..kv_cache import KVCache
 from ..layers import HALF_HEADS, DenseLinear, Linear, TransformedLinear, smaller_head
 from ..loader import Reader, _quantized
@@ -73,10 +72,10 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         step.seen.append((heads, key.shape[1], dim, tuple(unsupported)))
         return query.new_zeros(1, tokens, heads, dim), None
     cache, meta = step.cache, step.batch.attn
-    q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1).contiguous()
-    v = value[0].transpose(0, 1).contiguous()
-    write_kv(cache.k[index], cache.v[index], k, v, meta.slots, cache.k_scale[index], cache.v_scale[index])
+    q = cache.rotate(query[0].transpose(0, 1)).contiguous()
+    k = cache.rotate(key[0].transpose(0, 1)).contiguous()
+    v = cache.rotate(value[0].transpose(0, 1)).contiguous()
+    cache.store(index, k, v, meta.slots)
     scale = scaling if scaling is not None else dim ** -0.5
     window = step.windows.get(sliding_window) if sliding_window else None
     if window is None and softcap is None:

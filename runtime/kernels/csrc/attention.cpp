@@ -4,7 +4,9 @@
 // Cache layout per layer (see kernels/reference.py): [kv_heads, num_blocks * block_size, head_dim];
 // the block_size rows of block b for head h are contiguous. Caches hold float32 / bfloat16 /
 // float16 values, or quantized codes (int8, or float8 e4m3 bytes as uint8) with one float32 scale
-// per token and KV head ([kv_heads, num_blocks * block_size]).
+// per token and KV head ([kv_heads, num_blocks * block_size]), or int4 codes packed two per byte
+// (last dimension head_dim / 2, element 2i in the low nibble of byte i) with a float32 (scale,
+// minimum) pair per token and KV head ([kv_heads, num_blocks * block_size, 2]).
 //
 // Work items are (sequence, KV head, context split). An item reads each block of its KV head
 // once for all the query heads sharing it (grouped-query attention), converts it to float32,
@@ -19,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -78,6 +81,30 @@ inline float to_float(uint8_t x) { return fp8_table()[x]; }
 template <typename T>
 constexpr bool is_float32() { return std::is_same<T, float>::value; }
 
+// Two int4 codes in one byte (the int4 cache's element type).
+struct Int4Pair {
+  uint8_t bits;
+};
+
+// Head values per stored element and scales per token-head of a cache element type.
+template <typename T>
+constexpr int64_t values_per_element() { return std::is_same<T, Int4Pair>::value ? 2 : 1; }
+template <typename T>
+constexpr int64_t scales_per_token() { return std::is_same<T, Int4Pair>::value ? 2 : 1; }
+
+// n rows of dim int4 codes with their (scale, minimum) pairs -> float32 values.
+void int4_rows(const Int4Pair* src, const float* pairs, int64_t n, int64_t dim, float* out) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float scale = pairs[2 * t], low = pairs[2 * t + 1];
+    const Int4Pair* row = src + t * dim / 2;
+    float* o = out + t * dim;
+    for (int64_t i = 0; i < dim / 2; ++i) {
+      o[2 * i] = static_cast<float>(row[i].bits & 0xF) * scale + low;
+      o[2 * i + 1] = static_cast<float>(row[i].bits >> 4) * scale + low;
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // One block of one item: scores, online softmax update, V accumulation.
 // k, v: the block's n rows of dim values; ks, vs: their scales (nullptr for float caches).
@@ -125,6 +152,15 @@ void attend_block(const T* k, const T* v, const float* ks, const float* vs, int6
     for (int64_t t = 0; t < n; ++t)
       for (int64_t d = 0; d < D; ++d) acc[d] += p[t] * vf[t * D + d];
   }
+}
+
+// int4: both blocks dequantized to float32, then the float32 path.
+template <>
+void attend_block<Int4Pair>(const Int4Pair* k, const Int4Pair* v, const float* ks, const float* vs, int64_t n,
+                            const Shape& sh, State& st) {
+  int4_rows(k, ks, n, sh.dim, st.kf);
+  int4_rows(v, vs, n, sh.dim, st.vf);
+  attend_block<float>(st.kf, st.vf, nullptr, nullptr, n, sh, st);
 }
 
 }  // namespace portable
@@ -284,6 +320,32 @@ LLMOPT_AVX2 void attend_block(const T* k, const T* v, const float* ks, const flo
   }
 }
 
+// Eight int4 codes (four bytes) as float32 values 0..15.
+LLMOPT_AVX2 inline __m256 int4x8(const Int4Pair* p) {
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  const __m128i bytes = _mm_cvtsi32_si128(word);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
+}
+
+LLMOPT_AVX2 void int4_rows_avx2(const Int4Pair* src, const float* pairs, int64_t n, int64_t dim, float* out) {
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 scale = _mm256_set1_ps(pairs[2 * t]), low = _mm256_set1_ps(pairs[2 * t + 1]);
+    const Int4Pair* row = src + t * dim / 2;
+    for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(out + t * dim + d, _mm256_fmadd_ps(int4x8(row + d / 2), scale, low));
+  }
+}
+
+template <>
+LLMOPT_AVX2 void attend_block<Int4Pair>(const Int4Pair* k, const Int4Pair* v, const float* ks, const float* vs, int64_t n,
+                                        const Shape& sh, State& st) {
+  int4_rows_avx2(k, ks, n, sh.dim, st.kf);
+  int4_rows_avx2(v, vs, n, sh.dim, st.vf);
+  attend_block<float>(st.kf, st.vf, nullptr, nullptr, n, sh, st);
+}
+
 }  // namespace avx2
 
 bool cpu_has_avx2() {
@@ -331,6 +393,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
 #endif
   const int64_t B = q.size(0), H = sh.kv_heads, G = sh.group, D = sh.dim, bs = sh.block_size;
   const int64_t num_blocks = sh.num_slots / bs;
+  const int64_t row = D / values_per_element<T>(), per_token = scales_per_token<T>();  // elements and scales per token
   const T* k = reinterpret_cast<const T*>(k_cache.data_ptr());
   const T* v = reinterpret_cast<const T*>(v_cache.data_ptr());
   const float* ks = k_scale ? k_scale->data_ptr<float>() : nullptr;
@@ -376,12 +439,12 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
         const int64_t next = j + 3 < last ? table[b * width + j + 3] : -1;
         if (next >= 0 && next < num_blocks) {
           const int64_t next_slot = h * sh.num_slots + next * bs;
-          prefetch(k + next_slot * D, bs * D * static_cast<int64_t>(sizeof(T)));
-          prefetch(v + next_slot * D, bs * D * static_cast<int64_t>(sizeof(T)));
-          if (ks) prefetch(ks + next_slot, bs * 4);
-          if (vs) prefetch(vs + next_slot, bs * 4);
+          prefetch(k + next_slot * row, bs * row * static_cast<int64_t>(sizeof(T)));
+          prefetch(v + next_slot * row, bs * row * static_cast<int64_t>(sizeof(T)));
+          if (ks) prefetch(ks + next_slot * per_token, bs * per_token * 4);
+          if (vs) prefetch(vs + next_slot * per_token, bs * per_token * 4);
         }
-        block_fn(k + slot * D, v + slot * D, ks ? ks + slot : nullptr, vs ? vs + slot : nullptr, n, sh, st);
+        block_fn(k + slot * row, v + slot * row, ks ? ks + slot * per_token : nullptr, vs ? vs + slot * per_token : nullptr, n, sh, st);
       }
       if (splits == 1) {
         write_outputs(st.acc, st.l, G, D, op + b * out_stride + h * G * D);
@@ -442,8 +505,9 @@ int64_t auto_splits(int64_t pairs, int64_t longest, int64_t block_size) {
 
 }  // namespace
 
-// q [B, heads, dim] (last dim contiguous); caches [kv_heads, slots, dim] contiguous; scales
-// [kv_heads, slots] float32 for int8 / uint8 (float8 e4m3) caches; tables [B, width] and lens [B]
+// q [B, heads, dim] (last dim contiguous); caches [kv_heads, slots, dim] contiguous (int4: dim / 2
+// uint8); scales [kv_heads, slots] float32 for int8 / uint8 (float8 e4m3) caches, [kv_heads, slots, 2]
+// for int4; tables [B, width] and lens [B]
 // int32 or int64; out [B, heads * dim] of q's dtype (written, not read). splits 0: automatic.
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
@@ -454,7 +518,9 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
               "caches must be contiguous [kv_heads, slots, dim] tensors of one shape");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   const int64_t B = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0), slots = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == dim, "head_dim of q (", dim, ") and cache (", k_cache.size(2), ") differ");
+  const bool int4 = k_scale.has_value() && k_scale->dim() == 3;
+  TORCH_CHECK(k_cache.size(2) * (int4 ? 2 : 1) == dim, "head_dim of q (", dim, ") and cache (", k_cache.size(2),
+              int4 ? " packed int4 pairs" : "", ") differ");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (", kv_heads, ")");
   TORCH_CHECK(block_size > 0 && slots % block_size == 0, "cache slots must be whole blocks");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.dim() == 1 && lens.size(0) == B, "tables [B, width] and lens [B] expected");
@@ -464,8 +530,9 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()), "quantized caches need K and V scales; float caches take none");
   if (quantized)
     for (const auto* t : {&*k_scale, &*v_scale})
-      TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == kv_heads && t->size(1) == slots,
-                  "scales must be contiguous float32 [kv_heads, slots]");
+      TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == (int4 ? 3 : 2) && t->size(0) == kv_heads &&
+                  t->size(1) == slots && (!int4 || (t->size(2) == 2 && k_cache.scalar_type() == torch::kByte)),
+                  "scales must be contiguous float32 [kv_heads, slots] (int4 uint8 caches: [kv_heads, slots, 2])");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == B && out.size(1) == heads * dim && out.stride(1) == 1 && out.scalar_type() == q.scalar_type(),
               "out must be [batch, heads * dim] of q's dtype");
   const torch::Tensor tables64 = tables.to(torch::kLong).contiguous(), lens64 = lens.to(torch::kLong).contiguous();
@@ -484,7 +551,12 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
     case torch::kBFloat16: run_for_query<c10::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
     case torch::kHalf: run_for_query<c10::Half>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
     case torch::kChar: run_for_query<int8_t>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
-    case torch::kByte: run_for_query<uint8_t>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
+    case torch::kByte:
+      if (int4) {
+        run_for_query<Int4Pair>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out);
+        break;
+      }
+      run_for_query<uint8_t>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
     default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
   return out;

@@ -1,0 +1,45 @@
+"""Key offsets of an int4 KV cache: the mean rotated key of each layer and KV head over a short
+calibration text, removed from every key before it is quantized (see ``KVCache``)."""
+
+from __future__ import annotations
+
+import torch
+from llmopt.core.data import DEFAULT_CALIB, load_text
+
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+
+CALIBRATION_TOKENS = 512
+SKIP_CHARS = 20_000  # past a book's front matter
+
+
+def calibration_ids(tokenizer, count: int) -> list[int]:
+    """``count`` tokens (fewer if the text is shorter) of the default calibration corpus."""
+    text = load_text(DEFAULT_CALIB).documents[0]
+    text = text[SKIP_CHARS:SKIP_CHARS + 12 * count] if len(text) > SKIP_CHARS + 12 * count else text
+    return tokenizer.encode(text, add_special_tokens=False)[:count]
+
+
+@torch.inference_mode()
+def calibrate_key_offsets(runner: ModelRunner, tokenizer, num_blocks: int, block_size: int, chunk: int, max_len: int) -> int:
+    """Run the calibration text through the model (prompt chunks of ``chunk`` tokens, its own
+    block table over the cache, nothing kept) and set the cache's key offsets from the keys it
+    wrote. Returns the number of tokens used."""
+    count = min(CALIBRATION_TOKENS, max_len, num_blocks * block_size)
+    ids = calibration_ids(tokenizer, count)
+    seq = Sequence("kv-offset-calibration", ids, SamplingParams())
+    blocks = BlockManager(num_blocks, block_size, False)
+    blocks.allocate(seq, len(ids))
+    cache = runner.cache
+    cache.begin_offset_calibration()
+    try:
+        while seq.num_computed < len(ids):
+            n = min(chunk, len(ids) - seq.num_computed)
+            batch, _ = runner.prepare([(seq, n)])
+            runner.model.forward(batch, cache)
+            seq.num_computed += n
+    finally:
+        cache.end_offset_calibration()
+    return len(ids)
