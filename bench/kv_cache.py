@@ -120,9 +120,12 @@ def accuracy(windows: list[list[int]], chunk: int, decode: int) -> dict:
             kld = torch.cat([(b.exp() * (b - q)).sum(-1) for b, q in zip(base, logp)])
             top1 = torch.cat([b.argmax(-1) == q.argmax(-1) for b, q in zip(base, logp)]).float()
             kld_decode = torch.cat([(b.exp() * (b - q)).sum(-1)[-decode:] for b, q in zip(base, logp)])
+            half = len(windows[0]) // 2  # the positions llama-perplexity scores: n/2 ... n-2
+            kld_half = torch.cat([(b.exp() * (b - q)).sum(-1)[half:-1] for b, q in zip(base, logp)])
             entry.update({
                 "kld_mean": float(kld.mean()), "kld_p99": float(kld.quantile(0.99)), "kld_max": float(kld.max()),
                 "kld_mean_decode_positions": float(kld_decode.mean()), "top1_agreement": float(top1.mean()),
+                "kld_mean_second_half": float(kld_half.mean()),
             })
         result[kind] = entry
     return result
@@ -243,6 +246,33 @@ def kernel_times(contexts: list[tuple[int, int]]) -> dict:
     return out
 
 
+INT4_TARGET = 0.01  # issue 46: mean KLD added by the int4 KV cache with rotation
+LLAMA_KV_TYPES = ["f16", "q8_0", "q4_1", "q4_0", "iq4_nl"]
+LLAMA_BITS = {"f32": 32, "f16": 16, "q8_0": 8.5, "q4_1": 5, "q4_0": 4.5, "iq4_nl": 4.5}  # bits per value, scales included
+
+
+def llama_cpp_kv(bin_dir: Path, gguf: Path, text: str, window: int, windows: int, threads: int) -> dict:
+    """llama.cpp's KV cache types on ``text``: KL divergence of each to its own float32 cache
+    (flash attention on in every run, as quantized V caches require), over the positions
+    llama-perplexity saves (the second half of each window)."""
+    from llama_cpp_kld import llama_cpp_distributions
+
+    def run(kind: str):
+        return llama_cpp_distributions(bin_dir, gguf, text, window, windows, threads,
+                                       extra=("-fa", "on", "-ctk", kind, "-ctv", kind))[1]
+
+    base = torch.from_numpy(run("f32").copy())
+    out = {"gguf": str(gguf)}
+    for kind in LLAMA_KV_TYPES:
+        logp = torch.from_numpy(run(kind).copy())
+        kld = (base.exp() * (base - logp)).sum(-1).flatten()
+        top1 = (base.argmax(-1) == logp.argmax(-1)).float().flatten()
+        out[kind] = {"kld_mean": float(kld.mean()), "kld_p99": float(kld.quantile(0.99)), "top1_agreement": float(top1.mean()),
+                     "positions": kld.numel(), "bits_per_value": LLAMA_BITS[kind]}
+        log(f"llama.cpp KV {kind}: KLD {out[kind]['kld_mean']:.5f}")
+    return out
+
+
 def markdown(report: dict) -> str:
     a, s, cfg = report["accuracy"], report["speed"], report["settings"]
     lines = [
@@ -258,18 +288,42 @@ def markdown(report: dict) -> str:
             (f"## Accuracy vs the float cache: {name} ({cfg['windows']} windows × {cfg['window']} tokens; chunks of "
              f"{cfg['chunk']}, last {cfg['decode']} tokens as decode steps)"),
             "",
-            "| KV cache | bytes/token (all layers) | perplexity | mean KLD (nats) | KLD p99 | KLD max | mean KLD, decode positions | top-1 agreement |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| KV cache | bytes/token (all layers) | perplexity | mean KLD (nats) | KLD p99 | KLD max | mean KLD, decode positions | mean KLD, second half | top-1 agreement |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for kind in VARIANTS:
             e = a[text][kind]
             mem = f"{s['kv_bytes_per_token'][ABLATIONS.get(kind, (kind,))[0]]:,}"
             if kind == "auto":
-                lines.append(f"| {LABEL[kind]} | {mem} | {e['perplexity']:.3f} | — | — | — | — | — |")
+                lines.append(f"| {LABEL[kind]} | {mem} | {e['perplexity']:.3f} | — | — | — | — | — | — |")
             else:
                 lines.append(f"| {LABEL[kind]} | {mem} | {e['perplexity']:.3f} | {e['kld_mean']:.5f} | {e['kld_p99']:.4f} | "
-                             f"{e['kld_max']:.4f} | {e['kld_mean_decode_positions']:.5f} | {100 * e['top1_agreement']:.2f}% |")
+                             f"{e['kld_max']:.4f} | {e['kld_mean_decode_positions']:.5f} | {e['kld_mean_second_half']:.5f} | "
+                             f"{100 * e['top1_agreement']:.2f}% |")
         lines.append("")
+    llama = report.get("llama_cpp")
+    if llama:
+        ours = a["wikitext2"]
+        per_value = 8 * s["kv_bytes_per_token"]["auto"] / 32  # float32 cache bytes per token / 4 bytes → values per token
+        lines += [
+            (f"## llama.cpp's KV cache types on the same WikiText-2 text (`llama-perplexity`, its own tokens, "
+             f"{cfg['windows']} windows × {cfg['window']}, flash attention on; KLD to its float32 cache over the second half "
+             "of each window, which is what it scores — compare with our 'second half' column)"),
+            "",
+            "| KV cache | bits/value | bytes/token (all layers) | mean KLD (nats) | KLD p99 | top-1 agreement |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for kind in LLAMA_KV_TYPES:
+            e = llama[kind]
+            lines.append(f"| llama.cpp {kind} | {e['bits_per_value']} | {per_value * e['bits_per_value'] / 8:,.0f} | "
+                         f"{e['kld_mean']:.5f} | {e['kld_p99']:.4f} | {100 * e['top1_agreement']:.2f}% |")
+        q4 = min(llama[k]["kld_mean"] for k in ("q4_0", "q4_1", "iq4_nl"))
+        lines += ["", (f"llmopt int4 (rotated, key offsets), second half: {ours['int4']['kld_mean_second_half']:.5f} = "
+                       f"{ours['int4']['kld_mean_second_half'] / q4:.2f}× llama.cpp's best 4-bit KV cache ({q4:.5f})."), ""]
+    klds = [a[text]["int4"]["kld_mean"] for text in TEXTS]
+    lines += [(f"Target (issue 46): int4 KV cache with rotation adds a mean KLD ≤ {INT4_TARGET}: "
+               f"{' / '.join(f'{k:.4f}' for k in klds)} ({' / '.join(TEXTS.values())}) — "
+               f"{'met' if max(klds) <= INT4_TARGET else 'missed'}."), ""]
     lines += [
         "",
         f"## Decode speed (best of {cfg['repetitions']}, round-robin)",
@@ -303,6 +357,12 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def rewrite_markdown() -> None:
+    """Re-render ``kv_cache.md`` from the saved ``kv_cache.json`` (after a change to the layout only)."""
+    report = json.loads((RESULTS / "kv_cache.json").read_text())
+    (RESULTS / "kv_cache.md").write_text(markdown(report))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
@@ -316,6 +376,8 @@ def main() -> None:
     parser.add_argument("--batch-pp", type=int, default=256)
     parser.add_argument("--batch-tg", type=int, default=32)
     parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--llama-cpp", type=Path, help="llama.cpp's build/bin (llama-perplexity): its KV cache types too")
+    parser.add_argument("--llama-gguf", type=Path, help="the demo model as a float32 GGUF, for --llama-cpp")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -334,11 +396,16 @@ def main() -> None:
     report = {
         "model": "demo", "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__, "avx2": cpu_attention.has_avx2(),
-        "settings": {k: v for k, v in vars(args).items() if k != "threads"},
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "threads"},
     }
     report["kernel"] = kernel_times([(1, args.pp), (args.batch, args.pp)])
     log("measuring accuracy")
     report["accuracy"] = {name: accuracy(w, args.chunk, args.decode) for name, w in windows.items()}
+    if args.llama_cpp:
+        if not args.llama_gguf:
+            raise SystemExit("--llama-cpp needs --llama-gguf (the demo model as a float32 GGUF)")
+        text = "\n".join(load_text("wikitext2").documents)
+        report["llama_cpp"] = llama_cpp_kv(args.llama_cpp, args.llama_gguf, text, args.window, args.windows, 1)
     log("measuring speed")
     report["speed"] = speed(ids[args.windows * args.window:], args)
     report["seconds"] = time.perf_counter() - start

@@ -36,13 +36,14 @@ def gguf_bos(path: Path) -> int | None:
 
 
 def llama_cpp_distributions(bin_dir: Path, gguf: Path, text: str, n_ctx: int, chunks: int, threads: int = 2,
-                            timeout: int = 1800) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [chunks, n_ctx], log-probabilities [chunks, n_ctx/2 - 1, vocab]) of ``gguf`` on ``text``, by llama.cpp."""
+                            timeout: int = 1800, extra: tuple[str, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [chunks, n_ctx], log-probabilities [chunks, n_ctx/2 - 1, vocab]) of ``gguf`` on ``text``, by llama.cpp
+    (``extra``: more llama-perplexity arguments, such as KV cache types)."""
     with tempfile.TemporaryDirectory() as tmp:
         text_file, out = Path(tmp) / "text.txt", Path(tmp) / "logits.bin"
         text_file.write_text(text)
         cmd = [str(bin_dir / "llama-perplexity"), "-m", str(gguf), "-f", str(text_file), "-c", str(n_ctx), "-b", str(n_ctx),
-               "--chunks", str(chunks), "-t", str(threads), "--kl-divergence-base", str(out)]
+               "--chunks", str(chunks), "-t", str(threads), "--kl-divergence-base", str(out), *extra]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0 or not out.is_file():
             tail = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()][-3:]

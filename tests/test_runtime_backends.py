@@ -108,7 +108,7 @@ def paged_cache(lens: list[int], kind: str, rng: random.Random):
     return torch.randn(len(lens), heads, dim), cache, meta
 
 
-@pytest.mark.parametrize("kind", ["auto", "float16", "int8", "fp8"])
+@pytest.mark.parametrize("kind", ["auto", "float16", "int8", "fp8", "int4"])
 def test_decode_attention_of_every_backend_matches_the_reference(kind):
     rng = random.Random(random.getrandbits(64))
     lens = sorted(rng.randint(1, 60) for _ in range(5))
@@ -177,7 +177,7 @@ def assert_same_greedy(ours, theirs, what: str) -> None:
             return
 
 
-@pytest.mark.parametrize("model,kv", [("float", "auto"), ("float", "int8"), ("W4A16", "auto")])
+@pytest.mark.parametrize("model,kv", [("float", "auto"), ("float", "int8"), ("float", "int4"), ("W4A16", "auto")])
 def test_engine_on_triton_equals_the_reference_backend(tmp_path, model, kv):
     path = w4a16_checkpoint(tmp_path / "w4") if model == "W4A16" else save_model(tiny_llama(seed=4), tmp_path / "float")
     rng = random.Random(random.getrandbits(64))

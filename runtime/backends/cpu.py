@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from llmopt.core.errors import LlmoptError
 
-from ..kernels import cpu_attention, cpu_dense, cpu_fused, cpu_linear, reference
+from ..kernels import cpu_attention, cpu_dense, cpu_fused, cpu_linear
 from ..kernels.reference import Workspace
 from ..layers import DenseLinear, QuantLinear
 from .base import AttentionMetadata, Backend, ForwardBatch
