@@ -131,3 +131,27 @@ def test_rotation_and_offsets_cut_the_int4_error_on_the_demo_model():
     ours, plain = kld("int4"), kld("int4 plain")
     assert 0 < ours < 0.1, ours
     assert ours < 0.6 * plain, (ours, plain)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gemma3", "phi3", "gpt_neox"])
+def test_rotated_basis_and_key_offsets_are_exact_on_every_attention_path(kind, tmp_path):
+    """The int4 cache's rotation and key offsets change nothing by themselves: on a float cache
+    given a rotation and random offsets, logits equal the plain cache's. Covers the native
+    models (sliding windows, Gemma 2's soft-capped scores, which keep no offsets, Gemma 3's q/k
+    norms, Phi-3's fused projections) and the transformers path (GPT-NeoX: partial rotary)."""
+    import test_runtime_architectures as native
+    import test_runtime_generic as generic
+
+    model = generic.tiny(kind) if kind == "gpt_neox" else native.tiny(kind) if kind != "llama" else tiny_llama(seed=3)
+    path = save_model(model, tmp_path / kind)
+    engine = LLMEngine(path, kernels="reference", block_size=4, max_num_seqs=1)
+    ids = [random.randrange(3, 259) for _ in range(30)]
+    plain = forced_logits(engine, ids, 6)
+    cache = engine.cache
+    dim = cache.head_dim
+    cache.rotation = KVCache(arch(dim), 1, 4, torch.float32, "int4").rotation
+    if engine.arch.attn_softcap is None:
+        cache.k_offset = [torch.randn(k.shape[0], dim) * 3 for k in cache.k]
+    rotated = forced_logits(engine, ids, 6)
+    assert rotated.shape == plain.shape == (30, engine.arch.vocab_size)
+    torch.testing.assert_close(rotated, plain, rtol=1e-4, atol=1e-4)
