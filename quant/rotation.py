@@ -25,7 +25,7 @@ import torch
 from llmopt.core.errors import LlmoptError
 from llmopt.formats.hadamard import DOWN_PROJ_TARGET, OnlineHadamard, block_for, fuse_into_weight
 
-ROTATIONS = ("none", "hadamard", "orthogonal")
+ROTATIONS = ("none", "hadamard", "orthogonal", "learned")
 READERS_ATTN = ("q_proj", "k_proj", "v_proj", "qkv_proj")
 READERS_MLP = ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "gate", "shared_expert_gate")
 WRITERS = ("o_proj", "down_proj", "w2")
@@ -123,18 +123,27 @@ class Rotation:
     online: OnlineHadamard | None = None  # R4: a Hadamard on the dense MLPs' down_proj inputs, at run time
 
     @classmethod
-    def for_config(cls, config: dict, kind: str, seed: int = 0, online_down: bool = False) -> Rotation:
-        """``online_down``: add R4 (for schemes that quantize activations) where the MLP width allows."""
+    def for_config(cls, config: dict, kind: str, seed: int = 0, online_down: bool = False,
+                   residual: tuple[torch.Tensor, dict] | None = None) -> Rotation:
+        """``online_down``: add R4 (for schemes that quantize activations) where the MLP width allows.
+        ``kind`` ``learned`` takes the residual rotation and its record from ``residual``
+        (:func:`llmopt.quant.learned_rotation.learn_residual_rotation`); its heads get Hadamards."""
         check_rotatable(config)
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or hidden // heads)
         generator = torch.Generator().manual_seed(seed)
-        q, made = rotation(hidden, kind, generator)
-        h, head_made = rotation(head_dim, kind, generator)
+        q, made = rotation(hidden, "hadamard" if kind == "learned" else kind, generator)
+        h, head_made = rotation(head_dim, "hadamard" if kind == "learned" else kind, generator)
+        if kind == "learned":
+            if residual is None or residual[0].shape != (hidden, hidden):
+                raise ValueError(f"a learned rotation needs its {hidden} × {hidden} residual matrix")
+            q, made = residual[0].double(), "learned (Cayley SGD from a randomized Hadamard)"
         record = {"kind": kind, "residual": f"{made}, {hidden} × {hidden}", "heads": f"{head_made}, {head_dim} × {head_dim}",
                   "seed": seed}
+        if kind == "learned":
+            record["learned"] = residual[1]
         online = None
         if online_down:
             width = int(config.get("intermediate_size") or 0)

@@ -23,18 +23,20 @@ def _tied(source: Path) -> bool:
     return bool(getattr(loaded.get_text_config(), "tie_word_embeddings", False))
 
 
-def rotate_checkpoint(source: Path, output: Path, kind: str, seed: int = 0, online_down: bool = False) -> dict:
+def rotate_checkpoint(source: Path, output: Path, kind: str, seed: int = 0, online_down: bool = False,
+                      residual: tuple | None = None) -> dict:
     """Write ``source`` rotated by ``kind`` (hadamard / orthogonal) to the new folder ``output``:
     norms folded, every tensor rotated, the head untied; returns what was done, for llmopt.json.
     ``online_down``: also fuse an online Hadamard into the down projections (the record's
-    ``online`` says which; whoever runs the output must apply it to their inputs)."""
+    ``online`` says which; whoever runs the output must apply it to their inputs). ``residual``: the
+    learned rotation and its record for ``kind`` ``learned``."""
     import torch
 
     from llmopt.checkpoints.lazy import LazyCheckpoint, safetensors_files
     from llmopt.checkpoints.models import read_config
     from llmopt.checkpoints.writer import ShardedWriter
 
-    rotation = Rotation.for_config(read_config(source), kind, seed, online_down)
+    rotation = Rotation.for_config(read_config(source), kind, seed, online_down, residual)
     tied = _tied(source)
     output.mkdir(parents=True)
     shards = set(safetensors_files(source))

@@ -41,6 +41,7 @@ from llmopt.quant.rtn import Rtn
 from llmopt.quant.streaming import StreamedQuantization
 
 NF4 = "NF4"
+LEARNED = "learned"
 AUTO = "AUTO"
 CALIBRATION_DEFAULTS = {"calib": "austen", "calib_samples": 128, "calib_seq_len": 512}
 # Fields of QuantizeConfig that are options of a method object (the same names as its fields);
@@ -67,8 +68,13 @@ class QuantizeConfig:
                          "weights): hadamard (randomized Hadamard on the residual stream and per attention head) or "
                          "orthogonal (random orthogonal); the output stays an ordinary checkpoint, its head untied. With a scheme "
                          "that quantizes activations (W8A8, W4A8, FP8_DYNAMIC) it adds an online Hadamard before each "
-                         "MLP down_proj (R4, in compressed-tensors' transform_config), which its consumers must run.",
+                         "MLP down_proj (R4, in compressed-tensors' transform_config), which its consumers must run. "
+                         "learned: SpinQuant's residual rotation optimised on the calibration windows (Cayley SGD from the "
+                         "randomized Hadamard, --rotate-steps, the model held in memory).",
                          choices=ROTATIONS)
+    rotate_steps: int = option(50, "--rotate learned: Cayley-SGD steps, one calibration window each (about three "
+                               "forward passes per step).", min=1)
+    rotate_lr: float = option(1.5, "--rotate learned: the Cayley step size.")
     online_hadamard: str = option("auto", "With --rotate: an online Hadamard on every MLP down_proj's input (R4), fused "
                                   "into its weight and run by consumers at inference (compressed-tensors' transform_config; "
                                   "transformers and GGUF cannot run it). auto: on for schemes that quantize activations.",
@@ -151,7 +157,8 @@ class QuantizeConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.build_method().calibrated or (self.scheme == AUTO and self.plan is None) or self.tune_steps > 0
+        return (self.build_method().calibrated or (self.scheme == AUTO and self.plan is None) or self.tune_steps > 0
+                or self.rotate == LEARNED)
 
     @property
     def is_auto(self) -> bool:
@@ -237,6 +244,7 @@ class QuantizeConfig:
         self._check_auto(method)
         self._check_imatrix(method)
         self._check_online_hadamard(method)
+        self._check_learned_rotation()
         self._check_tuning()
         if not self.needs_calibration and not self.is_auto:
             changed = [f"--{k.replace('_', '-')}" for k, v in CALIBRATION_DEFAULTS.items() if getattr(self, k) != v]
@@ -251,6 +259,18 @@ class QuantizeConfig:
             return False
         scheme = self.parse_scheme()
         return self.online_hadamard == "on" or (scheme is not None and scheme.activations is not None)
+
+    def _check_learned_rotation(self) -> None:
+        if self.rotate != LEARNED:
+            for flag, given in (("--rotate-steps", self.rotate_steps != 50), ("--rotate-lr", self.rotate_lr != 1.5)):
+                if given:
+                    raise LlmoptError(f"{flag} applies only with --rotate learned", f"add --rotate learned, or drop {flag}")
+            return
+        if self.plans_per_tensor or self.scheme == NF4:
+            raise LlmoptError(f"--rotate learned optimises the rotation for one scheme's grid; --scheme {self.scheme} has none",
+                              "use --rotate hadamard with it, or a single scheme (W4A16, W4A8, W8A8 …)")
+        if self.rotate_lr <= 0:
+            raise LlmoptError(f"--rotate-lr must be positive, not {self.rotate_lr}", "e.g. --rotate-lr 1.5")
 
     def _check_online_hadamard(self, method: QuantMethod) -> None:
         if self.online_hadamard != "auto" and self.rotate == "none":
@@ -354,10 +374,37 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     rotated = output.parent / f".{output.name}.rotated-{os.getpid()}"  # a float scratch copy, removed at the end
     shutil.rmtree(rotated, ignore_errors=True)
     try:
-        record["rotation"] = rotate_checkpoint(source, rotated, config.rotate, config.seed, config.online_down)
+        residual = _learned_rotation(config, source) if config.rotate == LEARNED else None
+        record["rotation"] = rotate_checkpoint(source, rotated, config.rotate, config.seed, config.online_down, residual)
         return _quantize(config, rotated, record, start, progress, float_source=source)
     finally:
         shutil.rmtree(rotated, ignore_errors=True)
+
+
+def _learned_rotation(config: QuantizeConfig, source: Path) -> tuple:
+    """SpinQuant's learned residual rotation for ``source`` and ``config``'s scheme (and a record)."""
+    from transformers import AutoTokenizer
+
+    from llmopt.checkpoints.models import read_config
+    from llmopt.checkpoints.remote_code import remote_code_kwargs
+    from llmopt.core.console import progress_task
+    from llmopt.core.data import calibration_ids
+    from llmopt.quant.learned_rotation import learn_residual_rotation
+    from llmopt.quant.rotation import Rotation
+    from llmopt.self_calibration import sampler
+
+    start = Rotation.for_config(read_config(source), "hadamard", config.seed).q
+    tokenizer = AutoTokenizer.from_pretrained(source, **remote_code_kwargs())
+    windows, calibration = calibration_ids(tokenizer, config.calib, min(config.calib_samples, config.rotate_steps),
+                                           config.calib_seq_len, config.seed, sample_self=sampler(source, config.device))
+    model, _ = load_model(source)
+    request = config.request()
+    with progress_task("learning the rotation", config.rotate_steps) as advance:
+        matrix, learned = learn_residual_rotation(model.float(), start, windows, request.scheme, request.scheme.group_size,
+                                                  config.rotate_steps, config.rotate_lr, tuple(request.ignore),
+                                                  progress=lambda step, kld: advance())
+    del model
+    return matrix, {**learned, "calibration": calibration}
 
 
 def _quantize(config: "QuantizeConfig", source: Path, record: dict, start: float, progress,
