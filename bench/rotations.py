@@ -45,6 +45,8 @@ VARIANTS = {
     "W4A16 g128 RTN, rotated": ["--scheme", "W4A16", "--group-size", "128", "--rotate", "hadamard"],
     "W4A16 g128 GPTQ": ["--scheme", "W4A16", "--group-size", "128", "--method", "gptq"],
     "W4A16 g128 GPTQ, rotated": ["--scheme", "W4A16", "--group-size", "128", "--method", "gptq", "--rotate", "hadamard"],
+    "W4A16 g128 RTN, learned rotation": ["--scheme", "W4A16", "--group-size", "128", "--rotate", "learned"],
+    "W4A16 g128 GPTQ, learned rotation": ["--scheme", "W4A16", "--group-size", "128", "--method", "gptq", "--rotate", "learned"],
     "W4A16 g128 GPTQ, rotated + R4": ["--scheme", "W4A16", "--group-size", "128", "--method", "gptq", "--rotate", "hadamard",
                                       "--online-hadamard", "on"],
     "W4A8 g128 GPTQ": ["--scheme", "W4A8", "--group-size", "128", "--method", "gptq"],
@@ -59,6 +61,7 @@ VARIANTS = {
 # (variant, the variant it is measured against, the largest ratio of mean KLDs the issue allows)
 TARGETS = [("W4A16 g128 GPTQ, rotated", "W4A16 g128 GPTQ", 0.6),
            ("W4A16 g128 GPTQ, rotated + R4", "W4A16 g128 GPTQ", 0.6),
+           ("W4A16 g128 GPTQ, learned rotation", "W4A16 g128 GPTQ", 0.6),
            ("W4A8 g128 GPTQ, rotated", "W4A16 g128 GPTQ, rotated + R4", 1.3)]  # the same rotations, weights alone
 W8A8_TARGET = 0.01  # mean KLD of W8A8 without SmoothQuant
 # decode speed: unrotated, rotated (the same formats; the rotated one has an untied float head)
