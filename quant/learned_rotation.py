@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
+from llmopt.core.errors import LlmoptError
 from llmopt.formats.schemes import QuantScheme, compute_qparams, effective_group_size, fake_quantize, fake_quantize_activations
 
 from .apply import select_targets
@@ -70,7 +72,14 @@ class _RotatedWeights:
     def _quant(self, name: str, w: torch.Tensor) -> torch.Tensor:
         return _fake_quant_ste(w, self.scheme, self.group_size) if name in self.quantized else w
 
-    def at(self, r: torch.Tensor) -> dict[str, torch.Tensor]:
+    def at(self, r: torch.Tensor, quantize: bool = True) -> dict[str, torch.Tensor]:
+        """The model's tensors rotated by ``r`` (fake-quantized where the quantizer will round, with ``quantize``)."""
+        if not quantize:
+            saved, self.quantized = self.quantized, set()
+            try:
+                return self.at(r)
+            finally:
+                self.quantized = saved
         out = dict(self.ones)
         out[self.embed_name] = self.embed @ r
         out["lm_head.weight"] = self.head @ r
@@ -94,6 +103,19 @@ def _activation_hooks(model: torch.nn.Module, names: set[str], kind: str, active
     return [module.register_forward_pre_hook(hook) for name, module in model.named_modules() if name in names]
 
 
+@torch.no_grad()
+def _check_rotates_exactly(model: torch.nn.Module, weights: _RotatedWeights, r: torch.Tensor, ids: torch.Tensor) -> None:
+    """Refuse a model whose rotated float weights do not compute its function (a layout the
+    rotation does not reach, such as experts stored as fused 3-D tensors)."""
+    want = model(ids).logits.float().log_softmax(-1)
+    got = functional_call(model, weights.at(r.detach(), quantize=False), (ids,), tie_weights=False, strict=False).logits
+    gap = float(_kld(want, got))
+    if not gap < 1e-3:
+        raise LlmoptError(f"--rotate learned: this model's rotated weights do not reproduce it (KLD {gap:.3g}); its layers "
+                          "hold tensors the in-memory rotation does not reach (e.g. mixture-of-experts weights stored fused)",
+                          "use --rotate hadamard for this model")
+
+
 def _kld(teacher_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return F.kl_div(logits.float().log_softmax(-1), teacher_logp, log_target=True, reduction="none").sum(-1).mean()
 
@@ -108,12 +130,11 @@ def learn_residual_rotation(model: torch.nn.Module, start: torch.Tensor, windows
     ``steps`` Cayley-SGD steps of size ``lr``; ``ignore``: the quantizer's patterns (those Linears stay
     float; the head and embedding always do); ``progress(step, kld)`` after each.
     """
-    from torch.func import functional_call
-
     model = model.float().eval()
     weights = _RotatedWeights(model, scheme, group_size, ignore)
     r = start.float().clone().requires_grad_(True)
     eye = torch.eye(r.shape[0])
+    _check_rotates_exactly(model, weights, r, windows[0][None])
     active = [False]  # the student's inputs are rounded, the teacher's are not
     handles = _activation_hooks(model, weights.quantized, scheme.activations, active) if scheme.activations else []
     history = []

@@ -114,3 +114,16 @@ def test_options_that_do_not_apply_are_refused(tmp_path, args, message):
     result = CliRunner().invoke(main, ["quantize", str(src), *args, "-o", str(tmp_path / "o")])
     assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_a_layout_the_rotation_does_not_reach_is_refused():
+    """Mixtral's experts live in fused 3-D tensors that the in-memory rotation does not rotate:
+    the start-up check sees the function change and refuses, naming the fix."""
+    import test_runtime_architectures as native
+
+    from llmopt.core.errors import LlmoptError
+
+    model = native.tiny("mixtral")
+    start = rotation(64, "hadamard", torch.Generator().manual_seed(0))[0]
+    with pytest.raises(LlmoptError, match="use --rotate hadamard"):
+        learn_residual_rotation(model, start, torch.randint(3, 259, (2, 12)), get_scheme("W4A16", 16), 16, 2, 1.0)
