@@ -69,24 +69,20 @@ class _RotatedWeights:
                     norm = getattr(layer, LAYER_NORMS[role]).weight.detach().float()
                     self.readers[name] = w * norm[None, :]
 
-    def _quant(self, name: str, w: torch.Tensor) -> torch.Tensor:
-        return _fake_quant_ste(w, self.scheme, self.group_size) if name in self.quantized else w
-
     def at(self, r: torch.Tensor, quantize: bool = True) -> dict[str, torch.Tensor]:
         """The model's tensors rotated by ``r`` (fake-quantized where the quantizer will round, with ``quantize``)."""
-        if not quantize:
-            saved, self.quantized = self.quantized, set()
-            try:
-                return self.at(r)
-            finally:
-                self.quantized = saved
+        rounded = self.quantized if quantize else set()
+
+        def quant(name: str, w: torch.Tensor) -> torch.Tensor:
+            return _fake_quant_ste(w, self.scheme, self.group_size) if name in rounded else w
+
         out = dict(self.ones)
         out[self.embed_name] = self.embed @ r
         out["lm_head.weight"] = self.head @ r
         for name, w in self.readers.items():
-            out[name + ".weight"] = self._quant(name, w @ r)
+            out[name + ".weight"] = quant(name, w @ r)
         for name, (w, bias) in self.writers.items():
-            out[name + ".weight"] = self._quant(name, r.T @ w)
+            out[name + ".weight"] = quant(name, r.T @ w)
             if bias is not None:
                 out[name + ".bias"] = r.T @ bias
         return out

@@ -15,7 +15,7 @@ CALIBRATION_TOKENS = 512
 SKIP_CHARS = 20_000  # past a book's front matter
 
 
-def calibration_ids(tokenizer, count: int) -> list[int]:
+def offset_calibration_ids(tokenizer, count: int) -> list[int]:
     """``count`` tokens (fewer if the text is shorter) of the default calibration corpus."""
     text = load_text(DEFAULT_CALIB).documents[0]
     text = text[SKIP_CHARS:SKIP_CHARS + 12 * count] if len(text) > SKIP_CHARS + 12 * count else text
@@ -28,7 +28,7 @@ def calibrate_key_offsets(runner: ModelRunner, tokenizer, num_blocks: int, block
     block table over the cache, nothing kept) and set the cache's key offsets from the keys it
     wrote. Returns the number of tokens used."""
     count = min(CALIBRATION_TOKENS, max_len, num_blocks * block_size)
-    ids = calibration_ids(tokenizer, count)
+    ids = offset_calibration_ids(tokenizer, count)
     seq = Sequence("kv-offset-calibration", ids, SamplingParams())
     blocks = BlockManager(num_blocks, block_size, False)
     blocks.allocate(seq, len(ids))
