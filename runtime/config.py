@@ -33,7 +33,7 @@ class EngineConfig:
     that 16-bit float (half a float32 model's cache, llama.cpp's default is float16); ``fp8``
     (e4m3) and ``int8`` store one byte per value plus a float32 scale per token and KV head;
     ``int4`` half a byte per value plus a float32 scale and minimum per token and KV head, in a
-    Hadamard-rotated basis with calibrated key offsets (``runtime.kv_cache``; the engine runs a
+    Hadamard-rotated basis with calibrated key scales and offsets (``runtime.kv_cache``; the engine runs a
     512-token calibration text at start-up).
     ``device``: ``cpu`` or ``cuda`` (``cuda:N``), where the weights and the KV cache live.
     ``kernels`` (the backend, chosen once, see ``runtime.backends``): ``auto`` is ``triton`` on

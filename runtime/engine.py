@@ -18,7 +18,7 @@ from .detokenizer import IncrementalDetokenizer, held_back
 from .config import GIB, EngineConfig, saved_settings, read_arch, resolve_max_model_len
 from .metrics import RunStats, request_metrics
 from .kv_cache import KVCache
-from .kv_calibration import calibrate_key_offsets
+from .kv_calibration import calibrate_cache_basis
 from .models import load_model
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
@@ -81,9 +81,10 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, self.backend.argmax)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(self.path)
         self.eos_token_ids = _eos_ids(self.path, self.tokenizer)
-        if self.cache.rotation is not None and self.arch.attn_softcap is None:
+        if self.cache.rotation is not None:
             # soft-capped scores (Gemma 2) are not shift-invariant: their keys keep no offset
-            calibrate_key_offsets(self.runner, self.tokenizer, num_blocks, bs, config.max_num_batched_tokens, self.max_model_len)
+            calibrate_cache_basis(self.runner, self.tokenizer, num_blocks, bs, config.max_num_batched_tokens, self.max_model_len,
+                                  offsets=self.arch.attn_softcap is None)
         self.stats = RunStats()
         self._requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []

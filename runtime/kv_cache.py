@@ -10,6 +10,9 @@ from .kernels import kv_quant
 from .kernels.reference import Workspace, write_kv
 
 
+KEY_SCALE_POWER = 0.15  # measured on the demo model: 0.1-0.15 best, 0.35 worse than none (docs/runtime.md)
+
+
 class KVCache:
     """Per layer K and V tensors ``[kv_heads, num_blocks * block_size, head_dim]``.
 
@@ -21,10 +24,15 @@ class KVCache:
     An int4 cache holds K and V in a rotated basis: ``rotation`` (a block-diagonal Hadamard
     matrix over ``head_dim``, orthogonal and symmetric) multiplies queries, keys and values
     after RoPE (:meth:`rotate`), which leaves every score unchanged, and the attention output
-    is rotated back (:meth:`unrotate_output`). Keys are stored less a per-layer, per-head
-    offset (``k_offset``, the mean rotated key of a calibration text, set by the engine): a
-    constant shift of every key adds the same amount to all of a query's scores, which the
-    softmax ignores, and centring the keys halves their int4 error.
+    is rotated back (:meth:`unrotate_output`). Before the rotation, each key channel is
+    multiplied by a calibrated factor and each query channel divided by it (``key_scale``, per
+    layer and KV head), which leaves every score unchanged and moves key magnitude out of the
+    channels the queries weigh most, where int4 error costs most (factor ``(E q² / Var k) **
+    KEY_SCALE_POWER``, geometric mean 1). Keys are stored less a per-layer, per-head offset
+    (``k_offset``, the mean key of a calibration text in the cache's basis): a constant shift
+    of every key adds the same amount to all of a query's scores, which the softmax ignores,
+    and centring the keys halves their int4 error. The engine calibrates both
+    (:meth:`begin_basis_calibration`, ``runtime.kv_calibration``).
 
     Allocated once with ``torch.empty``: the operating system backs pages only as blocks are
     first written, so resident memory follows the blocks actually used.
@@ -54,7 +62,8 @@ class KVCache:
         self.v_space = Workspace(storage, device)
         self.rotation: torch.Tensor | None = None
         self.k_offset: list[torch.Tensor | None] = [None] * arch.num_layers
-        self._key_sums: list[list] | None = None  # [sum, count] per layer while calibrating
+        self.key_scale: list[torch.Tensor | None] = [None] * arch.num_layers  # [kv_heads, head_dim] float32
+        self._basis_stats: list[list] | None = None  # per layer while calibrating, see _record
         block = block_for(arch.head_dim) if kv_cache_dtype == "int4" else None
         if block is not None:
             h = hadamard_matrix(block, torch.float64)
@@ -89,24 +98,61 @@ class KVCache:
             return out
         return self.rotate(out.view(out.shape[0], -1, self.head_dim)).view(out.shape)
 
+    def to_cache_basis(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q`` ``[tokens, heads, head_dim]`` and ``k`` / ``v`` ``[tokens, kv_heads, head_dim]``
+        of layer ``index`` (after RoPE) in the cache's basis: keys scaled and queries unscaled
+        by ``key_scale``, all three rotated. Themselves when the cache is not rotated."""
+        if self.rotation is None:
+            return q, k, v
+        if self._basis_stats is not None:
+            self._record(index, q, k)
+        scale = self.key_scale[index]
+        if scale is not None:
+            tokens, heads, dim = q.shape
+            q = (q.reshape(tokens, scale.shape[0], -1, dim) / scale[:, None].to(q.dtype)).reshape(tokens, heads, dim)
+            k = k * scale.to(k.dtype)
+        return self.rotate(q), self.rotate(k), self.rotate(v)
+
     def store(self, index: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write ``k``/``v`` ``[tokens, kv_heads, head_dim]`` (already in the cache's basis) of
         layer ``index`` at ``slots``, keys less the layer's offset."""
-        if self._key_sums is not None:
-            total = self._key_sums[index]
-            total[0] = total[0] + k.double().sum(0)
-            total[1] += k.shape[0]
         offset = self.k_offset[index]
         if offset is not None:
             k = k - offset.to(k.dtype)
         write_kv(self.k[index], self.v[index], k, v, slots, self.k_scale[index], self.v_scale[index])
 
-    def begin_offset_calibration(self) -> None:
-        """Collect the mean key of each layer and KV head over the following writes."""
+    def begin_basis_calibration(self) -> None:
+        """Collect key means and variances and query mean squares per layer and KV head over
+        the following :meth:`to_cache_basis` calls (offsets and key scales off meanwhile)."""
         self.k_offset = [None] * len(self.k)
-        self._key_sums = [[0, 0] for _ in self.k]
+        self.key_scale = [None] * len(self.k)
+        self._basis_stats = [[0, 0, 0, 0] for _ in self.k]
 
-    def end_offset_calibration(self) -> None:
-        """Set ``k_offset`` to the collected means (layers that saw no key keep none)."""
-        sums, self._key_sums = self._key_sums, None
-        self.k_offset = [(s / n).to(torch.float32) if n else None for s, n in sums]
+    def _record(self, index: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        keys = k.double()
+        queries = q.double().reshape(q.shape[0], k.shape[1], -1, q.shape[-1])  # a KV head's query group
+        stats = self._basis_stats[index]
+        stats[0] = stats[0] + keys.sum(0)
+        stats[1] = stats[1] + keys.square().sum(0)
+        stats[2] = stats[2] + queries.square().mean(2).sum(0)
+        stats[3] += k.shape[0]
+
+    def end_basis_calibration(self, offsets: bool = True) -> None:
+        """Set ``key_scale`` (and ``k_offset`` unless ``offsets`` is False) from the collected
+        statistics; layers that saw no token keep neither."""
+        stats, self._basis_stats = self._basis_stats, None
+        for index, (key_sum, key_squares, query_squares, count) in enumerate(stats):
+            if not count:
+                continue
+            mean = key_sum / count
+            variance = (key_squares / count - mean.square()).clamp_min(0)
+            query_power = query_squares / count
+            floor = torch.finfo(torch.float32).tiny
+            ratio = (query_power + 1e-6 * query_power.mean(-1, keepdim=True) + floor) / (
+                variance + 1e-6 * variance.mean(-1, keepdim=True) + floor)
+            scale = ratio.pow(KEY_SCALE_POWER)
+            scale = scale / scale.log().mean(-1, keepdim=True).exp()
+            self.key_scale[index] = scale.to(torch.float32)
+            if offsets:
+                self.k_offset[index] = self.rotate(mean * scale).to(torch.float32)

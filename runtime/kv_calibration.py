@@ -1,5 +1,6 @@
-"""Key offsets of an int4 KV cache: the mean rotated key of each layer and KV head over a short
-calibration text, removed from every key before it is quantized (see ``KVCache``)."""
+"""The basis of an int4 KV cache, calibrated on a short text: per layer and KV head, the key
+scale (keys multiplied, queries divided) and the key offset, the mean key in the cache's basis,
+removed from every key before it is quantized (see ``KVCache``)."""
 
 from __future__ import annotations
 
@@ -23,17 +24,18 @@ def offset_calibration_ids(tokenizer, count: int) -> list[int]:
 
 
 @torch.inference_mode()
-def calibrate_key_offsets(runner: ModelRunner, tokenizer, num_blocks: int, block_size: int, chunk: int, max_len: int) -> int:
+def calibrate_cache_basis(runner: ModelRunner, tokenizer, num_blocks: int, block_size: int, chunk: int, max_len: int,
+                          offsets: bool = True) -> int:
     """Run the calibration text through the model (prompt chunks of ``chunk`` tokens, its own
-    block table over the cache, nothing kept) and set the cache's key offsets from the keys it
-    wrote. Returns the number of tokens used."""
+    block table over the cache, nothing kept) and set the cache's key scales, and its key offsets
+    unless ``offsets`` is False, from the queries and keys it saw. Returns the number of tokens used."""
     count = min(CALIBRATION_TOKENS, max_len, num_blocks * block_size)
     ids = offset_calibration_ids(tokenizer, count)
     seq = Sequence("kv-offset-calibration", ids, SamplingParams())
     blocks = BlockManager(num_blocks, block_size, False)
     blocks.allocate(seq, len(ids))
     cache = runner.cache
-    cache.begin_offset_calibration()
+    cache.begin_basis_calibration()
     try:
         while seq.num_computed < len(ids):
             n = min(chunk, len(ids) - seq.num_computed)
@@ -41,5 +43,5 @@ def calibrate_key_offsets(runner: ModelRunner, tokenizer, num_blocks: int, block
             runner.model.forward(batch, cache)
             seq.num_computed += n
     finally:
-        cache.end_offset_calibration()
+        cache.end_basis_calibration(offsets)
     return len(ids)

@@ -1,9 +1,9 @@
-"""The int4 KV cache: packed codes in a Hadamard-rotated basis with calibrated key offsets.
+"""The int4 KV cache: packed codes in a Hadamard-rotated basis with calibrated key scales and offsets.
 
-Checks the pieces (rotation, offsets, store) against their definitions, the engine's C++
-kernels against the reference backend, and on the demo model that rotation and offsets are
+Checks the pieces (rotation, key scales, offsets, store) against their definitions, the engine's C++
+kernels against the reference backend, and on the demo model that rotation, key scales and offsets are
 what make 4 bits hold: the KL divergence to the float cache of the engine's int4 is below that
-of plain int4 (both against the same float-cache logits).
+without key scales, and that below plain int4's (both against the same float-cache logits).
 """
 
 from __future__ import annotations
@@ -70,17 +70,44 @@ def test_store_removes_the_offset_before_quantizing():
         assert ((back - want).abs() <= step / 2 * (1 + 1e-5) + 1e-6).all()
 
 
-def test_calibration_sets_one_offset_per_layer_from_the_keys_written():
-    cache = KVCache(arch(16, layers=2), 4, 4, torch.float32, "int4")
-    cache.begin_offset_calibration()
-    keys = [torch.randn(7, 2, 16) + 2, torch.randn(5, 2, 16) - 1]
-    cache.store(0, keys[0][:4], torch.randn(4, 2, 16), torch.arange(4))
-    cache.store(0, keys[0][4:], torch.randn(3, 2, 16), torch.arange(4, 7))
-    cache.store(1, keys[1], torch.randn(5, 2, 16), torch.arange(5))
-    cache.end_offset_calibration()
+def test_calibration_sets_key_scales_and_offsets_from_the_queries_and_keys_seen():
+    """Per layer and KV head: scale ``(E q² / Var k) ** KEY_SCALE_POWER`` (query heads of a KV
+    head's group pooled, geometric mean 1), offset the mean scaled key rotated; both computed
+    here from all the tokens at once and compared with the cache's running sums."""
+    from llmopt.runtime.kv_cache import KEY_SCALE_POWER
+
+    cache = KVCache(arch(16, layers=2), 4, 4, torch.float64, "int4")
+    cache.begin_basis_calibration()
+    keys = [torch.randn(7, 2, 16, dtype=torch.float64) * torch.linspace(0.5, 3, 16, dtype=torch.float64) + 2,
+            torch.randn(5, 2, 16, dtype=torch.float64) - 1]
+    queries = [torch.randn(7, 6, 16, dtype=torch.float64) * torch.rand(16, dtype=torch.float64) * 4,
+               torch.randn(5, 6, 16, dtype=torch.float64)]
+    values = torch.randn(7, 2, 16, dtype=torch.float64)
+    for part in (slice(0, 4), slice(4, 7)):
+        cache.to_cache_basis(queries[0][part], keys[0][part], values[part], 0)
+    cache.to_cache_basis(queries[1], keys[1], values[:5], 1)
+    cache.end_basis_calibration()
     assert [o.shape for o in cache.k_offset] == [(2, 16), (2, 16)]
-    for offset, k in zip(cache.k_offset, keys):
-        torch.testing.assert_close(offset, k.mean(0))
+    assert [s.shape for s in cache.key_scale] == [(2, 16), (2, 16)]
+    for scale, offset, k, q in zip(cache.key_scale, cache.k_offset, keys, queries):
+        power = q.view(q.shape[0], 2, 3, 16).square().mean((0, 2))
+        want = (power / k.var(0, unbiased=False)) ** KEY_SCALE_POWER
+        want = want / want.log().mean(-1, keepdim=True).exp()
+        torch.testing.assert_close(scale.double(), want, rtol=1e-4, atol=0)  # the cache floors both by 1e-6 of their mean
+        torch.testing.assert_close(offset.double(), cache.rotate(k.mean(0) * want), rtol=1e-4, atol=1e-4)
+    # in the cache's basis every score is unchanged: q / s · k s = q · k
+    q, k = queries[0][:3], keys[0][:3]
+    q2, k2, _ = cache.to_cache_basis(q, k, values[:3], 0)
+    group = torch.arange(6) // 3
+    torch.testing.assert_close(torch.einsum("thd,shd->ths", q2, k2[:, group]), torch.einsum("thd,shd->ths", q, k[:, group]))
+
+
+def test_softcapped_models_calibrate_key_scales_without_offsets():
+    cache = KVCache(arch(16), 4, 4, torch.float32, "int4")
+    cache.begin_basis_calibration()
+    cache.to_cache_basis(torch.randn(5, 2, 16), torch.randn(5, 2, 16) + 3, torch.randn(5, 2, 16), 0)
+    cache.end_basis_calibration(offsets=False)
+    assert cache.k_offset == [None] and cache.key_scale[0].shape == (2, 16)
 
 
 def forced_logits(engine: LLMEngine, ids: list[int], chunk: int) -> torch.Tensor:
@@ -107,18 +134,24 @@ def test_int4_engine_on_the_cpu_kernels_equals_the_reference_backend(tmp_path):
     for kernels in ("cpu", "reference"):
         engine = LLMEngine(path, kernels=kernels, kv_cache_dtype="int4", block_size=4, max_num_seqs=1)
         assert engine.cache.rotation is not None and all(o is not None and o.shape == (2, 16) for o in engine.cache.k_offset)
+        assert all(s is not None and s.shape == (2, 16) for s in engine.cache.key_scale)
         logits[kernels] = forced_logits(engine, ids, 8)
     assert logits["cpu"].shape == (40, 259)
     torch.testing.assert_close(logits["cpu"], logits["reference"], rtol=1e-4, atol=1e-4)
 
 
-def test_rotation_and_offsets_cut_the_int4_error_on_the_demo_model():
+def test_rotation_offsets_and_key_scales_cut_the_int4_error_on_the_demo_model(monkeypatch):
+    import llmopt.runtime.kv_cache as kv_cache_module
     from llmopt.core.data import load_text
 
     text = load_text("wikitext2").documents[0][5000:9000]
     logp = {}
-    for variant in ("auto", "int4", "int4 plain"):
+    for variant in ("auto", "int4", "int4 unscaled", "int4 plain"):
+        # unscaled: calibrated with the key-scale power 0, so every key scale is 1
+        monkeypatch.setattr(kv_cache_module, "KEY_SCALE_POWER", 0.0 if variant == "int4 unscaled" else 0.15)
         engine = LLMEngine("demo", kv_cache_dtype=variant.split()[0], max_num_seqs=1)
+        if variant == "int4 unscaled":
+            assert all(torch.allclose(s, torch.ones_like(s)) for s in engine.cache.key_scale)
         if variant == "int4 plain":
             engine.cache.rotation, engine.cache.k_offset = None, [None] * len(engine.cache.k_offset)
         ids = engine.tokenizer.encode(text)[:256]
@@ -128,15 +161,16 @@ def test_rotation_and_offsets_cut_the_int4_error_on_the_demo_model():
     def kld(variant):
         return float((logp["auto"].exp() * (logp["auto"] - logp[variant])).sum(-1).mean())
 
-    ours, plain = kld("int4"), kld("int4 plain")
+    ours, unscaled, plain = kld("int4"), kld("int4 unscaled"), kld("int4 plain")
     assert 0 < ours < 0.1, ours
-    assert ours < 0.6 * plain, (ours, plain)
+    assert ours < 0.95 * unscaled, (ours, unscaled)  # 0.028 against 0.034 when written
+    assert unscaled < 0.6 * plain, (unscaled, plain)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2", "gemma3", "phi3", "gpt_neox"])
 def test_rotated_basis_and_key_offsets_are_exact_on_every_attention_path(kind, tmp_path):
-    """The int4 cache's rotation and key offsets change nothing by themselves: on a float cache
-    given a rotation and random offsets, logits equal the plain cache's. Covers the native
+    """The int4 cache's rotation, key scales and key offsets change nothing by themselves: on a
+    float cache given a rotation, random key scales and random offsets, logits equal the plain cache's. Covers the native
     models (sliding windows, Gemma 2's soft-capped scores, which keep no offsets, Gemma 3's q/k
     norms, Phi-3's fused projections) and the transformers path (GPT-NeoX: partial rotary)."""
     import test_runtime_architectures as native
@@ -150,6 +184,7 @@ def test_rotated_basis_and_key_offsets_are_exact_on_every_attention_path(kind, t
     cache = engine.cache
     dim = cache.head_dim
     cache.rotation = KVCache(arch(dim), 1, 4, torch.float32, "int4").rotation
+    cache.key_scale = [torch.rand(k.shape[0], dim) * 3 + 0.2 for k in cache.k]
     if engine.arch.attn_softcap is None:
         cache.k_offset = [torch.randn(k.shape[0], dim) * 3 for k in cache.k]
     rotated = forced_logits(engine, ids, 6)

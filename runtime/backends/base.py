@@ -170,10 +170,7 @@ class Backend:
         if qk_norm is not None:
             qk = F.rms_norm(qk, (dim,), None, eps) * qk_norm
         qk = apply_rotary(qk, batch.cos, batch.sin)
-        if cache.rotation is not None:
-            qkv = cache.rotate(torch.cat([qk, qkv[:, heads + kv_heads:]], dim=1))
-            qk = qkv[:, :heads + kv_heads]
-        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+        q, k, v = cache.to_cache_basis(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:], index)
         cache.store(index, k, v, batch.attn.slots)
         return q, k, v
 

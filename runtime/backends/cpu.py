@@ -111,8 +111,8 @@ class CpuBackend(Backend):
             self.ops.rope(qkv, batch.cos, batch.sin, heads, kv_heads, qk_norm, eps, k_cache, v_cache, slots)
         else:
             self.ops.rope(qkv, batch.cos, batch.sin, heads, kv_heads, qk_norm, eps, None, None, None)
-        qkv = cache.rotate(qkv.view(qkv.shape[0], heads + 2 * kv_heads, dim))
-        q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+        qkv = qkv.view(qkv.shape[0], heads + 2 * kv_heads, dim)
+        q, k, v = cache.to_cache_basis(qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], index)
         if not fused_write:
             cache.store(index, k, v, slots)
         return q, k, v

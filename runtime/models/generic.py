@@ -72,9 +72,8 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         step.seen.append((heads, key.shape[1], dim, tuple(unsupported)))
         return query.new_zeros(1, tokens, heads, dim), None
     cache, meta = step.cache, step.batch.attn
-    q = cache.rotate(query[0].transpose(0, 1)).contiguous()
-    k = cache.rotate(key[0].transpose(0, 1)).contiguous()
-    v = cache.rotate(value[0].transpose(0, 1)).contiguous()
+    q, k, v = cache.to_cache_basis(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), index)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cache.store(index, k, v, meta.slots)
     scale = scaling if scaling is not None else dim ** -0.5
     window = step.windows.get(sliding_window) if sliding_window else None
