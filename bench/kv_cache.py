@@ -243,7 +243,8 @@ def kernel_times(contexts: list[tuple[int, int]]) -> dict:
             v = torch.empty_like(k)
             ks = vs = None
             if kv_quant.is_quantized(kind):
-                ks, vs = (torch.empty(kv_heads, num_blocks * bs, *kv_quant.scale_shape(kind)) for _ in range(2))
+                ks, vs = (torch.empty(kv_heads, num_blocks * bs, *kv_quant.scale_shape(kind, dim), dtype=kv_quant.scale_dtype(kind))
+                          for _ in range(2))
             slots = torch.arange(num_blocks * bs)
             ref.write_kv(k, v, torch.randn(len(slots), kv_heads, dim), torch.randn(len(slots), kv_heads, dim), slots, ks, vs)
             spaces = ref.Workspace(storage), ref.Workspace(storage)

@@ -3,10 +3,11 @@
 Every variant runs the engine's forward on a float32 cache in the int4 cache's basis (the
 Hadamard rotation, key scales and key offsets the int4 engine calibrated) and rounds K and/or V
 as written (quantize, then dequantize): the same arithmetic as storing codes, so layouts the
-kernels do not have can be measured. Variants: the engine's layout (asymmetric int4 per token and
-KV head; checked against the int4 engine itself), keys only, values only, per-token groups of 32
-and 16 values, keys per channel over blocks of 16 tokens (KIVI's layout; decode steps, which
-write one token, fall back to per token), and int8 keys with int4 values. KL divergence to the
+kernels do not have can be measured. Variants: the engine's layout (asymmetric int4 with a
+float16 (scale, minimum) pair per 32 values; checked against the int4 engine itself), keys only,
+values only, one float32 pair per token and head (the layout before groups), a pair per 16
+values, keys per channel over blocks of 16 tokens (KIVI's layout; decode steps, which write one
+token, fall back to the engine's), and int8 keys with int4 values. KL divergence to the
 float cache on WikiText-2, ``--windows`` × ``--window`` tokens (chunks of 64, the last 64 as
 decode steps), as in ``bench/kv_cache.py``.
 
@@ -35,12 +36,19 @@ from kv_cache import engine_for, forced_logits, log  # noqa: E402
 Rounding = Callable[[torch.Tensor], torch.Tensor]
 
 
-def int4_groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    """``x`` ``[..., head_dim]`` rounded to asymmetric int4 per ``group`` values (the cache's codes)."""
+def asymmetric_int4(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` rounded to asymmetric int4 per ``group`` values of its last dimension, float32 pairs."""
+    grouped = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    low, high = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
+    step = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    return (((grouped - low) / step).round().clamp(0, 15) * step + low).reshape(x.shape)
+
+
+def engine_int4(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the int4 cache stores it (``kv_quant``: float16 pairs per group of 32)."""
     from llmopt.runtime.kernels import kv_quant
 
-    grouped = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
-    return kv_quant.dequantize(*kv_quant.quantize(grouped, "int4"), torch.float32).reshape(x.shape)
+    return kv_quant.dequantize(*kv_quant.quantize(x, "int4"), torch.float32)
 
 
 def int8_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -56,20 +64,20 @@ def int4_channels(x: torch.Tensor, tokens: int, fallback: Rounding) -> torch.Ten
     if count % tokens:
         return fallback(x)
     runs = x.float().reshape(count // tokens, tokens, *x.shape[1:]).movedim(1, -1)  # [runs, heads, dim, tokens]
-    return int4_groups(runs, tokens).movedim(-1, 1).reshape(x.shape)
+    return asymmetric_int4(runs, tokens).movedim(-1, 1).reshape(x.shape)
 
 
 def variants(head_dim: int) -> dict[str, tuple[Rounding | None, Rounding | None]]:
     """Name → (keys' rounding, values' rounding); None keeps float."""
-    per_token = partial(int4_groups, group=head_dim)
     return {
-        "keys and values, per token (the engine's layout)": (per_token, per_token),
-        "keys only, per token": (per_token, None),
-        "values only, per token": (None, per_token),
-        "keys and values, per token, groups of 32": (partial(int4_groups, group=32), partial(int4_groups, group=32)),
-        "keys and values, per token, groups of 16": (partial(int4_groups, group=16), partial(int4_groups, group=16)),
-        "keys per channel over 16 tokens, values per token": (partial(int4_channels, tokens=16, fallback=per_token), per_token),
-        "keys int8, values int4 per token": (int8_tokens, per_token),
+        "keys and values, the engine's layout (a float16 pair per 32 values)": (engine_int4, engine_int4),
+        "keys only, the engine's layout": (engine_int4, None),
+        "values only, the engine's layout": (None, engine_int4),
+        "keys and values, one float32 pair per token and head": (partial(asymmetric_int4, group=head_dim),) * 2,
+        "keys and values, a pair per 16 values": (partial(asymmetric_int4, group=16),) * 2,
+        "keys per channel over 16 tokens, values in the engine's layout": (
+            partial(int4_channels, tokens=16, fallback=engine_int4), engine_int4),
+        "keys int8, values in the engine's layout": (int8_tokens, engine_int4),
     }
 
 

@@ -19,7 +19,8 @@ class KVCache:
     ``kv_cache_dtype`` ``auto`` stores values in the model's dtype; ``int8`` / ``fp8`` store
     codes (one byte each) with float32 scales ``[kv_heads, num_blocks * block_size]`` per layer
     (one per token and KV head, see ``kernels.kv_quant``); ``int4`` packs two codes per byte
-    (last dimension ``head_dim / 2``) with a (scale, minimum) pair per token and KV head.
+    (last dimension ``head_dim / 2``) with a float16 (scale, minimum) pair per group of 32 values
+    of a token and KV head (scales ``[kv_heads, slots, groups, 2]``).
 
     An int4 cache holds K and V in a rotated basis: ``rotation`` (a block-diagonal Hadamard
     matrix over ``head_dim``, orthogonal and symmetric) multiplies queries, keys and values
@@ -55,7 +56,8 @@ class KVCache:
         self.k_scale: list[torch.Tensor | None] = [None] * arch.num_layers
         self.v_scale: list[torch.Tensor | None] = [None] * arch.num_layers
         if kv_quant.is_quantized(kv_cache_dtype):
-            self.scales = torch.empty(shape[:-1] + kv_quant.scale_shape(kv_cache_dtype), dtype=kv_quant.SCALE_DTYPE, device=device)
+            self.scales = torch.empty(shape[:-1] + kv_quant.scale_shape(kv_cache_dtype, arch.head_dim),
+                                      dtype=kv_quant.scale_dtype(kv_cache_dtype), device=device)
             self.k_scale = [self.scales[i, 0] for i in range(arch.num_layers)]
             self.v_scale = [self.scales[i, 1] for i in range(arch.num_layers)]
         self.k_space = Workspace(storage, device)  # scratch for gathered context, reused by every layer
@@ -75,9 +77,9 @@ class KVCache:
         per_token_head = arch.head_dim // kv_quant.values_per_element(kv_cache_dtype) * element
         if kv_quant.is_quantized(kv_cache_dtype):
             scales = 1
-            for n in kv_quant.scale_shape(kv_cache_dtype):
+            for n in kv_quant.scale_shape(kv_cache_dtype, arch.head_dim):
                 scales *= n
-            per_token_head += scales * torch.empty((), dtype=kv_quant.SCALE_DTYPE).element_size()
+            per_token_head += scales * torch.empty((), dtype=kv_quant.scale_dtype(kv_cache_dtype)).element_size()
         return arch.num_layers * 2 * arch.num_kv_heads * block_size * per_token_head
 
     @property

@@ -78,8 +78,8 @@ def random_cache(batch: int, kv_heads: int, dim: int, block_size: int, kind: str
         k_cache, v_cache = torch.full(shape, 0x7F, dtype=storage), torch.full(shape, 0x7F, dtype=storage)
     k_scale = v_scale = None
     if kv_quant.is_quantized(kind):
-        k_scale = torch.full(shape[:2] + kv_quant.scale_shape(kind), float("nan"))
-        v_scale = torch.full(shape[:2] + kv_quant.scale_shape(kind), float("nan"))
+        k_scale = torch.full(shape[:2] + kv_quant.scale_shape(kind, dim), float("nan"), dtype=kv_quant.scale_dtype(kind))
+        v_scale = torch.full(shape[:2] + kv_quant.scale_shape(kind, dim), float("nan"), dtype=kv_quant.scale_dtype(kind))
     for table, n in zip(tables, lens):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
         k = (torch.randn(n, kv_heads, dim) * rng.uniform(0.5, 3)).to(dtype)
@@ -155,7 +155,7 @@ def test_half_precision_caches(dtype, portable):
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [64, 80, 128])  # int4: 2, 1 and 4 groups of (scale, minimum)
 @pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
 def test_quantized_kv_matches_dequantized_reference(threads, kind, dim, portable):
     for group in (1, 3, 4):
@@ -191,22 +191,28 @@ def test_kv_quantization_error_is_bounded():
     torch.testing.assert_close(back.abs().amax(-1, keepdim=True), amax, rtol=1e-6, atol=0)  # 448 * scale: exact
 
 
-def test_int4_kv_codes_round_trip():
-    """Packed int4: codes 0..15 two per byte (even element low), (scale, minimum) pairs; each
-    value within half a step of the input, each row's minimum and maximum kept exactly."""
-    x = torch.randn(40, 3, 64) * torch.rand(40, 3, 1) * 10 + torch.randn(40, 3, 1)
+@pytest.mark.parametrize("dim,groups", [(64, 2), (128, 4), (80, 1)])
+def test_int4_kv_codes_round_trip(dim, groups):
+    """Packed int4: codes 0..15 two per byte (even element low), float16 (scale, minimum) pairs
+    per group of 32 values (one group when 32 does not divide head_dim), the codes fitted to
+    the rounded pair; each value within half a step of the input (plus the pair's float16
+    rounding), a constant group kept exactly."""
+    x = torch.randn(40, 3, dim) * torch.rand(40, 3, 1) * 10 + torch.randn(40, 3, 1)
     x[0, 0] = 2.5  # a constant row: zero range
     codes, pairs = kv_quant.quantize(x, "int4")
-    assert codes.shape == (40, 3, 32) and codes.dtype == torch.uint8 and pairs.shape == (40, 3, 2)
-    scale, low = pairs[..., 0], pairs[..., 1]
-    torch.testing.assert_close(low, x.amin(-1))
-    torch.testing.assert_close(scale, ((x.amax(-1) - x.amin(-1)) / 15).clamp_min(torch.finfo(torch.float32).tiny))
-    unpacked = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)
-    torch.testing.assert_close(unpacked.float(), ((x - low[..., None]) / scale[..., None]).round().clamp(0, 15))
+    assert codes.shape == (40, 3, dim // 2) and codes.dtype == torch.uint8
+    assert pairs.shape == (40, 3, groups, 2) and pairs.dtype == torch.float16
+    grouped = x.view(40, 3, groups, dim // groups)
+    scale, low = pairs[..., 0].float(), pairs[..., 1].float()
+    torch.testing.assert_close(low, grouped.amin(-1).half().float(), rtol=0, atol=0)
+    torch.testing.assert_close(scale, ((grouped.amax(-1) - low) / 15).half().float(), rtol=0, atol=0)
+    unpacked = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).view(grouped.shape)
+    step = scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    torch.testing.assert_close(unpacked.float(), ((grouped - low[..., None]) / step).round().clamp(0, 15))
     back = kv_quant.dequantize(codes, pairs, torch.float32)
     assert back.shape == x.shape
-    assert ((back - x).abs() <= scale[..., None] / 2 * (1 + 1e-5) + 1e-6).all()
-    torch.testing.assert_close(back.amax(-1), x.amax(-1), rtol=1e-5, atol=1e-5)
+    bound = (scale[..., None] / 2 * 1.01 + low.abs()[..., None] * 2 ** -10 + 1e-6)  # float16 pairs round by 2^-11
+    assert ((back.view(grouped.shape) - grouped).abs() <= bound).all()
     assert (back[0, 0] == 2.5).all()
     with pytest.raises(LlmoptError, match="odd"):
         kv_quant.quantize(torch.randn(2, 1, 7), "int4")
@@ -237,7 +243,7 @@ def test_bad_inputs_are_errors():
 # KV cache memory
 
 
-@pytest.mark.parametrize("kind", ["auto", "float16", "bfloat16", "int8", "fp8"])
+@pytest.mark.parametrize("kind", ["auto", "float16", "bfloat16", "int8", "fp8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_cache_bytes_include_scales(kind, dtype):
     arch = SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=64)  # only the shape facts are needed
@@ -245,9 +251,10 @@ def test_kv_cache_bytes_include_scales(kind, dtype):
     per_block = KVCache.bytes_per_block(arch, 16, dtype, kind)
     assert cache.nbytes == 10 * per_block
     assert cache.data.dtype == {"auto": dtype, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(kind, cache.data.dtype)
-    value = {"auto": torch.empty((), dtype=dtype).element_size(), "float16": 2, "bfloat16": 2}.get(kind, 1)
-    scale = 4 if kind in ("int8", "fp8") else 0
-    assert per_block == 3 * 2 * 2 * 16 * (64 * value + scale)
+    # bytes per token and KV head: values, then scales (int4: two float16 (scale, minimum) pairs of 32 values)
+    per_head = {"auto": 64 * torch.empty((), dtype=dtype).element_size(), "float16": 128, "bfloat16": 128,
+                "int8": 64 + 4, "fp8": 64 + 4, "int4": 32 + 2 * 4}[kind]
+    assert per_block == 3 * 2 * 2 * 16 * per_head
 
 
 def test_kv_budget_gives_more_blocks_when_quantized(tmp_path):

@@ -168,7 +168,8 @@ def paged_case(lens: list[int], heads: int, kv_heads: int, dim: int, block_size:
     if kv_quant.is_quantized(kv):
         storage = kv_quant.storage_dtype(kv, dtype)
         k_cache, v_cache = (torch.randint(-128 if storage == torch.int8 else 0, 128, shape).to(storage) for _ in range(2))
-        k_scale, v_scale = (torch.full(shape[:2] + kv_quant.scale_shape(kv), float("nan")) for _ in range(2))
+        k_scale, v_scale = (torch.full(shape[:2] + kv_quant.scale_shape(kv, dim), float("nan"), dtype=kv_quant.scale_dtype(kv))
+                            for _ in range(2))
     else:
         k_cache = torch.full(shape, float("nan"), dtype=dtype)
         v_cache = k_cache.clone()
@@ -207,6 +208,7 @@ ATTENTION_CASES = [
     ([100, 100], 4, 4, 64, 16, None),  # MHA, every sequence full width (no mask)
     ([129, 5], 8, 2, 64, 32, 4),  # GQA 4, empty partitions for the short sequence
     ([200], 9, 3, 64, 16, 2),  # SmolLM2-like heads
+    ([33, 90], 4, 2, 128, 16, None),  # head dim 128: four int4 (scale, minimum) groups
 ]
 
 
@@ -227,7 +229,7 @@ def test_paged_decode_attention_matches_reference(case: int, dtype: torch.dtype)
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8", "int4"])
-@pytest.mark.parametrize("case", [0, 1, 3])
+@pytest.mark.parametrize("case", [0, 1, 3, 5])
 def test_paged_decode_attention_quantized_cache(case: int, kv: str) -> None:
     check_attention(case, torch.float16, kv)
 

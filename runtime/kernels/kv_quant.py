@@ -1,15 +1,19 @@
 """KV cache storage: the model's dtype, a 16-bit float (``float16`` / ``bfloat16``: rounded as
 written, widened as read), int8 / float8 e4m3 codes with one float32 scale per token and KV
-head, or int4 codes with a float32 scale and minimum per token and KV head.
+head, or int4 codes with a float16 scale and minimum per group of 32 values of a token and KV
+head.
 
 int8 / fp8: a token's head vector ``x`` (``head_dim`` values) is stored as ``codes = x / s``
 with ``s = max|x| / QMAX`` (127 for int8, rounded to nearest; 448 for e4m3, the largest finite
 value). Float8 codes are kept as their raw bytes (``uint8``), because torch's CPU indexing ops
 do not take float8 tensors; ``dequantize`` reinterprets them.
 
-int4 (asymmetric): ``codes = round((x - min) / s)`` in 0..15 with ``s = (max - min) / 15``, two
+int4 (asymmetric, per group of ``int4_group(head_dim)`` values: 32, or the whole head when 32
+does not divide it): ``codes = round((x - min) / s)`` in 0..15 with ``s = (max - min) / 15``
+and ``s`` and ``min`` rounded to float16 first (the codes are fitted to the stored pair), two
 codes per byte (element ``2i`` in the low nibble of byte ``i``), so the cache's last dimension
-is ``head_dim / 2``; scales are ``[..., 2]`` pairs ``(s, min)``. The runtime stores int4 K/V in
+is ``head_dim / 2``; scales are ``[..., groups, 2]`` float16 pairs ``(s, min)``: 5 bits a value
+for groups of 32, as llama.cpp's q4_1. The runtime stores int4 K/V in
 a Hadamard-rotated basis with a calibrated key offset removed (``runtime.kv_cache``): rotation
 spreads a head's outlier channels over all of them, which is what makes 4 bits hold.
 """
@@ -23,8 +27,9 @@ KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "int8", "int4")
 FLOAT_STORAGE = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 QMAX = {"int8": 127.0, "fp8": 448.0}
 STORAGE = {"int8": torch.int8, "fp8": torch.uint8, "int4": torch.uint8}
-SCALE_DTYPE = torch.float32
+SCALE_DTYPE = torch.float32  # int8 / fp8; int4 keeps float16 pairs (scale_dtype)
 INT4_LEVELS = 15
+INT4_GROUP = 32
 
 
 def check_kv_cache_dtype(kind: str) -> None:
@@ -47,22 +52,33 @@ def values_per_element(kind: str) -> int:
     return 2 if kind == "int4" else 1
 
 
-def scale_shape(kind: str) -> tuple[int, ...]:
-    """The trailing shape of one token-head's scales: ``(2,)`` (scale, minimum) for int4, ``()`` otherwise."""
-    return (2,) if kind == "int4" else ()
+def int4_group(head_dim: int) -> int:
+    """Values per int4 (scale, minimum) pair: 32, or the whole head when 32 does not divide it."""
+    return INT4_GROUP if head_dim % INT4_GROUP == 0 else head_dim
+
+
+def scale_shape(kind: str, head_dim: int) -> tuple[int, ...]:
+    """The trailing shape of one token-head's scales: ``(groups, 2)`` (scale, minimum) pairs for
+    int4, ``()`` otherwise."""
+    return (head_dim // int4_group(head_dim), 2) if kind == "int4" else ()
+
+
+def scale_dtype(kind: str) -> torch.dtype:
+    """float16 for int4's (scale, minimum) pairs, float32 for int8 / fp8 scales."""
+    return torch.float16 if kind == "int4" else SCALE_DTYPE
 
 
 def kind_of(cache: torch.Tensor, scales: torch.Tensor | None = None) -> str:
-    """``int8`` / ``fp8`` / ``int4`` for a quantized cache tensor (int4 by its ``[..., 2]``
+    """``int8`` / ``fp8`` / ``int4`` for a quantized cache tensor (int4 by its ``[..., groups, 2]``
     scales), ``auto`` for a float one."""
-    if scales is not None and scales.dim() == cache.dim():
+    if scales is not None and scales.dim() == cache.dim() + 1:
         return "int4"
     return {torch.int8: "int8", torch.uint8: "fp8"}.get(cache.dtype, "auto")
 
 
 def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (``x``'s shape, or its last dimension halved for int4) and scales (``x.shape[:-1]``,
-    plus ``(2,)`` for int4; float32) of ``x``."""
+    """Codes (``x``'s shape, or its last dimension halved for int4) and scales (``x.shape[:-1]``
+    in float32, or ``x.shape[:-1] + (groups, 2)`` float16 pairs for int4) of ``x``."""
     x = x.float()
     if kind == "int4":
         return _quantize_int4(x)
@@ -77,17 +93,24 @@ def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.shape[-1] % 2:
         raise LlmoptError(f"an int4 KV cache packs two values per byte; head_dim {x.shape[-1]} is odd",
                           "use kv_cache_dtype int8 for this model")
-    low, high = x.amin(dim=-1), x.amax(dim=-1)
-    scale = ((high - low) / INT4_LEVELS).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = ((x - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round_().clamp_(0, INT4_LEVELS).to(torch.uint8)
+    dim = x.shape[-1]
+    group = int4_group(dim)
+    grouped = x.view(*x.shape[:-1], dim // group, group)
+    largest = torch.finfo(torch.float16).max
+    low = grouped.amin(dim=-1).clamp(-largest, largest).to(torch.float16)
+    scale = ((grouped.amax(dim=-1) - low.float()) / INT4_LEVELS).clamp(max=largest).to(torch.float16)
+    step = scale.float().clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    codes = ((grouped - low.float().unsqueeze(-1)) / step).round_().clamp_(0, INT4_LEVELS).to(torch.uint8).view(x.shape)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, torch.stack([scale, low], dim=-1)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Values in ``dtype`` of ``codes`` and their scales (see :func:`quantize`)."""
-    if scale.dim() == codes.dim():  # int4: (scale, minimum) pairs
+    if scale.dim() == codes.dim() + 1:  # int4: (scale, minimum) pairs per group
         values = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2).float()
-        return (values * scale[..., :1] + scale[..., 1:]).to(dtype)
+        grouped = values.view(*values.shape[:-1], scale.shape[-2], -1)
+        pairs = scale.float()
+        return (grouped * pairs[..., :1] + pairs[..., 1:]).flatten(-2).to(dtype)
     values = codes.view(torch.float8_e4m3fn).float() if codes.dtype == torch.uint8 else codes.float()
     return (values * scale.unsqueeze(-1)).to(dtype)

@@ -7,7 +7,7 @@ holds head ``h`` of block ``b``: a gather of such rows (``gather_rows``) lays ea
 out contiguously. Gathers write into reusable workspace buffers: a fresh multi-megabyte tensor
 per layer costs page faults that dwarf the copy itself. A quantized cache (int8 / float8 codes,
 or packed int4 codes, see ``kv_quant``) has scales ``[kv_heads, num_blocks * block_size]``
-(int4: ``[..., 2]``) beside it: ``write_kv`` quantizes, and the attention functions dequantize
+(int4: ``[..., groups, 2]`` float16 pairs) beside it: ``write_kv`` quantizes, and the attention functions dequantize
 the gathered rows.
 """
 

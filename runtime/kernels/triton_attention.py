@@ -38,17 +38,19 @@ KV_KINDS = {"auto": 0, "int8": 1, "fp8": 2, "int4": 3}  # float cache / int8 cod
 if triton is not None:
 
     @triton.jit
-    def _load_kv(base, scales, slot, offs_d, t_mask, d_mask, stride_t, KV_KIND: tl.constexpr):
+    def _load_kv(base, scales, slot, offs_d, t_mask, d_mask, stride_t, KV_KIND: tl.constexpr, INT4_GROUP: tl.constexpr,
+                 HEAD_DIM: tl.constexpr):
         """``[tokens, head_dim]`` of one head at ``slot``: the cache's floats, or float32 values
-        of quantized codes times their per-token scales (int4: codes times scale plus minimum).
-        Masked-out entries read zero."""
+        of quantized codes times their per-token scales (int4: codes times the scale plus the
+        minimum of their group of ``INT4_GROUP`` values, float16 pairs). Masked-out entries read zero."""
         if KV_KIND == 3:  # element d is nibble d % 2 of byte d // 2
             mask = t_mask[:, None] & d_mask[None, :]
             byte = tl.load(base + slot[:, None] * stride_t + (offs_d // 2)[None, :], mask=mask, other=0)
             codes = ((byte.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 15).to(tl.float32)
-            step = tl.load(scales + 2 * slot, mask=t_mask, other=0.0)
-            low = tl.load(scales + 2 * slot + 1, mask=t_mask, other=0.0)
-            return tl.where(mask, codes * step[:, None] + low[:, None], 0.0)
+            pair = scales + 2 * (slot[:, None] * (HEAD_DIM // INT4_GROUP) + (offs_d // INT4_GROUP)[None, :])
+            step = tl.load(pair, mask=mask, other=0.0).to(tl.float32)
+            low = tl.load(pair + 1, mask=mask, other=0.0).to(tl.float32)
+            return tl.where(mask, codes * step + low, 0.0)
         x = tl.load(base + slot[:, None] * stride_t + offs_d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0)
         if KV_KIND != 0:
             if KV_KIND == 1:
@@ -64,7 +66,7 @@ if triton is not None:
         qk_scale, tokens_per_part, block_size, num_parts,
         stride_qb, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_sh, stride_tb, stride_ob,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, INT4_GROUP: tl.constexpr,
     ):
         """``qk_scale`` is the softmax scale times log2(e): scores are kept in base 2. Scales of a
         quantized cache are ``[kv_heads, slots]`` with row stride ``stride_sh``."""
@@ -99,8 +101,8 @@ if triton is not None:
             block = tl.load(table + ts // block_size, mask=t_mask, other=0)
             slot = block.to(tl.int64) * block_size + ts % block_size
             # Slots past the context were never written (NaN included): masked loads read zeros.
-            k = _load_kv(k_head, k_scales, slot, offs_d, t_mask, d_mask, stride_kt, KV_KIND).to(dtype)
-            v = _load_kv(v_head, v_scales, slot, offs_d, t_mask, d_mask, stride_vt, KV_KIND).to(dtype)
+            k = _load_kv(k_head, k_scales, slot, offs_d, t_mask, d_mask, stride_kt, KV_KIND, INT4_GROUP, HEAD_DIM).to(dtype)
+            v = _load_kv(v_head, v_scales, slot, offs_d, t_mask, d_mask, stride_vt, KV_KIND, INT4_GROUP, HEAD_DIM).to(dtype)
             if DOT_F32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -175,7 +177,7 @@ def triton_paged_decode_attention(
 
     ``q`` ``[B, heads, head_dim]``; caches ``[kv_heads, slots, head_dim]``, float or int8 /
     float8-byte codes with float32 ``k_scale``/``v_scale`` ``[kv_heads, slots]`` (int4:
-    ``[kv_heads, slots, head_dim / 2]`` bytes with ``[kv_heads, slots, 2]`` pairs);
+    ``[kv_heads, slots, head_dim / 2]`` bytes with float16 ``[kv_heads, slots, groups, 2]`` pairs);
     ``block_tables`` ``[B, n]`` and ``context_lens`` ``[B]`` on ``q``'s device. ``max_context``
     bounds the lengths without reading them back (default ``n * block_size``); ``num_parts``
     fixes the context partitions (default: enough to fill the GPU). Returns (or writes ``out``)
@@ -196,7 +198,9 @@ def triton_paged_decode_attention(
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' head dimension must be contiguous")
     if quantized and (not k_scale.is_contiguous() or v_scale.stride() != k_scale.stride()):
-        raise ValueError("the KV scales must be contiguous [kv_heads, slots] ([kv_heads, slots, 2] for int4)")
+        raise ValueError("the KV scales must be contiguous [kv_heads, slots] ([kv_heads, slots, groups, 2] for int4)")
+    if kind == "int4" and k_scale.shape[2:] != kv_quant.scale_shape("int4", dim):
+        raise ValueError(f"int4 KV scales must be [kv_heads, slots, {dim // kv_quant.int4_group(dim)}, 2] for head_dim {dim}")
     group = heads // kv_heads
     if out is None:
         out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
@@ -228,7 +232,7 @@ def triton_paged_decode_attention(
         scales[0].stride(0), block_tables.stride(0), out.stride(0),
         GROUP=group, HEAD_DIM=dim, KV_KIND=KV_KINDS[kind], SPLIT=split,
         DOT_F32=dot_dtype_is_f32(q.dtype), BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_T=BLOCK_T,
-        num_warps=4, num_stages=2,
+        INT4_GROUP=kv_quant.int4_group(dim), num_warps=4, num_stages=2,
     )
     if split:
         _combine_parts_kernel[(batch, heads)](

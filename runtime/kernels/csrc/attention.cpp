@@ -5,8 +5,9 @@
 // the block_size rows of block b for head h are contiguous. Caches hold float32 / bfloat16 /
 // float16 values, or quantized codes (int8, or float8 e4m3 bytes as uint8) with one float32 scale
 // per token and KV head ([kv_heads, num_blocks * block_size]), or int4 codes packed two per byte
-// (last dimension head_dim / 2, element 2i in the low nibble of byte i) with a float32 (scale,
-// minimum) pair per token and KV head ([kv_heads, num_blocks * block_size, 2]).
+// (last dimension head_dim / 2, element 2i in the low nibble of byte i) with a float16 (scale,
+// minimum) pair per group of values of a token and KV head ([kv_heads, num_blocks * block_size,
+// groups, 2]; groups of 32, or one for a head_dim 32 does not divide).
 //
 // Work items are (sequence, KV head, context split). An item reads each block of its KV head
 // once for all the query heads sharing it (grouped-query attention), converts it to float32,
@@ -39,6 +40,7 @@ constexpr int64_t kMinTaskMacs = 1 << 18;
 // Shapes and strides of one call.
 struct Shape {
   int64_t heads, kv_heads, group, dim, block_size, num_slots;
+  int64_t int4_group;  // values per (scale, minimum) pair of an int4 cache
 };
 
 // Per-item scratch: the item's queries (pre-scaled), softmax state and accumulators.
@@ -89,18 +91,25 @@ struct Int4Pair {
 // Head values per stored element and scales per token-head of a cache element type.
 template <typename T>
 constexpr int64_t values_per_element() { return std::is_same<T, Int4Pair>::value ? 2 : 1; }
+// Scales per token-head of a cache, in float32 units: int4's float16 pairs, one per group, take
+// one float32's room each.
 template <typename T>
-constexpr int64_t scales_per_token() { return std::is_same<T, Int4Pair>::value ? 2 : 1; }
+int64_t scales_per_token(const Shape& sh) { return std::is_same<T, Int4Pair>::value ? sh.dim / sh.int4_group : 1; }
 
-// n rows of dim int4 codes with their (scale, minimum) pairs -> float32 values.
-void int4_rows(const Int4Pair* src, const float* pairs, int64_t n, int64_t dim, float* out) {
+// An int4 block's float16 (scale, minimum) pairs, passed through the float32 scale pointer.
+inline const c10::Half* int4_pairs(const float* scales) { return reinterpret_cast<const c10::Half*>(scales); }
+
+// n rows of dim int4 codes with their (scale, minimum) pairs, one per group values -> float32 values.
+void int4_rows(const Int4Pair* src, const c10::Half* pairs, int64_t n, int64_t dim, int64_t group, float* out) {
   for (int64_t t = 0; t < n; ++t) {
-    const float scale = pairs[2 * t], low = pairs[2 * t + 1];
     const Int4Pair* row = src + t * dim / 2;
     float* o = out + t * dim;
-    for (int64_t i = 0; i < dim / 2; ++i) {
-      o[2 * i] = static_cast<float>(row[i].bits & 0xF) * scale + low;
-      o[2 * i + 1] = static_cast<float>(row[i].bits >> 4) * scale + low;
+    for (int64_t start = 0; start < dim; start += group, pairs += 2) {
+      const float scale = static_cast<float>(pairs[0]), low = static_cast<float>(pairs[1]);
+      for (int64_t i = start / 2; i < (start + group) / 2; ++i) {
+        o[2 * i] = static_cast<float>(row[i].bits & 0xF) * scale + low;
+        o[2 * i + 1] = static_cast<float>(row[i].bits >> 4) * scale + low;
+      }
     }
   }
 }
@@ -158,8 +167,8 @@ void attend_block(const T* k, const T* v, const float* ks, const float* vs, int6
 template <>
 void attend_block<Int4Pair>(const Int4Pair* k, const Int4Pair* v, const float* ks, const float* vs, int64_t n,
                             const Shape& sh, State& st) {
-  int4_rows(k, ks, n, sh.dim, st.kf);
-  int4_rows(v, vs, n, sh.dim, st.vf);
+  int4_rows(k, int4_pairs(ks), n, sh.dim, sh.int4_group, st.kf);
+  int4_rows(v, int4_pairs(vs), n, sh.dim, sh.int4_group, st.vf);
   attend_block<float>(st.kf, st.vf, nullptr, nullptr, n, sh, st);
 }
 
@@ -330,19 +339,23 @@ LLMOPT_AVX2 inline __m256 int4x8(const Int4Pair* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
 }
 
-LLMOPT_AVX2 void int4_rows_avx2(const Int4Pair* src, const float* pairs, int64_t n, int64_t dim, float* out) {
+// As int4_rows; group is a multiple of 8 here (dim is, and group is 32 or dim).
+LLMOPT_AVX2 void int4_rows_avx2(const Int4Pair* src, const c10::Half* pairs, int64_t n, int64_t dim, int64_t group, float* out) {
   for (int64_t t = 0; t < n; ++t) {
-    const __m256 scale = _mm256_set1_ps(pairs[2 * t]), low = _mm256_set1_ps(pairs[2 * t + 1]);
     const Int4Pair* row = src + t * dim / 2;
-    for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(out + t * dim + d, _mm256_fmadd_ps(int4x8(row + d / 2), scale, low));
+    for (int64_t start = 0; start < dim; start += group, pairs += 2) {
+      const __m256 scale = _mm256_set1_ps(static_cast<float>(pairs[0])), low = _mm256_set1_ps(static_cast<float>(pairs[1]));
+      for (int64_t d = start; d < start + group; d += 8)
+        _mm256_storeu_ps(out + t * dim + d, _mm256_fmadd_ps(int4x8(row + d / 2), scale, low));
+    }
   }
 }
 
 template <>
 LLMOPT_AVX2 void attend_block<Int4Pair>(const Int4Pair* k, const Int4Pair* v, const float* ks, const float* vs, int64_t n,
                                         const Shape& sh, State& st) {
-  int4_rows_avx2(k, ks, n, sh.dim, st.kf);
-  int4_rows_avx2(v, vs, n, sh.dim, st.vf);
+  int4_rows_avx2(k, int4_pairs(ks), n, sh.dim, sh.int4_group, st.kf);
+  int4_rows_avx2(v, int4_pairs(vs), n, sh.dim, sh.int4_group, st.vf);
   attend_block<float>(st.kf, st.vf, nullptr, nullptr, n, sh, st);
 }
 
@@ -393,11 +406,11 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
 #endif
   const int64_t B = q.size(0), H = sh.kv_heads, G = sh.group, D = sh.dim, bs = sh.block_size;
   const int64_t num_blocks = sh.num_slots / bs;
-  const int64_t row = D / values_per_element<T>(), per_token = scales_per_token<T>();  // elements and scales per token
+  const int64_t row = D / values_per_element<T>(), per_token = scales_per_token<T>(sh);  // elements and scales per token
   const T* k = reinterpret_cast<const T*>(k_cache.data_ptr());
   const T* v = reinterpret_cast<const T*>(v_cache.data_ptr());
-  const float* ks = k_scale ? k_scale->data_ptr<float>() : nullptr;
-  const float* vs = v_scale ? v_scale->data_ptr<float>() : nullptr;
+  const float* ks = k_scale ? reinterpret_cast<const float*>(k_scale->data_ptr()) : nullptr;  // int4: float16 pairs
+  const float* vs = v_scale ? reinterpret_cast<const float*>(v_scale->data_ptr()) : nullptr;
   const Q* qp = reinterpret_cast<const Q*>(q.data_ptr());
   Q* op = reinterpret_cast<Q*>(out.data_ptr());
   const int64_t q_stride0 = q.stride(0), q_stride1 = q.stride(1), out_stride = out.stride(0);
@@ -506,8 +519,8 @@ int64_t auto_splits(int64_t pairs, int64_t longest, int64_t block_size) {
 }  // namespace
 
 // q [B, heads, dim] (last dim contiguous); caches [kv_heads, slots, dim] contiguous (int4: dim / 2
-// uint8); scales [kv_heads, slots] float32 for int8 / uint8 (float8 e4m3) caches, [kv_heads, slots, 2]
-// for int4; tables [B, width] and lens [B]
+// uint8); scales [kv_heads, slots] float32 for int8 / uint8 (float8 e4m3) caches, float16
+// [kv_heads, slots, groups, 2] for int4 (groups: head_dim / 32, or 1); tables [B, width] and lens [B]
 // int32 or int64; out [B, heads * dim] of q's dtype (written, not read). splits 0: automatic.
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
@@ -518,7 +531,8 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
               "caches must be contiguous [kv_heads, slots, dim] tensors of one shape");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   const int64_t B = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0), slots = k_cache.size(1);
-  const bool int4 = k_scale.has_value() && k_scale->dim() == 3;
+  const bool int4 = k_scale.has_value() && k_scale->dim() == 4;
+  const int64_t int4_group = dim % 32 == 0 ? 32 : dim;  // kv_quant.int4_group
   TORCH_CHECK(k_cache.size(2) * (int4 ? 2 : 1) == dim, "head_dim of q (", dim, ") and cache (", k_cache.size(2),
               int4 ? " packed int4 pairs" : "", ") differ");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (", kv_heads, ")");
@@ -530,9 +544,10 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()), "quantized caches need K and V scales; float caches take none");
   if (quantized)
     for (const auto* t : {&*k_scale, &*v_scale})
-      TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == (int4 ? 3 : 2) && t->size(0) == kv_heads &&
-                  t->size(1) == slots && (!int4 || (t->size(2) == 2 && k_cache.scalar_type() == torch::kByte)),
-                  "scales must be contiguous float32 [kv_heads, slots] (int4 uint8 caches: [kv_heads, slots, 2])");
+      TORCH_CHECK(t->scalar_type() == (int4 ? torch::kHalf : torch::kFloat) && t->is_contiguous() && t->dim() == (int4 ? 4 : 2) &&
+                  t->size(0) == kv_heads && t->size(1) == slots &&
+                  (!int4 || (t->size(2) == dim / int4_group && t->size(3) == 2 && k_cache.scalar_type() == torch::kByte)),
+                  "scales must be contiguous float32 [kv_heads, slots] (int4 uint8 caches: float16 [kv_heads, slots, head_dim / 32, 2])");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == B && out.size(1) == heads * dim && out.stride(1) == 1 && out.scalar_type() == q.scalar_type(),
               "out must be [batch, heads * dim] of q's dtype");
   const torch::Tensor tables64 = tables.to(torch::kLong).contiguous(), lens64 = lens.to(torch::kLong).contiguous();
@@ -543,7 +558,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
     longest = std::max(longest, n);
   }
   if (B == 0) return out;
-  const Shape sh{heads, kv_heads, heads / kv_heads, dim, block_size, slots};
+  const Shape sh{heads, kv_heads, heads / kv_heads, dim, block_size, slots, int4_group};
   if (splits <= 0) splits = auto_splits(B * kv_heads, longest, block_size);
   const bool vector_path = !portable && cpu_has_avx2() && dim % 8 == 0;
   switch (k_cache.scalar_type()) {
