@@ -66,6 +66,7 @@ class KVCache:
         self.k_offset: list[torch.Tensor | None] = [None] * arch.num_layers
         self.key_scale: list[torch.Tensor | None] = [None] * arch.num_layers  # [kv_heads, head_dim] float32
         self._basis_stats: list[list] | None = None  # per layer while calibrating, see _record
+        self._factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (key_scale, _basis_factors)
         block = block_for(arch.head_dim) if kv_cache_dtype == "int4" else None
         if block is not None:
             h = hadamard_matrix(block, torch.float64)
@@ -107,14 +108,36 @@ class KVCache:
         by ``key_scale``, all three rotated. Themselves when the cache is not rotated."""
         if self.rotation is None:
             return q, k, v
+        heads, kv_heads = q.shape[1], k.shape[1]
+        qkv = self.qkv_to_cache_basis(torch.cat([q, k, v], dim=1), heads, index)
+        return qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+
+    def qkv_to_cache_basis(self, qkv: torch.Tensor, heads: int, index: int) -> torch.Tensor:
+        """:meth:`to_cache_basis` on ``[tokens, heads + 2 * kv_heads, head_dim]`` (queries, keys,
+        values of one layer side by side), in two operations: one scaling, one rotation."""
+        if self.rotation is None:
+            return qkv
+        kv_heads = (qkv.shape[1] - heads) // 2
         if self._basis_stats is not None:
-            self._record(index, q, k)
+            self._record(index, qkv[:, :heads], qkv[:, heads:heads + kv_heads])
+        factors = self._basis_factors(index, heads, qkv.dtype)
+        if factors is not None:
+            qkv = qkv * factors
+        return torch.matmul(qkv, self.rotation.to(qkv.dtype))
+
+    def _basis_factors(self, index: int, heads: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """``[heads + 2 * kv_heads, head_dim]`` multipliers of layer ``index``: one over the key
+        scale for each query head (its KV head's), the key scale for keys, 1 for values."""
         scale = self.key_scale[index]
-        if scale is not None:
-            tokens, heads, dim = q.shape
-            q = (q.reshape(tokens, scale.shape[0], -1, dim) / scale[:, None].to(q.dtype)).reshape(tokens, heads, dim)
-            k = k * scale.to(k.dtype)
-        return self.rotate(q), self.rotate(k), self.rotate(v)
+        if scale is None:
+            return None
+        cached = self._factors.get(index)
+        if cached is None or cached[0] is not scale or cached[1].shape[0] != heads + 2 * scale.shape[0] or cached[1].dtype != dtype:
+            exact = scale.double()  # the reciprocal rounded once, in the model's dtype
+            queries = (1 / exact).repeat_interleave(heads // scale.shape[0], dim=0)
+            cached = (scale, torch.cat([queries, exact, torch.ones_like(exact)]).to(dtype))
+            self._factors[index] = cached
+        return cached[1]
 
     def store(self, index: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write ``k``/``v`` ``[tokens, kv_heads, head_dim]`` (already in the cache's basis) of

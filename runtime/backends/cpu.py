@@ -111,9 +111,13 @@ class CpuBackend(Backend):
             self.ops.rope(qkv, batch.cos, batch.sin, heads, kv_heads, qk_norm, eps, k_cache, v_cache, slots)
         else:
             self.ops.rope(qkv, batch.cos, batch.sin, heads, kv_heads, qk_norm, eps, None, None, None)
-        qkv = qkv.view(qkv.shape[0], heads + 2 * kv_heads, dim)
-        q, k, v = cache.to_cache_basis(qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], index)
-        if not fused_write:
+        qkv = cache.qkv_to_cache_basis(qkv.view(qkv.shape[0], heads + 2 * kv_heads, dim), heads, index)
+        q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+        if fused_write:
+            return q, k, v
+        if cache.scales is not None and k.dtype == torch.float32:  # quantized in one C++ call
+            self.ops.store_kv(k, v, slots, k_cache, v_cache, cache.k_scale[index], cache.v_scale[index], cache.k_offset[index])
+        else:
             cache.store(index, k, v, slots)
         return q, k, v
 

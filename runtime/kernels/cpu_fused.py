@@ -2,7 +2,8 @@
 with RMSNorm, SwiGLU's ``silu(gate) * up``, and RoPE (with Qwen3's per-head q/k norm) applied in
 place to the merged q/k/v output while k / v go to the KV cache.
 
-``hadamard`` runs online input transforms (compressed-tensors' R4) before a Linear.
+``store_kv`` quantizes K / V into an int8 / fp8 / int4 KV cache in one call (in torch, a dozen
+small operations per layer). ``hadamard`` runs online input transforms (compressed-tensors' R4) before a Linear.
 ``argmax`` serves greedy sampling (torch's runs one element at a time). A decode step runs each
 of the others 30 times per token; in plain torch every one is several tensor
 operations whose dispatch and temporaries cost more than their arithmetic. Built at first use by
@@ -38,6 +39,14 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv
     (after ``qk_norm`` per head when given) with ``cos`` / ``sin`` ``[tokens, head_dim]``; then
     store k and v at ``slots`` of float32 caches ``[kv_heads, slots, head_dim]`` when given."""
     extension().rope(qkv, cos, sin, heads, kv_heads, qk_norm, eps, k_cache, v_cache, slots)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             k_scale: torch.Tensor, v_scale: torch.Tensor, k_offset: torch.Tensor | None = None) -> None:
+    """Quantize float32 ``k`` / ``v`` ``[tokens, kv_heads, head_dim]`` (keys less ``k_offset``
+    ``[kv_heads, head_dim]`` when given) into an int8 / fp8 / int4 cache at int64 ``slots``:
+    the codes and scales ``kernels.reference.write_kv`` writes, bit for bit."""
+    extension().store_kv(k, v, slots, k_cache, v_cache, k_scale, v_scale, k_offset)
 
 
 def hadamard(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -96,11 +96,10 @@ def write_kv(
         k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
         return
-    kind = kv_quant.kind_of(k_cache, k_scale)
-    for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
-        codes, s = kv_quant.quantize(x, kind)
-        cache.index_copy_(1, slots, codes.transpose(0, 1))
-        scales.index_copy_(1, slots, s.transpose(0, 1))
+    codes, s = kv_quant.quantize(torch.stack([k, v]), kv_quant.kind_of(k_cache, k_scale))  # K and V in one pass
+    for i, (cache, scales) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
+        cache.index_copy_(1, slots, codes[i].transpose(0, 1))
+        scales.index_copy_(1, slots, s[i].transpose(0, 1))
 
 
 def gather_rows(cache: torch.Tensor, rows: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Tensor:

@@ -344,7 +344,7 @@ LLMOPT_AVX2 void int4_rows_avx2(const Int4Pair* src, const c10::Half* pairs, int
   for (int64_t t = 0; t < n; ++t) {
     const Int4Pair* row = src + t * dim / 2;
     for (int64_t start = 0; start < dim; start += group, pairs += 2) {
-      const __m256 scale = _mm256_set1_ps(static_cast<float>(pairs[0])), low = _mm256_set1_ps(static_cast<float>(pairs[1]));
+      const __m256 scale = _mm256_set1_ps(_cvtsh_ss(pairs[0].x)), low = _mm256_set1_ps(_cvtsh_ss(pairs[1].x));  // F16C
       for (int64_t d = start; d < start + group; d += 8)
         _mm256_storeu_ps(out + t * dim + d, _mm256_fmadd_ps(int4x8(row + d / 2), scale, low));
     }

@@ -5,6 +5,8 @@
 //   silu_mul      out = silu(gate) * up, from the merged gate/up projection's output
 //   rope          q / k rotated in place inside the merged q/k/v output (after the optional
 //                 per-head q/k norm of Qwen3), and k / v written to the KV cache slots
+//   store_kv      k / v quantized into an int8 / float8 / int4 KV cache (kernels/kv_quant.py's
+//                 arithmetic, bit for bit), keys less their offset
 //   argmax        greedy sampling's row-wise argmax over the vocabulary (torch's is scalar)
 //   hadamard      x V for block-diagonal Sylvester Hadamard blocks scaled by 1/sqrt(block): an
 //                 online transform on a Linear's input, as a fast Walsh-Hadamard transform
@@ -22,8 +24,12 @@
 #include <immintrin.h>
 #endif
 
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <cstring>
 #include <string>
 
@@ -267,6 +273,110 @@ void rope(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin
   check(!bad_slot, "a slot is outside the cache");
 }
 
+// One token-head of a quantized KV cache, as kernels/kv_quant.py writes it (the same float32
+// operations in the same order, so the codes and scales are bit-identical):
+//   int8 / fp8  codes = x / s with s = max(max|x| / QMAX, FLT_MIN): int8 rounded half to even and
+//               clamped to +-127; e4m3 clamped to +-448, then converted (torch's rounding)
+//   int4        per group: minimum and (maximum - minimum) / 15 rounded to float16 first, codes
+//               round((x - min) / max(step, FLT_MIN)) in 0..15, two per byte (even element low)
+enum class KvKind { Int8, Fp8, Int4 };
+
+void quantize_token_head(const float* x, int64_t D, KvKind kind, int64_t group, void* codes, void* scales) {
+  constexpr float tiny = std::numeric_limits<float>::min();
+  if (kind == KvKind::Int4) {
+    constexpr float largest = 65504.0f;
+    auto* packed = static_cast<uint8_t*>(codes);
+    auto* pairs = static_cast<c10::Half*>(scales);
+    for (int64_t g0 = 0; g0 < D; g0 += group, pairs += 2) {
+      float low = x[g0], high = x[g0];
+      for (int64_t i = g0 + 1; i < g0 + group; ++i) low = std::min(low, x[i]), high = std::max(high, x[i]);
+      const c10::Half low16(std::min(std::max(low, -largest), largest));
+      const float lowf = static_cast<float>(low16);
+      const c10::Half step16(std::min((high - lowf) / 15.0f, largest));
+      const float step = std::max(static_cast<float>(step16), tiny);
+      pairs[0] = step16, pairs[1] = low16;
+      for (int64_t i = g0; i < g0 + group; i += 2) {
+        const float a = std::min(std::max(std::nearbyint((x[i] - lowf) / step), 0.0f), 15.0f);
+        const float b = std::min(std::max(std::nearbyint((x[i + 1] - lowf) / step), 0.0f), 15.0f);
+        packed[i / 2] = static_cast<uint8_t>(a) | static_cast<uint8_t>(static_cast<uint8_t>(b) << 4);
+      }
+    }
+    return;
+  }
+  float amax = 0.0f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float qmax = kind == KvKind::Int8 ? 127.0f : 448.0f;
+  const float scale = std::max(amax / qmax, tiny);
+  *static_cast<float*>(scales) = scale;
+  if (kind == KvKind::Int8) {
+    auto* out = static_cast<int8_t*>(codes);
+    for (int64_t i = 0; i < D; ++i) out[i] = static_cast<int8_t>(std::min(std::max(std::nearbyint(x[i] / scale), -127.0f), 127.0f));
+    return;
+  }
+  auto* out = static_cast<uint8_t*>(codes);
+  for (int64_t i = 0; i < D; ++i) {
+    const c10::Float8_e4m3fn value(std::min(std::max(x[i] / scale, -448.0f), 448.0f));
+    out[i] = value.x;
+  }
+}
+
+// k / v [T, kv_heads, D] float32 (last dimension contiguous; any row strides), less k_offset
+// [kv_heads, D] from the keys when given, quantized into the caches at `slots` [T] (int64):
+// int8 caches (int8, float32 scales [kv_heads, slots]), float8 e4m3 as bytes (uint8, float32
+// scales [kv_heads, slots]) or packed int4 (uint8 [kv_heads, slots, D / 2], float16 pairs
+// [kv_heads, slots, D / group, 2]).
+void store_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slots, torch::Tensor& k_cache,
+              torch::Tensor& v_cache, torch::Tensor& k_scale, torch::Tensor& v_scale,
+              const std::optional<torch::Tensor>& k_offset) {
+  check(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat &&
+            k.stride(2) == 1 && v.stride(2) == 1 && k.device().is_cpu() && v.device().is_cpu(),
+        "k and v must be float32 [tokens, kv_heads, head_dim] with a contiguous last dimension");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  const bool int4 = k_scale.dim() == 4;
+  const KvKind kind = int4 ? KvKind::Int4 : k_cache.scalar_type() == torch::kChar ? KvKind::Int8 : KvKind::Fp8;
+  const int64_t group = int4 ? D / k_scale.size(2) : D, stored = int4 ? D / 2 : D;
+  check(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 3 &&
+            k_cache.size(0) == H && k_cache.size(2) == stored && k_cache.scalar_type() == v_cache.scalar_type() &&
+            (k_cache.scalar_type() == torch::kChar || k_cache.scalar_type() == torch::kByte),
+        "caches must be contiguous int8 / uint8 [kv_heads, slots, head_dim] (int4: head_dim / 2)");
+  const int64_t capacity = k_cache.size(1);
+  check(k_scale.is_contiguous() && v_scale.is_contiguous() && k_scale.sizes() == v_scale.sizes() && k_scale.size(0) == H &&
+            k_scale.size(1) == capacity && k_scale.scalar_type() == (int4 ? torch::kHalf : torch::kFloat) &&
+            (!int4 || (D % k_scale.size(2) == 0 && group % 2 == 0 && k_scale.size(3) == 2)) && (int4 || k_scale.dim() == 2),
+        "scales must be float32 [kv_heads, slots] (int4: float16 [kv_heads, slots, groups, 2])");
+  check(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == T, "slots must be int64 [tokens]");
+  if (k_offset) check(is_f32_contiguous(*k_offset) && k_offset->numel() == H * D, "k_offset must be float32 [kv_heads, head_dim]");
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* off = k_offset ? k_offset->data_ptr<float>() : nullptr;
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  auto* kc = static_cast<uint8_t*>(k_cache.data_ptr());
+  auto* vc = static_cast<uint8_t*>(v_cache.data_ptr());
+  auto* ks = static_cast<uint8_t*>(k_scale.data_ptr());
+  auto* vs = static_cast<uint8_t*>(v_scale.data_ptr());
+  const int64_t code_bytes = stored, scale_bytes = int4 ? (D / group) * 2 * 2 : 4;
+  bool bad_slot = false;
+  at::parallel_for(0, T * H, grain(2 * D), [&](int64_t i0, int64_t i1) {
+    float centred[1024];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / H, h = i % H, slot = sl[t];
+      if (slot < 0 || slot >= capacity) {
+        bad_slot = true;
+        continue;
+      }
+      const float* key = kp + t * k.stride(0) + h * k.stride(1);
+      if (off) {
+        for (int64_t d = 0; d < D; ++d) centred[d] = key[d] - off[h * D + d];
+        key = centred;
+      }
+      const int64_t at = h * capacity + slot;
+      quantize_token_head(key, D, kind, group, kc + at * code_bytes, ks + at * scale_bytes);
+      quantize_token_head(vp + t * v.stride(0) + h * v.stride(1), D, kind, group, vc + at * code_bytes, vs + at * scale_bytes);
+    }
+  });
+  check(!bad_slot, "a slot is outside the cache");
+}
+
 // One block of a fast Walsh-Hadamard transform in place: Sylvester's order (the matrix
 // [[H, H], [H, -H]] at every doubling), then the 1/sqrt(n) scale.
 LLMOPT_CLONES void fwht_block(float* x, int64_t n, float scale) {
@@ -296,6 +406,9 @@ torch::Tensor hadamard(const torch::Tensor& x, int64_t block) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("store_kv", &store_kv, "k / v quantized into an int8 / fp8 / int4 KV cache at slots, keys less k_offset",
+        pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("slots"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("k_scale"), pybind11::arg("v_scale"), pybind11::arg("k_offset"));
   m.def("hadamard", &hadamard, "x V: block-diagonal Sylvester Hadamard blocks / sqrt(block), a fast Walsh-Hadamard transform",
         pybind11::arg("x"), pybind11::arg("block"));
   m.def("add_rms_norm", &add_rms_norm, "h += delta; out = rms_norm(h) * weight", pybind11::arg("h"),
