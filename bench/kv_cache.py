@@ -66,6 +66,19 @@ def engine_for(kind: str, cpp: bool, **settings):
     return engine
 
 
+def engine_with_key_scale_power(kind: str, power: float):
+    """An engine (C++ attention, one sequence) whose int4 cache calibrates key scales
+    ``(E q² / Var k) ** power`` (0: every key scale 1) instead of the runtime's default power."""
+    from llmopt.runtime import kv_cache
+
+    default = kv_cache.KEY_SCALE_POWER
+    kv_cache.KEY_SCALE_POWER = power
+    try:
+        return engine_for(kind, cpp=True, max_num_seqs=1)
+    finally:
+        kv_cache.KEY_SCALE_POWER = default
+
+
 def use_cpp_attention(engine, cpp: bool) -> None:
     """Decode attention by the C++ kernel, or by the reference's padded groups (all else the same)."""
     from llmopt.runtime.backends import Backend
@@ -96,15 +109,8 @@ def forced_logits(engine, ids: list[int], chunk: int, decode: int) -> torch.Tens
 
 def variant_engine(variant: str):
     """The engine of a KV dtype, or of an int4 ablation (key scales, offsets, rotation removed)."""
-    import llmopt.runtime.kv_cache as kv_cache_module
-
     kind, key_scales, offsets, rotation = ABLATIONS.get(variant, (variant, True, True, True))
-    power = kv_cache_module.KEY_SCALE_POWER
-    kv_cache_module.KEY_SCALE_POWER = power if key_scales else 0.0  # calibrated with every key scale 1
-    try:
-        engine = engine_for(kind, cpp=True, max_num_seqs=1)
-    finally:
-        kv_cache_module.KEY_SCALE_POWER = power
+    engine = engine_for(kind, cpp=True, max_num_seqs=1) if key_scales else engine_with_key_scale_power(kind, 0.0)
     if not offsets:
         engine.cache.k_offset = [None] * len(engine.cache.k_offset)
     if not rotation:

@@ -7,7 +7,8 @@ kernels do not have can be measured. Variants: the engine's layout (asymmetric i
 float16 (scale, minimum) pair per 32 values; checked against the int4 engine itself), keys only,
 values only, one float32 pair per token and head (the layout before groups), a pair per 16
 values, keys per channel over blocks of 16 tokens (KIVI's layout; decode steps, which write one
-token, fall back to the engine's), and int8 keys with int4 values. KL divergence to the
+token, fall back to the engine's), and int8 keys with int4 values. Then the int4 engine itself
+with the key scales' power (``runtime.kv_cache.KEY_SCALE_POWER``) swept, 0 being no key scales. KL divergence to the
 float cache on WikiText-2, ``--windows`` × ``--window`` tokens (chunks of 64, the last 64 as
 decode steps), as in ``bench/kv_cache.py``.
 
@@ -31,9 +32,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT / "bench"))
-from kv_cache import engine_for, forced_logits, log  # noqa: E402
+from kv_cache import engine_for, engine_with_key_scale_power, forced_logits, log  # noqa: E402
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]
+POWERS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
 
 
 def asymmetric_int4(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -137,9 +139,15 @@ def main() -> None:
         value = kld(base, [forced_logits(simulated, w, chunk, decode).log_softmax(-1) for w in windows])
         rows[name] = {"kld_mean": float(value.mean()), "kld_p99": float(value.quantile(0.99))}
         log(f"{name}: mean KLD {rows[name]['kld_mean']:.5f}")
+    sweep = {}
+    for power in POWERS:
+        engine = engine_with_key_scale_power("int4", power)
+        value = kld(base, [forced_logits(engine, w, chunk, decode).log_softmax(-1) for w in windows])
+        sweep[str(power)] = {"kld_mean": float(value.mean()), "kld_p99": float(value.quantile(0.99))}
+        log(f"key-scale power {power}: mean KLD {sweep[str(power)]['kld_mean']:.5f}")
     report = {"model": "demo", "text": "wikitext2", "windows": args.windows, "window": args.window, "chunk": chunk,
               "decode": decode, "threads": args.threads, "int4_engine_kld_mean": float(engine_kld.mean()),
-              "variants": rows, "seconds": time.perf_counter() - start}
+              "variants": rows, "key_scale_power": sweep, "default_power": default_power(), "seconds": time.perf_counter() - start}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "kv_int4_error.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / "kv_int4_error.md").write_text(markdown(report))
@@ -160,7 +168,17 @@ def markdown(report: dict) -> str:
         "|---|---:|---:|",
     ]
     lines += [f"| {name} | {row['kld_mean']:.5f} | {row['kld_p99']:.4f} |" for name, row in report["variants"].items()]
+    lines += ["", (f"The int4 engine with the key scales' power swept (the engine's default: {report['default_power']}; "
+                   "0: no key scales), same windows:"), "", "| power | mean KLD | KLD p99 |", "|---:|---:|---:|"]
+    lines += [f"| {power} | {row['kld_mean']:.5f} | {row['kld_p99']:.4f} |" for power, row in report["key_scale_power"].items()]
     return "\n".join(lines + [""])
+
+
+def default_power() -> float:
+    from llmopt.runtime import kv_cache
+
+    return kv_cache.KEY_SCALE_POWER
+
 
 
 if __name__ == "__main__":
