@@ -10,7 +10,7 @@ from .kernels import kv_quant
 from .kernels.reference import Workspace, write_kv
 
 
-KEY_SCALE_POWER = 0.15  # measured on the demo model: 0.1-0.15 best, 0.35 worse than none (docs/runtime.md)
+KEY_SCALE_POWER = 0.15  # the best of 0-0.3 on the demo model (bench/results/kv_int4_error.md)
 
 
 class KVCache:
