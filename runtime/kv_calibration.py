@@ -16,7 +16,7 @@ CALIBRATION_TOKENS = 512
 SKIP_CHARS = 20_000  # past a book's front matter
 
 
-def offset_calibration_ids(tokenizer, count: int) -> list[int]:
+def basis_calibration_ids(tokenizer, count: int) -> list[int]:
     """``count`` tokens (fewer if the text is shorter) of the default calibration corpus."""
     text = load_text(DEFAULT_CALIB).documents[0]
     text = text[SKIP_CHARS:SKIP_CHARS + 12 * count] if len(text) > SKIP_CHARS + 12 * count else text
@@ -30,8 +30,8 @@ def calibrate_cache_basis(runner: ModelRunner, tokenizer, num_blocks: int, block
     block table over the cache, nothing kept) and set the cache's key scales, and its key offsets
     unless ``offsets`` is False, from the queries and keys it saw. Returns the number of tokens used."""
     count = min(CALIBRATION_TOKENS, max_len, num_blocks * block_size)
-    ids = offset_calibration_ids(tokenizer, count)
-    seq = Sequence("kv-offset-calibration", ids, SamplingParams())
+    ids = basis_calibration_ids(tokenizer, count)
+    seq = Sequence("kv-basis-calibration", ids, SamplingParams())
     blocks = BlockManager(num_blocks, block_size, False)
     blocks.allocate(seq, len(ids))
     cache = runner.cache

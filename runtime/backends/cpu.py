@@ -115,7 +115,7 @@ class CpuBackend(Backend):
         q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
         if fused_write:
             return q, k, v
-        if cache.scales is not None and k.dtype == torch.float32:  # quantized in one C++ call
+        if cache.scales is not None:  # quantized in one C++ call (self.ops runs float32 models only)
             self.ops.store_kv(k, v, slots, k_cache, v_cache, cache.k_scale[index], cache.v_scale[index], cache.k_offset[index])
         else:
             cache.store(index, k, v, slots)

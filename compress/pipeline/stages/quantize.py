@@ -44,6 +44,7 @@ NF4 = "NF4"
 LEARNED = "learned"
 AUTO = "AUTO"
 CALIBRATION_DEFAULTS = {"calib": "austen", "calib_samples": 128, "calib_seq_len": 512}
+LEARNED_ROTATION_DEFAULTS = {"rotate_steps": 50, "rotate_lr": 1.5}  # options that apply only with --rotate learned
 # Fields of QuantizeConfig that are options of a method object (the same names as its fields);
 # a value other than the field's default counts as given, and a method that lacks it refuses it.
 METHOD_OPTIONS = ("act_order", "float_targets", "scale_refit", "damp", "alpha", "clip_search")
@@ -72,9 +73,9 @@ class QuantizeConfig:
                          "learned: SpinQuant's residual rotation optimised on the calibration windows (Cayley SGD from the "
                          "randomized Hadamard, --rotate-steps, the model held in memory).",
                          choices=ROTATIONS)
-    rotate_steps: int = option(50, "--rotate learned: Cayley-SGD steps, one calibration window each (about three "
+    rotate_steps: int = option(LEARNED_ROTATION_DEFAULTS["rotate_steps"], "--rotate learned: Cayley-SGD steps, one calibration window each (about three "
                                "forward passes per step).", min=1)
-    rotate_lr: float = option(1.5, "--rotate learned: the Cayley step size.")
+    rotate_lr: float = option(LEARNED_ROTATION_DEFAULTS["rotate_lr"], "--rotate learned: the Cayley step size.")
     online_hadamard: str = option("auto", "With --rotate: an online Hadamard on every MLP down_proj's input (R4), fused "
                                   "into its weight and run by consumers at inference (compressed-tensors' transform_config; "
                                   "transformers and GGUF cannot run it). auto: on for schemes that quantize activations.",
@@ -262,8 +263,9 @@ class QuantizeConfig:
 
     def _check_learned_rotation(self) -> None:
         if self.rotate != LEARNED:
-            for flag, given in (("--rotate-steps", self.rotate_steps != 50), ("--rotate-lr", self.rotate_lr != 1.5)):
-                if given:
+            for name, default in LEARNED_ROTATION_DEFAULTS.items():
+                if getattr(self, name) != default:
+                    flag = "--" + name.replace("_", "-")
                     raise LlmoptError(f"{flag} applies only with --rotate learned", f"add --rotate learned, or drop {flag}")
             return
         if self.plans_per_tensor or self.scheme == NF4:

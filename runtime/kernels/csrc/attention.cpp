@@ -339,7 +339,7 @@ LLMOPT_AVX2 inline __m256 int4x8(const Int4Pair* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
 }
 
-// As int4_rows; group is a multiple of 8 here (dim is, and group is 32 or dim).
+// As int4_rows; group is a multiple of 8 here (paged_decode's vector_path).
 LLMOPT_AVX2 void int4_rows_avx2(const Int4Pair* src, const c10::Half* pairs, int64_t n, int64_t dim, int64_t group, float* out) {
   for (int64_t t = 0; t < n; ++t) {
     const Int4Pair* row = src + t * dim / 2;
@@ -532,7 +532,10 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   const int64_t B = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0), slots = k_cache.size(1);
   const bool int4 = k_scale.has_value() && k_scale->dim() == 4;
-  const int64_t int4_group = dim % 32 == 0 ? 32 : dim;  // kv_quant.int4_group
+  const int64_t int4_groups = int4 ? k_scale->size(2) : 1;  // pairs per token-head, as the scales were written
+  TORCH_CHECK(int4_groups > 0 && dim % int4_groups == 0 && (dim / int4_groups) % 2 == 0,
+              "int4 scales must split head_dim into groups of an even size");
+  const int64_t int4_group = dim / int4_groups;
   TORCH_CHECK(k_cache.size(2) * (int4 ? 2 : 1) == dim, "head_dim of q (", dim, ") and cache (", k_cache.size(2),
               int4 ? " packed int4 pairs" : "", ") differ");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (", kv_heads, ")");
@@ -546,8 +549,8 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
     for (const auto* t : {&*k_scale, &*v_scale})
       TORCH_CHECK(t->scalar_type() == (int4 ? torch::kHalf : torch::kFloat) && t->is_contiguous() && t->dim() == (int4 ? 4 : 2) &&
                   t->size(0) == kv_heads && t->size(1) == slots &&
-                  (!int4 || (t->size(2) == dim / int4_group && t->size(3) == 2 && k_cache.scalar_type() == torch::kByte)),
-                  "scales must be contiguous float32 [kv_heads, slots] (int4 uint8 caches: float16 [kv_heads, slots, head_dim / 32, 2])");
+                  (!int4 || (t->size(2) == int4_groups && t->size(3) == 2 && k_cache.scalar_type() == torch::kByte)),
+                  "scales must be contiguous float32 [kv_heads, slots] (int4 uint8 caches: float16 [kv_heads, slots, groups, 2])");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == B && out.size(1) == heads * dim && out.stride(1) == 1 && out.scalar_type() == q.scalar_type(),
               "out must be [batch, heads * dim] of q's dtype");
   const torch::Tensor tables64 = tables.to(torch::kLong).contiguous(), lens64 = lens.to(torch::kLong).contiguous();
@@ -560,7 +563,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   if (B == 0) return out;
   const Shape sh{heads, kv_heads, heads / kv_heads, dim, block_size, slots, int4_group};
   if (splits <= 0) splits = auto_splits(B * kv_heads, longest, block_size);
-  const bool vector_path = !portable && cpu_has_avx2() && dim % 8 == 0;
+  const bool vector_path = !portable && cpu_has_avx2() && dim % 8 == 0 && (!int4 || int4_group % 8 == 0);
   switch (k_cache.scalar_type()) {
     case torch::kFloat: run_for_query<float>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
     case torch::kBFloat16: run_for_query<c10::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
