@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.formats.schemes import SUPERBLOCK, QuantizedWeight, round_scales
+from llmopt.formats.schemes import SUPERBLOCK, QuantizedWeight, round_scales, superblock_factors
 
 BLOCK_ELEMENTS = 1 << 22  # float64 entries of one block's normal matrices (rows × groups²)
 
@@ -103,9 +103,10 @@ def refit_scales(weight: torch.Tensor, qw: QuantizedWeight, hessian: torch.Tenso
             target = target + mins[r0:r1].repeat_interleave(gs, dim=1)
         g, b = _normal_equations(x, _times_h(target, h, r0, r1), h_rows, gs)
         if per:  # s = k · d: solve for d per super-block, k fixed
-            old = scale[r0:r1].double().reshape(r1 - r0, -1, per)
-            d_old = _superblock_d(old, qw.scheme.scale_steps)
-            k = (old / d_old.unsqueeze(-1)).round()
+            found = superblock_factors(scale[r0:r1], gs, qw.scheme.scale_steps)
+            if found is None:  # not of that form: these rows keep their scales
+                continue
+            d_old, k = found[0].double(), found[1].double().reshape(r1 - r0, -1, per)
             kk = torch.block_diag(*[torch.ones(1, per, dtype=torch.float64)] * (ng // per))  # [n_super, groups]
             a = kk.unsqueeze(0) * k.reshape(r1 - r0, 1, ng)  # [rows, n_super, groups]: ∂s/∂d
             g, b = a @ g @ a.transpose(1, 2), (a @ b.unsqueeze(-1)).squeeze(-1)
@@ -118,12 +119,6 @@ def refit_scales(weight: torch.Tensor, qw: QuantizedWeight, hessian: torch.Tenso
     zero = qw.zero_point if mins is None else mins / scale - 2 ** (qw.scheme.num_bits - 1)
     fitted = QuantizedWeight(qw.codes, scale, zero, qw.scheme, qw.group_size)
     return better_rows(weight, hessian, qw, fitted)
-
-
-def _superblock_d(scale: torch.Tensor, steps: int) -> torch.Tensor:
-    """``d`` of scales ``[rows, n_super, per]`` of the form ``k · d`` (the extreme one is ``-steps/2 · d``)."""
-    extreme = torch.gather(scale, -1, scale.abs().argmax(-1, keepdim=True)).squeeze(-1)
-    return extreme / -(steps // 2)
 
 
 def _solve(g: torch.Tensor, b: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

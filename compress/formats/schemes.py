@@ -51,6 +51,15 @@ from typing import Literal
 import torch
 
 from llmopt.formats import fp4
+from llmopt.formats.superblocks import (  # noqa: F401 (re-exported: the schemes' super-block rules)
+    SUPERBLOCK,
+    fit_affine_superblocks,
+    min_factors,
+    sub_blocks_per_super,
+    superblock_factors,
+    superblock_mins,
+    superblock_scales,
+)
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn value
 WeightType = Literal["int", "float"]
@@ -238,7 +247,6 @@ def int_weight_scheme(num_bits: int, group_size: int | None, symmetric: bool = T
 IQ4_NL_GRID: tuple[int, ...] = PRESETS["IQ4_NL"].grid
 
 
-SUPERBLOCK = 256  # input features sharing one float16 scale of the group scales (llama.cpp's QK_K)
 IQ4_XS_STEPS = 64  # IQ4_XS: 6-bit signed sub-block scales
 Q6_K_STEPS = 256  # Q6_K: 8-bit signed scales of 16-weight sub-blocks (with 6-bit codes)
 Q3_K_STEPS = 64  # Q3_K: 6-bit signed scales of 16-weight sub-blocks (with 3-bit codes in [-4, 3])
@@ -479,23 +487,6 @@ def grid_scales(
     return best
 
 
-def superblock_scales(scale: torch.Tensor, group: int, steps: int | None) -> torch.Tensor:
-    """Group scales ``[out, n_groups]`` rounded to ``k * d`` per super-block of ``SUPERBLOCK``
-    features (``d`` float16, signed integers ``-steps/2 <= k < steps/2``, never 0), as llama.cpp
-    quantizes IQ4_XS sub-block scales: the scale of largest magnitude is ``-steps/2 * d``. Returned
-    unchanged without ``steps`` or when super-blocks do not tile the row."""
-    per = SUPERBLOCK // group if group and SUPERBLOCK % group == 0 else 0
-    if steps is None or not per or scale.shape[1] % per:
-        return scale
-    low = -(steps // 2)
-    s = scale.float().reshape(scale.shape[0], -1, per)
-    extreme = torch.gather(s, -1, s.abs().argmax(-1, keepdim=True))
-    d = (extreme / low).to(torch.float16).float()
-    d = torch.where(d == 0, torch.full_like(d, 2.0**-24), d)  # float16's smallest step: all-zero blocks
-    k = torch.round(s / d).clamp_(low, steps // 2 - 1)
-    # a zero scale would divide by zero; weights this small round to ~0 under the smallest multiple of the scale's own sign
-    k = torch.where(k == 0, torch.where(s / d > 0, 1.0, -1.0), k)
-    return (k * d).reshape(scale.shape)
 
 
 AFFINE_STEPS = 10  # candidate scales each side of min-max: (levels + t / 10) / range for |t| <= 10
@@ -511,7 +502,8 @@ def affine_qparams(
     min-max one, the codes they give are fitted by (``col_w``-weighted) least squares for both the
     scale and the min, and the best fit kept; mins are non-negative for super-block mins (Q4_K's are
     unsigned), free otherwise. Scales are then rounded as stored (``k · d`` per super-block, or the
-    scale dtype), mins to ``m · dmin`` per super-block (``min_steps``) or to float16, and the zero
+    scale dtype), mins to ``m · dmin`` per super-block (``min_steps``; ``d`` and ``dmin`` chosen
+    together, :func:`~llmopt.formats.superblocks.fit_affine_superblocks`) or to float16, and the zero
     point is ``min / s − 2^(bits−1)`` (our codes are signed: ``u − 2^(bits−1)``).
     """
     x = wg.float()
@@ -541,57 +533,20 @@ def affine_qparams(
         better = ok & (err < best_err)
         best_err = torch.where(better, err, best_err)
         best_s, best_b = torch.where(better, s, best_s), torch.where(better, b, best_b)
+    per = sub_blocks_per_super(x.shape[-1])
+    if scheme.scale_steps is not None and scheme.min_steps is not None and per and x.shape[1] % per == 0:
+        scale, mins = fit_affine_superblocks(x, weight, best_s, -best_b, scheme.num_bits, scheme.scale_steps,
+                                             scheme.min_steps)
+        return scale, mins / scale - half
     scale = round_scales(superblock_scales(best_s.clamp(min=1e-12), x.shape[-1], scheme.scale_steps), scheme)
     mins = superblock_mins(-best_b, x.shape[-1], scheme.min_steps)
     return scale, mins / scale - half
 
 
-def superblock_mins(mins: torch.Tensor, group: int, steps: int | None) -> torch.Tensor:
-    """Group mins ``[out, n_groups]`` rounded to ``m · dmin`` per super-block (``dmin`` float16,
-    ``0 <= m < steps``: Q4_K / Q5_K's 6-bit mins), or to float16 values (Q4_1 / Q5_1's ``m``) without
-    ``steps`` or where super-blocks do not tile the row."""
-    per = SUPERBLOCK // group if group and SUPERBLOCK % group == 0 else 0
-    if steps is None or not per or mins.shape[1] % per:
-        return mins.to(torch.float16).float()
-    m = mins.float().clamp(min=0).reshape(mins.shape[0], -1, per)
-    dmin = (m.amax(-1, keepdim=True) / (steps - 1)).to(torch.float16).float()
-    k = torch.where(dmin > 0, torch.round(m / dmin.clamp(min=1e-30)), torch.zeros_like(m)).clamp_(0, steps - 1)
-    return (k * dmin).reshape(mins.shape)
 
 
-def min_factors(mins: torch.Tensor, group: int, steps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(dmin [out, n_super] float16 values, m [out, n_groups] integers)`` with ``mins ≈ m · dmin``
-    to float32 rounding (mins come back from float zero points: ``(z + 2^(bits−1)) · s``), or None
-    when they are not of that form (the inverse of :func:`superblock_mins`, for exporters)."""
-    per = SUPERBLOCK // group if group and SUPERBLOCK % group == 0 else 0
-    if not per or mins.shape[1] % per:
-        return None
-    m = mins.float().reshape(mins.shape[0], -1, per)
-    dmin = (m.amax(-1, keepdim=True) / (steps - 1)).to(torch.float16).float()
-    k = torch.where(dmin > 0, torch.round(m / dmin.clamp(min=1e-30)), torch.zeros_like(m))
-    tolerance = 1e-5 * (dmin * steps).clamp(min=1e-30)
-    if (k < 0).any() or (k >= steps).any() or ((k * dmin - m).abs() > tolerance).any():
-        return None
-    return dmin.squeeze(-1), k.reshape(mins.shape)
 
 
-def superblock_factors(scale: torch.Tensor, group: int, steps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(d [out, n_super] float32 holding float16 values, k [out, n_groups] integers)`` with
-    ``scale == k * d`` exactly and ``k`` in the ``steps`` range, or None when ``scale`` is not of
-    that form (the inverse of :func:`superblock_scales`, for exporters)."""
-    per = SUPERBLOCK // group if group and SUPERBLOCK % group == 0 else 0
-    if not per or scale.shape[1] % per:
-        return None
-    low = -(steps // 2)
-    s = scale.float().reshape(scale.shape[0], -1, per)
-    extreme = torch.gather(s, -1, s.abs().argmax(-1, keepdim=True))
-    d = extreme / low
-    if not torch.equal(d.to(torch.float16).float(), d) or (d == 0).any():
-        return None
-    k = torch.round(s / d)
-    if not torch.equal(k * d, s) or (k < low).any() or (k >= steps // 2).any():
-        return None
-    return d.squeeze(-1), k.reshape(scale.shape)
 
 
 # ---------------------------------------------------------------------------------------------
