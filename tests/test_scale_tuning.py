@@ -164,3 +164,28 @@ def test_tune_per_row_moves_a_rows_scales_together(tuned_pair, tmp_path):
         spread_row = max(spread_row, float((row_ratio / row_ratio[:, :1]).log().abs().max()))
         spread_group = max(spread_group, float((group_ratio / group_ratio[:, :1]).log().abs().max()))
     assert spread_row < 2**-7 and spread_group > 2e-2
+
+
+def test_tuning_that_never_beats_the_untuned_scales_is_not_kept(tuned_pair):
+    """A step size that wrecks the model: no checked state beats the start, so the scales and
+    norms come back untouched and the report says so; a sane one keeps its best checked step."""
+    from llmopt.core.data import calibration_ids
+    from transformers import AutoTokenizer
+
+    from llmopt.quant.scale_tuning import CHECK_EVERY
+
+    model, src, plain, _, _ = tuned_pair
+    weights, _ = read_compressed(plain)
+    ids, _ = calibration_ids(AutoTokenizer.from_pretrained(src), "austen", 12, 48, 0)
+    student = load_dequantized(plain, torch.float32)
+    tuned, norms, report = tune_scales(student, model, weights, ids, TuneSettings(CHECK_EVERY, 3.0, norms=True))
+    assert not report.kept and report.best_step == 0
+    assert report.kld_after == report.kld_before
+    assert sorted(tuned) == sorted(weights)
+    for name, qw in weights.items():
+        assert torch.equal(tuned[name].scale, qw.scale) and torch.equal(tuned[name].codes, qw.codes)
+    assert len(norms) == 5 and all(torch.equal(v, model.get_parameter(k)) for k, v in norms.items())
+    student = load_dequantized(plain, torch.float32)
+    _, _, sane = tune_scales(student, model, weights, ids, TuneSettings(2 * CHECK_EVERY, 5e-3))
+    assert sane.kept and sane.best_step in (CHECK_EVERY, 2 * CHECK_EVERY)
+    assert sane.kld_after < sane.kld_before
