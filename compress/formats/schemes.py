@@ -487,8 +487,6 @@ def grid_scales(
     return best
 
 
-
-
 AFFINE_STEPS = 10  # candidate scales each side of min-max: (levels + t / 10) / range for |t| <= 10
 
 
@@ -541,12 +539,6 @@ def affine_qparams(
     scale = round_scales(superblock_scales(best_s.clamp(min=1e-12), x.shape[-1], scheme.scale_steps), scheme)
     mins = superblock_mins(-best_b, x.shape[-1], scheme.min_steps)
     return scale, mins / scale - half
-
-
-
-
-
-
 
 
 # ---------------------------------------------------------------------------------------------
