@@ -216,9 +216,10 @@ def test_tuned_checkpoint_keeps_the_mins_and_the_k_quant_blocks(q5_k_m):
     scales and mins included) and export --type Q5_K_M still carries every code, scale and min."""
     root, _ = q5_k_m
     tuned = root / "tuned"
-    result = CliRunner().invoke(main, ["quantize", str(root / "float"), "--scheme", "Q5_K_M", "--method", "rtn", "--tune-steps", "4",
-                                       "--tune-lr", "0.01", "--calib-samples", "8", "--calib-seq-len", "32", "-o", str(tuned)])
+    result = CliRunner().invoke(main, ["quantize", str(root / "float"), "--scheme", "Q5_K_M", "--method", "rtn", "--tune-steps", "32",
+                                       "--tune-lr", "0.001", "--calib-samples", "8", "--calib-seq-len", "32", "-o", str(tuned)])
     assert result.exit_code == 0, result.output
+    assert json.loads((tuned / "llmopt.json").read_text())["scale_tuning"]["kept"]  # its held-out check fell
     before, _ = read_compressed(root / "q")
     after, _ = read_compressed(tuned)
     assert sorted(after) == sorted(before) and len(after) == 2 * 7 + 2
