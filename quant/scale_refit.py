@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.formats.schemes import SUPERBLOCK, QuantizedWeight, round_scales, superblock_factors
+from llmopt.formats.schemes import QuantizedWeight, round_scales, sub_blocks_per_super, superblock_factors
 
 BLOCK_ELEMENTS = 1 << 22  # float64 entries of one block's normal matrices (rows × groups²)
 
@@ -78,7 +78,7 @@ def _superblock_steps(qw: QuantizedWeight, gs: int) -> int:
     """Groups per super-block when the scales are tied as ``k · d`` (0: free scales)."""
     steps = qw.scheme.scale_steps
     n_groups = qw.scale.shape[1]
-    per = SUPERBLOCK // gs if gs and SUPERBLOCK % gs == 0 else 0
+    per = sub_blocks_per_super(gs)
     return per if steps is not None and per and n_groups % per == 0 else 0
 
 

@@ -134,23 +134,24 @@ def fit_affine_superblocks(
     return best_s.reshape(rows, n_groups), best_m.reshape(rows, n_groups)
 
 
-def _exact_factor(values: torch.Tensor, extreme: torch.Tensor, tops: list[int], low: int, high: int) -> torch.Tensor | None:
-    """``f`` ``[rows, n_super, 1]`` (float16 values) with every value ``[rows, n_super, per]`` an integer
-    multiple of it in ``[low, high]`` — ``extreme`` taken as ``t · f`` for the first ``t`` of
-    ``tops`` that fits each super-block — or None where none does."""
+def _factor_search(values: torch.Tensor, extreme: torch.Tensor, tops: list[int], low: int, high: int,
+                   tolerance: torch.Tensor | float = 0.0) -> torch.Tensor | None:
+    """``f`` ``[rows, n_super, 1]`` (float16 values) with every value ``[rows, n_super, per]``
+    within ``tolerance`` of an integer multiple of it in ``[low, high]`` — ``extreme`` taken as
+    ``t · f`` for the first ``t`` of ``tops`` that fits each super-block (0 where ``extreme`` is
+    0) — or None where none does."""
     found = torch.zeros_like(extreme)
-    todo = torch.ones_like(extreme, dtype=torch.bool)
+    todo = extreme != 0
     for top in tops:
-        f = extreme / top
+        if not todo.any():
+            break
+        f = (extreme / top).to(torch.float16).float()
         k = torch.round(values / torch.where(f == 0, 1.0, f))
-        fits = ((f.to(torch.float16).float() == f) & (f != 0) & (k * f == values).all(-1, keepdim=True)
+        fits = (todo & (f != 0) & ((k * f - values).abs() <= tolerance).all(-1, keepdim=True)
                 & (k >= low).all(-1, keepdim=True) & (k <= high).all(-1, keepdim=True))
-        fits &= todo
         found = torch.where(fits, f, found)
         todo &= ~fits
-        if not todo.any():
-            return found
-    return None
+    return None if todo.any() else found
 
 
 def superblock_factors(scale: torch.Tensor, group: int, steps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -164,7 +165,9 @@ def superblock_factors(scale: torch.Tensor, group: int, steps: int) -> tuple[tor
     low, high = -(steps // 2), steps // 2 - 1
     s = scale.float().reshape(scale.shape[0], -1, per)
     extreme = torch.gather(s, -1, s.abs().argmax(-1, keepdim=True))
-    d = _exact_factor(s, extreme, [*range(low, 0), *range(high, 0, -1)], low, high)
+    if (extreme == 0).any():
+        return None
+    d = _factor_search(s, extreme, [*range(low, 0), *range(high, 0, -1)], low, high)
     if d is None:
         return None
     return d.squeeze(-1), torch.round(s / d).reshape(scale.shape)
@@ -181,19 +184,9 @@ def min_factors(mins: torch.Tensor, group: int, steps: int) -> tuple[torch.Tenso
         return None
     m = mins.float().reshape(mins.shape[0], -1, per)
     largest = m.amax(-1, keepdim=True)
-    tolerance = 1e-5 * largest.clamp(min=1e-30)
-    dmin = torch.zeros_like(largest)
-    todo = largest > 0  # all-zero mins: dmin 0
-    for top in range(steps - 1, 0, -1):
-        if not todo.any():
-            break
-        f = (largest / top).to(torch.float16).float()
-        k = torch.round(m / f.clamp(min=1e-30))
-        fits = todo & (f > 0) & ((k * f - m).abs() <= tolerance).all(-1, keepdim=True) & (k >= 0).all(-1, keepdim=True) \
-            & (k < steps).all(-1, keepdim=True)
-        dmin = torch.where(fits, f, dmin)
-        todo &= ~fits
-    if todo.any() or (m < 0).any():
+    dmin = _factor_search(m, largest.clamp(min=0), list(range(steps - 1, 0, -1)), 0, steps - 1,
+                          1e-5 * largest.clamp(min=1e-30))  # all-zero mins: dmin 0
+    if dmin is None or (m < 0).any():
         return None
     k = torch.where(dmin > 0, torch.round(m / dmin.clamp(min=1e-30)), torch.zeros_like(m))
     return dmin.squeeze(-1), k.reshape(mins.shape)
