@@ -140,6 +140,8 @@ def _one_line_error(result, expected: str) -> None:
     "args, expected",
     [
         (["--scheme", "W3A16"], "unknown scheme 'W3A16'"),
+        (["--scheme", "Q9_K"], "choose one of W4A16, W4A16_ASYM"),  # every accepted name, llama.cpp's too
+        (["--scheme", "Q9_K"], "NF4, AUTO, Q2_K, Q3_K_S, Q3_K_M"),
         (["--scheme", "W4A16", "--method", "magic"], "unknown method 'magic'"),
         (["--scheme", "W4A16", "--method", "smoothquant"], "needs scheme W8A8"),
         (["--scheme", "W8A16", "--group-size", "32"], "takes no group size"),

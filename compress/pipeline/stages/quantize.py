@@ -179,6 +179,9 @@ class QuantizeConfig:
         """The scheme object for this request (None for NF4), or LlmoptError for impossible combinations."""
         if self.scheme == NF4:
             return None
+        accepted = [*PRESETS, NF4, AUTO, *(m for m in MIXTURES if m not in PRESETS)]
+        if self.scheme not in accepted and not self.scheme.endswith("FP4"):  # NVFP4 / MXFP4 get their own line
+            raise LlmoptError(f"unknown scheme {self.scheme!r}", f"choose one of {', '.join(accepted)}")
         try:
             if self.plans_per_tensor:  # the plan gives each tensor its own scheme; W4A16 g32 describes the run
                 return self.build_method().check(resolve_scheme("W4A16", 32), True)
