@@ -505,20 +505,26 @@ def affine_qparams(
     point is ``min / s − 2^(bits−1)`` (our codes are signed: ``u − 2^(bits−1)``).
     """
     x = wg.float()
-    weight = torch.ones_like(x) if col_w is None else col_w.float().expand_as(x)
+    weight = None if col_w is None else col_w.float().expand_as(x)  # None: every weight counts once
+
+    def weighted(t: torch.Tensor) -> torch.Tensor:
+        return t if weight is None else weight * t
+
     levels, half = 2**scheme.num_bits - 1, 2 ** (scheme.num_bits - 1)
     nonneg = scheme.min_steps is not None
     lo = x.amin(-1) * clip_ratio
     lo = lo.clamp(max=0) if nonneg else lo
     hi = torch.maximum(x.amax(-1) * clip_ratio, lo + 1e-12)
-    sw, sx = weight.sum(-1), (weight * x).sum(-1)
+    sw = torch.full_like(x[..., 0], x.shape[-1]) if weight is None else weight.sum(-1)
+    sx = weighted(x).sum(-1)
     best_s, best_b = (hi - lo) / levels, lo
-    best_err = (weight * (torch.round((x - lo[..., None]) / best_s[..., None]).clamp(0, levels) * best_s[..., None]
-                          + lo[..., None] - x).square()).sum(-1)
+    best_err = weighted((torch.round((x - lo[..., None]) / best_s[..., None]).clamp(0, levels) * best_s[..., None]
+                         + lo[..., None] - x).square()).sum(-1)
     for t in range(-AFFINE_STEPS, AFFINE_STEPS + 1):
         inv = (levels + t / AFFINE_STEPS) / (hi - lo)
-        u = torch.round((x - lo[..., None]) * inv[..., None]).clamp(0, levels)
-        su, suu, sux = (weight * u).sum(-1), (weight * u * u).sum(-1), (weight * u * x).sum(-1)
+        u = (x - lo[..., None]).mul_(inv[..., None]).round_().clamp_(0, levels)
+        wu = weighted(u)
+        su, suu, sux = wu.sum(-1), (wu * u).sum(-1), (wu * x).sum(-1)
         det = sw * suu - su * su
         ok = det > 1e-30 * sw * suu.clamp(min=1e-30)
         s = torch.where(ok, (sw * sux - su * sx) / det.clamp(min=1e-30), best_s)
@@ -527,7 +533,7 @@ def affine_qparams(
             pos = b > 0
             s, b = torch.where(pos, sux / suu.clamp(min=1e-30), s), torch.where(pos, torch.zeros_like(b), b)
         ok = ok & (s > 0)
-        err = (weight * (u * s[..., None] + b[..., None] - x).square()).sum(-1)
+        err = weighted(u.mul_(s[..., None]).add_(b[..., None]).sub_(x).square_()).sum(-1)  # u is spent here
         better = ok & (err < best_err)
         best_err = torch.where(better, err, best_err)
         best_s, best_b = torch.where(better, s, best_s), torch.where(better, b, best_b)

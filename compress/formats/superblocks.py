@@ -66,16 +66,17 @@ def superblock_mins(mins: torch.Tensor, group: int, steps: int | None) -> torch.
     return (k * dmin).reshape(mins.shape)
 
 
-def _affine_error(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
+def _affine_error(x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor, mins: torch.Tensor,
                   levels: int) -> torch.Tensor:
     """Weighted squared error per super-block of ``x`` ``[rows, n_super, per, group]`` coded as
     ``scale · u − min`` (``scale``, ``mins`` ``[rows, n_super, per]``, ``u`` in ``[0, levels]``)."""
-    u = torch.round((x + mins[..., None]) / scale[..., None]).clamp_(0, levels)
-    return (weight * (scale[..., None] * u - mins[..., None] - x).square()).sum((-1, -2))
+    u = (x + mins[..., None]).div_(scale[..., None]).round_().clamp_(0, levels)  # one buffer, updated in place
+    error = u.mul_(scale[..., None]).sub_(mins[..., None]).sub_(x).square_()
+    return (error if weight is None else error.mul_(weight)).sum((-1, -2))
 
 
 def fit_affine_superblocks(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, num_bits: int,
+    x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor, mins: torch.Tensor, num_bits: int,
     scale_steps: int, min_steps: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K sub-block scales ``k · d`` and mins ``m · dmin`` (``1 <= k <= scale_steps / 2``,
@@ -95,7 +96,7 @@ def fit_affine_superblocks(
     per = sub_blocks_per_super(group)
     shape = (rows, n_groups // per, per)
     xs = x.float().reshape(*shape, group)
-    ws = weight.float().expand_as(x).reshape(*shape, group)
+    ws = None if weight is None else weight.float().expand_as(x).reshape(*shape, group)
     free_scale = scale.float().clamp(min=1e-12).reshape(shape)
     free_mins = mins.float().clamp(min=0).reshape(shape)
     top_k, top_m = scale_steps // 2, min_steps - 1
