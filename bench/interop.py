@@ -322,8 +322,45 @@ def independent_reference(source: Path, ckpt: Path):
         kind = qw.scheme.activations
         if kind and name in modules:
             modules[name].register_forward_pre_hook(lambda _m, args, kind=kind: (fake_quantize_activations(args[0], kind),))
+    _round_expert_inputs(model, {name: qw.scheme.activations for name, qw in weights.items()})
     model.tie_weights()
     return model
+
+
+def _round_expert_inputs(model, activations: dict[str, str | None]) -> None:
+    """Give each of transformers' fused expert modules a forward of its own — one expert at a time,
+    every expert's inputs (to gate/up and to down) rounded as the checkpoint says — where the
+    checkpoint quantizes expert activations (fused 3-D tensors are not Linears: nothing to hook)."""
+    import torch.nn.functional as F
+
+    from llmopt.formats.schemes import fake_quantize_activations
+
+    kinds: dict[int, dict[str, str | None]] = {}
+    for name, kind in activations.items():
+        found = EXPERT.match(f"{name}.weight")
+        if found:
+            layer, _, role = found.groups()
+            kinds.setdefault(int(layer), {})["down" if role in ("w2", "down_proj") else "in"] = kind
+    for layer, kind in kinds.items():
+        if not any(kind.values()):
+            continue
+        experts = model.model.layers[layer].mlp.experts
+
+        def forward(hidden, top_k_index, top_k_weights, experts=experts, kind=kind):
+            out = torch.zeros_like(hidden)
+            for e in range(experts.num_experts):
+                token, slot = torch.where(top_k_index == e)
+                if not token.numel():
+                    continue
+                x = hidden[token]
+                x = fake_quantize_activations(x, kind["in"]) if kind.get("in") else x
+                gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+                h = experts.act_fn(gate) * up
+                h = fake_quantize_activations(h, kind["down"]) if kind.get("down") else h
+                out.index_add_(0, token, (F.linear(h, experts.down_proj[e]) * top_k_weights[token, slot, None]).to(out.dtype))
+            return out
+
+        experts.forward = forward
 
 
 def _online_hadamard(modules: dict, group: dict) -> None:
@@ -555,9 +592,9 @@ def write_md(data: dict) -> None:
              "the same weights without that rounding); "
              "bitsandbytes' CPU kernel multiplies NF4 in "
              "bfloat16; W8A8 / W4A8 / FP8_DYNAMIC round activations at run time, so a consumer computing a layer's input in another "
-             "order lands some of them on a neighbouring code. The MoE rows' eval-loader cells for W8A8 / W4A8 / FP8_DYNAMIC compare "
-             "with a reference that quantizes no expert's activations (transformers holds experts as fused tensors, not "
-             "Linears, so it has nowhere to hook them); llmopt's loader unfuses them and quantizes every expert's input.", ""]
+             "order lands some of them on a neighbouring code. In the MoE rows, the eval loader's reference gives "
+             "transformers' fused experts a per-expert forward of its own that rounds every expert's inputs (fused 3-D "
+             "tensors are not Linears, so there is nothing to hook); llmopt's loader unfuses them into Linears.", ""]
     for output in HF_OUTPUTS + GGUF_OUTPUTS:
         consumers = GGUF_CONSUMERS if output.startswith("GGUF") else HF_CONSUMERS
         present = [r for r in rows if output in rows[r]]
