@@ -292,16 +292,17 @@ def compare(ref: dict, got: dict, consumer: str) -> dict:
             "greedy_of": len(ref["greedy"])}
 
 
-def independent_reference(source: Path, ckpt: Path):
+def independent_reference(source: Path, ckpt: Path, round_activations=None):
     """The source model with the checkpoint's dequantized weights put in place (read with
     ``read_compressed`` / the NF4 reader, not the eval loader), activations fake-quantized where
-    the checkpoint quantizes them."""
+    the checkpoint quantizes them (by ``round_activations(x, kind)``, default llmopt's own rule)."""
     from transformers import AutoModelForCausalLM
 
     from llmopt.checkpoints.lazy import read_tensors
     from llmopt.formats.compressed import nf4_dequantized_state, read_compressed
     from llmopt.formats.schemes import fake_quantize_activations
 
+    fake_quantize_activations = round_activations or fake_quantize_activations
     stored = json.loads((ckpt / "config.json").read_text())
     tie = {"tie_word_embeddings": False} if stored.get("tie_word_embeddings") is False else {}  # a rotation unties the head
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **tie).eval()
@@ -322,18 +323,16 @@ def independent_reference(source: Path, ckpt: Path):
         kind = qw.scheme.activations
         if kind and name in modules:
             modules[name].register_forward_pre_hook(lambda _m, args, kind=kind: (fake_quantize_activations(args[0], kind),))
-    _round_expert_inputs(model, {name: qw.scheme.activations for name, qw in weights.items()})
+    _round_expert_inputs(model, {name: qw.scheme.activations for name, qw in weights.items()}, fake_quantize_activations)
     model.tie_weights()
     return model
 
 
-def _round_expert_inputs(model, activations: dict[str, str | None]) -> None:
+def _round_expert_inputs(model, activations: dict[str, str | None], fake_quantize_activations) -> None:
     """Give each of transformers' fused expert modules a forward of its own — one expert at a time,
     every expert's inputs (to gate/up and to down) rounded as the checkpoint says — where the
     checkpoint quantizes expert activations (fused 3-D tensors are not Linears: nothing to hook)."""
     import torch.nn.functional as F
-
-    from llmopt.formats.schemes import fake_quantize_activations
 
     kinds: dict[int, dict[str, str | None]] = {}
     for name, kind in activations.items():
@@ -406,6 +405,21 @@ def _put(model, state: dict[str, torch.Tensor]) -> None:
             fused.down_proj[int(expert)] = value
 
 
+INT8_ACTIVATION_OUTPUTS = {"W8A8", "W8A8 rotated", "W4A8"}
+
+
+def compressed_tensors_rounding(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x`` rounded per token as compressed-tensors' own forward does (its symmetric scale is
+    |x|max over half the code range, 255 / 2 for int8; float8's is llmopt's rule already)."""
+    from llmopt.formats.schemes import fake_quantize_activations
+
+    if kind != "int8":
+        return fake_quantize_activations(x, kind)
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127.5
+    return (torch.round(xf / scale).clamp(-128, 127) * scale).to(x.dtype)
+
+
 def narrowed_tensors(theirs) -> dict[str, torch.dtype]:
     """Floating-point parameters transformers holds in a narrower dtype than the float32 it was
     asked for (compressed-tensors decompresses fused MoE experts, which are not Linears, in the
@@ -429,7 +443,7 @@ def against_narrowed(cell: dict, ckpt: Path, theirs, narrowed: dict[str, torch.d
         params[name].data = params[name].data.to(dtype)  # transformers' expert code then runs in that dtype, as in theirs
     rounded = compare(scored(ours, ids), scored(theirs, ids), "transformers")
     kinds = sorted({str(d).removeprefix("torch.") for d in narrowed.values()})
-    return {**rounded, "against_float32": cell["max_dlogp"],
+    return {**rounded, "plain_dlogp": cell["max_dlogp"],
             "note": f"transformers holds {len(narrowed)} tensors (fused experts) in {'/'.join(kinds)}, the scales' dtype, "
                     f"although asked for float32, and computes them in it: compared with our model holding its experts the same way "
                     f"(against our float32 model: "
@@ -508,10 +522,21 @@ def measure_hf(row: str, output: str, source: Path, folder: Path, args, cells: d
     if "transformers" not in cells:
         try:
             theirs = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-            cells["transformers"] = compare(ref, scored(theirs, ids), "transformers")
+            theirs_scores = scored(theirs, ids)
+            cells["transformers"] = compare(ref, theirs_scores, "transformers")
             narrowed = narrowed_tensors(theirs)
             if narrowed and judged(cells["transformers"], output, "transformers")["status"] != "pass":
                 cells["transformers"] = against_narrowed(cells["transformers"], ckpt, theirs, narrowed, ids)
+            if output in INT8_ACTIVATION_OUTPUTS and judged(cells["transformers"], output, "transformers")["status"] != "pass":
+                ours = cells["transformers"]
+                cells["transformers"] = {
+                    **compare(scored(independent_reference(source, ckpt, compressed_tensors_rounding), ids), theirs_scores,
+                              "transformers"),
+                    "plain_dlogp": ours["max_dlogp"],
+                    "note": "compressed-tensors (transformers' loader) rounds dynamic int8 activations with scale |x|max / "
+                            "127.5, vLLM and llmopt with |x|max / 127: compared with the reference rounding by its rule "
+                            f"(against llmopt's rule: max |Δlogp| {ours['max_dlogp']:.1e}, greedy {ours['greedy_agree']}/"
+                            f"{ours['greedy_of']})"}
             online = json.loads((ckpt / "config.json").read_text())["quantization_config"].get("transform_config")
             if online and judged(cells["transformers"], output, "transformers")["status"] != "pass":
                 cells["transformers"] = {"status": "limitation", "detail": "transformers ignores transform_config (the online "
@@ -616,7 +641,7 @@ def write_md(data: dict) -> None:
                     text += f" {cell['max_dlogp']:.1e}, greedy {cell['greedy_agree']}/{cell['greedy_of']}"
                 elif "kld_mean" in cell:
                     text += f" KLD {cell['kld_mean']:.1e}, top-1 {100 * cell['top1']:.0f}%"
-                if cell.get("note") and cell["status"] == "pass" and "against_float32" in cell:
+                if cell.get("note") and cell["status"] == "pass" and "plain_dlogp" in cell:
                     notes.append(f"- {row} × {consumer}: {cell['note']}")
                 if cell.get("detail"):
                     explained = KNOWN_GGUF if output.startswith("GGUF") else KNOWN
