@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.core.patterns import check_ignore_pattern, ignore_matches
 from llmopt.calibration import (
     IN_MEMORY,
     EngineTimings,
@@ -95,20 +96,20 @@ def _on_cpu(qw: QuantizedWeight) -> QuantizedWeight:
 
 
 def select_targets(model: nn.Module, ignore: Iterable[str] = ()) -> dict[str, nn.Linear]:
-    """Linears of the decoder layers not matched (``re.search``) by any ``ignore`` pattern.
+    """Linears of the decoder layers not matched by any ``ignore`` pattern (a regular expression
+    found in the name, or compressed-tensors' ``re:REGEX``: :func:`~llmopt.core.patterns.ignore_matches`).
 
     Embeddings and ``lm_head`` live outside the decoder layers and are never quantized;
     mixture-of-experts routers stay in float too.
     """
-    try:
-        patterns = [re.compile(p) for p in ignore]
-    except re.error as exc:
-        raise ValueError(f"invalid ignore pattern: {exc}") from exc
+    patterns = list(ignore)
+    for pattern in patterns:
+        check_ignore_pattern(pattern)
     names = _layer_prefixes(model)
     out: dict[str, nn.Linear] = {}
     for layer, prefix in names:
         for name, module in linear_modules(layer, prefix).items():
-            if not any(p.search(name) for p in patterns) and not is_router(name):
+            if not any(ignore_matches(name, p) for p in patterns) and not is_router(name):
                 out[name] = module
     return out
 

@@ -183,3 +183,37 @@ def test_quantize_keeps_pruned_zeros(tmp_path):
             zeros = module.weight == 0
             deq = weights[f"model.layers.{i}.{kind}"].dequantize()
             assert (deq[zeros] == 0).all()
+
+
+@pytest.mark.parametrize("pattern", ["self_attn", r"re:.*self_attn\.", r"re:model\.layers\.\d+\.self_attn"])
+def test_ignore_patterns_in_both_forms(tmp_path, tiny_model_dir, pattern):
+    """--ignore takes a regular expression found in the name or compressed-tensors' 're:' form
+    (matched from the name's start); the matched Linears stay float and transformers loads the
+    output with them as plain Linears."""
+    from llmopt.formats.compressed import read_compressed
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "q"
+    result = quantize(tiny_model_dir, out, "--scheme", "W8A16", "--ignore", pattern)
+    assert result.exit_code == 0, result.output
+    weights, _ = read_compressed(out)
+    assert len(weights) > 0
+    assert not [n for n in weights if "self_attn" in n] and [n for n in weights if "mlp" in n]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    source = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert type(q_proj) is torch.nn.Linear
+    assert torch.equal(q_proj.weight, source.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_nf4_ignore_pattern_found_in_name(tmp_path, tiny_model_dir):
+    """NF4 reads --ignore as the compressed-tensors schemes do: 'self_attn' keeps every attention Linear float."""
+    import json
+
+    out = tmp_path / "nf4"
+    result = quantize(tiny_model_dir, out, "--scheme", "NF4", "--ignore", "self_attn")
+    assert result.exit_code == 0, result.output
+    skipped = json.loads((out / "config.json").read_text())["quantization_config"]["llm_int8_skip_modules"]
+    attention = [s for s in skipped if "self_attn" in s]
+    assert len(attention) == 4 * 2  # q, k, v, o in both layers of the tiny model
+    assert not [s for s in skipped if "mlp" in s]

@@ -55,6 +55,7 @@ from compressed_tensors.utils.match import match_name
 from safetensors.torch import save_file
 
 from llmopt.core.atomic import atomic_dir
+from llmopt.core.patterns import ignore_matches
 
 from llmopt.formats.registry import format_for, format_of
 from llmopt.formats.schemes import PRESETS, QuantizedWeight, QuantScheme, int_weight_scheme
@@ -605,7 +606,7 @@ def _nf4_skip_names(model: Any, ignore: list[str]) -> list[str]:
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
-        if module is head or any(match_name(name, pattern) for pattern in ignore):
+        if module is head or any(ignore_matches(name, pattern) for pattern in ignore):
             names.append(name)
     return names
 

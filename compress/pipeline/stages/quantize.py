@@ -22,6 +22,7 @@ from llmopt.checkpoints.provenance import finish_record, read_provenance, versio
 from llmopt.core.atomic import check_output
 from llmopt.core.data import CALIB_HELP
 from llmopt.core.errors import LlmoptError
+from llmopt.core.patterns import check_ignore_pattern
 from llmopt.formats.schemes import PRESETS, QuantScheme
 from llmopt.pipeline.stages.base import device_option, eval_option, option, overwrite_option
 from llmopt.pipeline.stages.evaluate import evaluate_output
@@ -86,7 +87,9 @@ class QuantizeConfig:
     calib_samples: int = option(128, "Calibration windows.", min=1)
     calib_seq_len: int = option(512, "Tokens per calibration window.", min=8)
     seed: int = option(0, "Seed for the calibration sample offsets.")
-    ignore: tuple[str, ...] = option((), "Keep matching Linears in float (repeatable; lm_head stays float unless --head says otherwise).", metavar="REGEX")
+    ignore: tuple[str, ...] = option((), "Keep matching Linears in float: a regular expression found in the name ('self_attn', 'mlp\\.down_proj') "
+                                    "or compressed-tensors' 're:REGEX' matched from its start (repeatable; lm_head stays "
+                                    "float unless --head says otherwise).", metavar="REGEX")
     head: str = option("float", "Output head: float, int8 (per row) or int6 / int5 / int4 / nl4 (groups of 32; int5a / "
                        "int4a: with zero points; nl4: llama.cpp's IQ4_NL grid, int8 codes in the checkpoint, GGUF IQ4_NL); "
                        "a tied head shares the embedding's.", choices=OUTER_CHOICES)
@@ -225,9 +228,9 @@ class QuantizeConfig:
             raise LlmoptError("NF4 is quantized by bitsandbytes on the CPU here; --device does not apply", "drop --device")
         for pattern in self.ignore:
             try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise LlmoptError(f"invalid ignore pattern {pattern!r}: {exc}", "write a Python regular expression, e.g. 'mlp\\.down_proj'") from exc
+                check_ignore_pattern(pattern)
+            except ValueError as exc:
+                raise LlmoptError(str(exc), "write a Python regular expression, e.g. 'mlp\\.down_proj' or 're:.*self_attn.*'") from exc
         if self.scheme == NF4:
             if method.transform is not None or not isinstance(method.quantizer, Rtn) or method.quantizer.clip_search:
                 raise LlmoptError(f"NF4 is quantized by bitsandbytes and takes no --method {self.method}"
@@ -243,7 +246,7 @@ class QuantizeConfig:
         elif (self.head != "float" or self.embedding != "float") and self.parse_scheme().activations is not None:
             raise LlmoptError(f"--head/--embedding quantize weights only; {self.scheme} quantizes activations too",
                               "use them with W4A16, W4A16_ASYM or W8A16")
-        if any(re.fullmatch(p, "lm_head") for p in self.ignore) and self.head != "float":
+        if any(re.fullmatch(p.removeprefix("re:"), "lm_head") for p in self.ignore) and self.head != "float":
             raise LlmoptError(f"--ignore keeps lm_head in float but --head {self.head} asks to quantize it", "drop one of them")
         self._check_auto(method)
         self._check_imatrix(method)
