@@ -59,6 +59,7 @@ from llmopt.core.patterns import ignore_matches
 
 from llmopt.formats.registry import format_for, format_of
 from llmopt.formats.schemes import PRESETS, QuantizedWeight, QuantScheme, int_weight_scheme
+from llmopt.checkpoints.moe import is_router
 from llmopt.checkpoints.provenance import write_provenance
 
 WEIGHTS_NAME = "model.safetensors"
@@ -284,7 +285,12 @@ def _check_layers(model: torch.nn.Module, weights: dict[str, QuantizedWeight]) -
 
 
 def _unquantized_linears(model: torch.nn.Module, weights: dict[str, QuantizedWeight]) -> list[str]:
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in weights]
+    """Linears left in float, and MoE routers: transformers 5 holds those as modules of their own
+    (``Qwen3MoeTopKRouter`` …), not Linears, but vLLM builds some as Linear layers that a
+    ``"Linear"`` target claims, so they must be named in the ignore list."""
+    return [n for n, m in model.named_modules() if n not in weights and (
+        isinstance(m, torch.nn.Linear) or (is_router(n) and isinstance(getattr(m, "weight", None), torch.Tensor)
+                                           and m.weight.dim() == 2))]
 
 
 def _write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
