@@ -13,7 +13,6 @@ weights written back, scales folded into norms and Linears). Invalid requests ra
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.core.patterns import check_ignore_pattern, ignore_matches
 from llmopt.calibration import (
     IN_MEMORY,
     EngineTimings,
@@ -36,6 +34,7 @@ from llmopt.calibration import (
 from llmopt.checkpoints.moe import is_expert, is_router, unfuse_experts
 from llmopt.core.hardware import native_bf16
 from llmopt.core.lockstep import Lockstep
+from llmopt.core.patterns import check_ignore_pattern, ignore_matches
 from llmopt.float_reference import FloatReference
 from llmopt.formats.schemes import QuantizedWeight, QuantScheme, effective_group_size, fake_quantize_activations
 from llmopt.linear_stats import LinearStats
