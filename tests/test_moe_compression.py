@@ -228,13 +228,19 @@ def test_auto_plans_every_expert(tmp_path, kind):
 def test_auto_kld_target_for_vllm_ties_a_layers_experts(tmp_path):
     """``--target-kld`` with ``--for vllm``: the plan meets the KLD target in vLLM's formats, and all
     of a layer's experts (gate, up and down of every expert) share one format."""
-    from llmopt.quant.consumers import VLLM_LINEAR
+    from llmopt.quant.consumers import VLLM_EXPERTS, VLLM_LINEAR, allows, refused
 
     source = save_model(wide_moe("qwen3_moe"), tmp_path / "float")
     plan = _auto(source, tmp_path / "q", target_kld=0.1, for_consumer="vllm")
     assert plan["predicted_kld"] <= 0.1
     for layer in range(2):
         assert len(_expert_formats(plan["formats"], layer)) == 1
+        assert _expert_formats(plan["formats"], layer) <= {*VLLM_EXPERTS, "float"}  # vLLM's CPU MoE kernel: no groups of 32
+    assert allows("vllm", "int4_g32", "linear", 256) and not allows("vllm", "int4_g32", "linear", 256, expert=True)
+    shapes = {n: [256, 256] for n in plan["formats"]}
+    assert not refused(plan["formats"], {}, shapes, "vllm")
+    saved = {n: "int4_g32" if is_expert(n) else f for n, f in plan["formats"].items()}  # experts in groups of 32: refused
+    assert len(refused(saved, {}, shapes, "vllm")) == len([n for n in saved if is_expert(n)])
     assert set(plan["formats"].values()) <= {*VLLM_LINEAR, "float"} and set(plan["formats"].values()) & set(VLLM_LINEAR)
     weights = unfused_names(read_compressed(tmp_path / "q")[0])
     assert all(n in weights for n, f in plan["formats"].items() if is_expert(n) and f != "float")
