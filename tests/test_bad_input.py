@@ -81,6 +81,7 @@ CASES = [
     (Q + ["--scheme", "W4A16", "--method", "awq", "--float-targets"], "--float-targets does not apply to method awq: it is an option of gptq"),
     (Q + ["--scheme", "W4A16", "--ignore", "("], "invalid ignore pattern"),
     (Q + ["--scheme", "W4A16", "--ignore", ".*"], "no Linear layers left"),
+    (Q + ["--scheme", "NF4", "--ignore", "re:.*"], "no Linear layers left"),
     (Q + ["--scheme", "W4A16", "--device", "tpu"], "unknown --device 'tpu'"),
     (Q + ["--scheme", "W4A16", "--device", "cuda"], "no CUDA GPU"),
     (P + ["--method", "drop-layers", "--num", "1", "--device", "cpu:0"], "not drop-layers"),

@@ -55,6 +55,7 @@ from compressed_tensors.utils.match import match_name
 from safetensors.torch import save_file
 
 from llmopt.core.atomic import atomic_dir
+from llmopt.core.errors import LlmoptError
 from llmopt.core.patterns import ignore_matches
 
 from llmopt.formats.registry import format_for, format_of
@@ -637,7 +638,11 @@ def save_nf4(
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    skip = [re.escape(name) for name in _nf4_skip_names(model, list(ignore))]
+    skipped = _nf4_skip_names(model, list(ignore))
+    if len(skipped) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()):
+        raise LlmoptError("no Linear layers left to quantize: the ignore patterns match all of them",
+                          "narrow --ignore so it leaves some Linear to quantize")
+    skip = [re.escape(name) for name in skipped]
     bnb_config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
