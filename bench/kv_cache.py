@@ -7,8 +7,9 @@ through the engine's forward teacher-forced: the first ``window - decode`` token
 decode step each (the decode attention kernel reading the cache). Every next-token distribution
 with an fp8 / int8 / int4 cache is compared with the float cache's: KL divergence (nats, mean
 over positions), top-1 agreement, and each cache's perplexity. int4 is measured as the engine
-runs it (Hadamard-rotated, calibrated key scales and key offsets) and in three ablations, each
-switching off one more part: without key scales, rotated only, and plain per-token asymmetric int4.
+runs it (Hadamard-rotated, calibrated key scales and key offsets, each sequence's first token
+kept in float32 as its attention sink) and in four ablations, each switching off one more part:
+without sinks, without key scales, rotated only, and plain per-token asymmetric int4.
 
 Speed: decode tokens/s single stream (``--tg`` tokens after a ``--pp``-token prompt, mean time
 per output token after the first) and for a batch of ``--batch`` streams (``--batch-pp``-token
@@ -43,14 +44,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 KINDS = ["auto", "fp8", "int8", "int4"]
-# int4 ablations: the engine's int4 with parts switched off (accuracy only): (kind, key scales, offsets, rotation)
-ABLATIONS = {"int4 no key scales": ("int4", False, True, True), "int4 rotation only": ("int4", False, False, True),
-             "int4 plain": ("int4", False, False, False)}
+# int4 ablations: the engine's int4 with parts switched off (accuracy only): (kind, sinks, key scales, offsets, rotation)
+ABLATIONS = {"int4 no sinks": ("int4", False, True, True, True), "int4 no key scales": ("int4", False, False, True, True),
+             "int4 rotation only": ("int4", False, False, False, True), "int4 plain": ("int4", False, False, False, False)}
 VARIANTS = KINDS + list(ABLATIONS)
 TEXTS = {"wikitext2": "WikiText-2", "heldout": "held-out Gutenberg"}
 TEXT_START = {"wikitext2": 0, "heldout": 2048}  # tokens skipped: the novel's front matter
-LABEL = {"auto": "float32 (auto)", "fp8": "fp8 e4m3", "int8": "int8", "int4": "int4 (rotated, key scales and offsets)",
-         "int4 no key scales": "int4 rotated, key offsets, no key scales", "int4 rotation only": "int4 rotated only",
+LABEL = {"auto": "float32 (auto)", "fp8": "fp8 e4m3", "int8": "int8", "int4": "int4 (rotated, key scales and offsets, float32 sinks)",
+         "int4 no sinks": "int4 rotated, key scales and offsets, no sinks", "int4 no key scales": "int4 rotated, key offsets, no key scales", "int4 rotation only": "int4 rotated only",
          "int4 plain": "int4 plain (no rotation, no offsets)"}
 
 
@@ -108,9 +109,11 @@ def forced_logits(engine, ids: list[int], chunk: int, decode: int) -> torch.Tens
 
 
 def variant_engine(variant: str):
-    """The engine of a KV dtype, or of an int4 ablation (key scales, offsets, rotation removed)."""
-    kind, key_scales, offsets, rotation = ABLATIONS.get(variant, (variant, True, True, True))
+    """The engine of a KV dtype, or of an int4 ablation (sinks, key scales, offsets, rotation removed)."""
+    kind, sinks, key_scales, offsets, rotation = ABLATIONS.get(variant, (variant, True, True, True, True))
     engine = engine_for(kind, cpp=True, max_num_seqs=1) if key_scales else engine_with_key_scale_power(kind, 0.0)
+    if not sinks:
+        engine.cache.sinks = None
     if not offsets:
         engine.cache.k_offset = [None] * len(engine.cache.k_offset)
     if not rotation:
@@ -337,11 +340,14 @@ def markdown(report: dict) -> str:
         lines += ["", (f"llmopt {LABEL['int4']}, second half: {ours['int4']['kld_mean_second_half']:.5f} = "
                        f"{ours['int4']['kld_mean_second_half'] / q4:.2f}× llama.cpp's best 4-bit KV cache ({q4:.5f})."), ""]
     klds = [a[text]["int4"]["kld_mean"] for text in TEXTS]
-    if all("int4 no key scales" in a[text] for text in TEXTS):
-        lines += [("Key scales: mean KLD " + " / ".join(
-            f"{a[t]['int4']['kld_mean']:.4f} with, {a[t]['int4 no key scales']['kld_mean']:.4f} without "
-            f"({a[t]['int4']['kld_mean'] / a[t]['int4 no key scales']['kld_mean']:.2f}×)" for t in TEXTS)
-            + f" ({' / '.join(TEXTS.values())})."), ""]
+    for part, (on, off) in {"Attention sinks": ("int4", "int4 no sinks"), "Key scales": ("int4 no sinks", "int4 no key scales")}.items():
+        if all(on in a[text] and off in a[text] for text in TEXTS):
+            lines += [(f"{part}: mean KLD " + " / ".join(
+                f"{a[t][on]['kld_mean']:.4f} with, {a[t][off]['kld_mean']:.4f} without "
+                f"({a[t][on]['kld_mean'] / a[t][off]['kld_mean']:.2f}×)" for t in TEXTS)
+                + f" ({' / '.join(TEXTS.values())})."), ""]
+    lines += [(f"The int4 cache's sinks add one float32 token per sequence ({s['kv_bytes_per_token']['auto']:,} bytes here), "
+               "in a store of max_num_seqs + 16 entries shared by sequences with the same first token."), ""]
     lines += [(f"Target (issue 46): int4 KV cache with rotation adds a mean KLD ≤ {INT4_TARGET}: "
                f"{' / '.join(f'{k:.4f}' for k in klds)} ({' / '.join(TEXTS.values())}) — "
                f"{'met' if max(klds) <= INT4_TARGET else 'missed'}."), ""]

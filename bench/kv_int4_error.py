@@ -100,7 +100,7 @@ def round_on_store(engine, keys: Rounding | None, values: Rounding | None) -> No
 
     cache = engine.cache
 
-    def store(index, k, v, slots):
+    def store(index, k, v, slots, sink_writes=None):
         offset = cache.k_offset[index]
         k = k - offset.to(k.dtype) if offset is not None else k
         k = keys(k).to(k.dtype) if keys else k

@@ -74,7 +74,7 @@ class LLMEngine:
                     f"a KV cache budget of {config.kv_cache_gib} GiB holds no block ({self.bytes_per_block} bytes each)",
                     "raise kv_cache_gib or lower block_size",
                 )
-        self.cache = KVCache(self.arch, num_blocks, bs, dtype, config.kv_cache_dtype, device)
+        self.cache = KVCache(self.arch, num_blocks, bs, dtype, config.kv_cache_dtype, device, config.max_num_seqs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.arch, self.model, self.cache, self.max_model_len, dtype)

@@ -8,6 +8,7 @@ from llmopt.formats.hadamard import block_for, hadamard_matrix
 from .config import ModelArch
 from .kernels import kv_quant
 from .kernels.reference import Workspace, write_kv
+from .kv_sinks import SINK_TOKENS, SPARE_ENTRIES, SinkTable
 
 
 KEY_SCALE_POWER = 0.15  # the best of 0-0.3 on the demo model (bench/results/kv_int4_error.md)
@@ -33,14 +34,18 @@ class KVCache:
     (``k_offset``, the mean key of a calibration text in the cache's basis): a constant shift
     of every key adds the same amount to all of a query's scores, which the softmax ignores,
     and centring the keys halves their int4 error. The engine calibrates both
-    (:meth:`begin_basis_calibration`, ``runtime.kv_calibration``).
+    (:meth:`begin_basis_calibration`, ``runtime.kv_calibration``). An int4 cache also keeps each
+    sequence's first ``SINK_TOKENS`` keys and values (its attention sinks) in float32, in the
+    same basis, in ``sink_entries`` entries (``sink_k`` / ``sink_v`` ``[kv_heads, entries,
+    SINK_TOKENS, head_dim]`` per layer; ``runtime.kv_sinks``) that the attention kernels read
+    in place of those positions' codes.
 
     Allocated once with ``torch.empty``: the operating system backs pages only as blocks are
     first written, so resident memory follows the blocks actually used.
     """
 
     def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", max_num_seqs: int = 64) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.head_dim = arch.head_dim
@@ -71,6 +76,16 @@ class KVCache:
         if block is not None:
             h = hadamard_matrix(block, torch.float64)
             self.rotation = torch.block_diag(*[h] * (arch.head_dim // block)).to(dtype=dtype, device=device)
+        self.sinks: SinkTable | None = None
+        self.sink_k: list[torch.Tensor | None] = [None] * arch.num_layers
+        self.sink_v: list[torch.Tensor | None] = [None] * arch.num_layers
+        if kv_cache_dtype == "int4" and block_size >= SINK_TOKENS:
+            entries = max_num_seqs + SPARE_ENTRIES
+            self.sinks = SinkTable(entries)
+            self.sink_data = torch.zeros(arch.num_layers, 2, arch.num_kv_heads, entries, SINK_TOKENS, arch.head_dim,
+                                         dtype=torch.float32, device=device)
+            self.sink_k = [self.sink_data[i, 0] for i in range(arch.num_layers)]
+            self.sink_v = [self.sink_data[i, 1] for i in range(arch.num_layers)]
 
     @staticmethod
     def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -88,6 +103,8 @@ class KVCache:
         total = self.data.numel() * self.data.element_size()
         if self.scales is not None:
             total += self.scales.numel() * self.scales.element_size()
+        if self.sinks is not None:
+            total += self.sink_data.numel() * self.sink_data.element_size()
         return total
 
     # -- the rotated basis of an int4 cache ------------------------------------------------------
@@ -139,19 +156,46 @@ class KVCache:
             self._factors[index] = cached
         return cached[1]
 
-    def store(self, index: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def store(self, index: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              sink_writes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Write ``k``/``v`` ``[tokens, kv_heads, head_dim]`` (already in the cache's basis) of
-        layer ``index`` at ``slots``, keys less the layer's offset."""
+        layer ``index`` at ``slots``, keys less the layer's offset; and the attention sinks among
+        them (:meth:`store_sinks`)."""
         offset = self.k_offset[index]
         if offset is not None:
             k = k - offset.to(k.dtype)
         write_kv(self.k[index], self.v[index], k, v, slots, self.k_scale[index], self.v_scale[index])
+        if sink_writes is not None:
+            self._write_sinks(index, k, v, sink_writes)
+
+    def store_sinks(self, index: int, k: torch.Tensor, v: torch.Tensor,
+                    sink_writes: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Copy the attention sinks among ``k``/``v`` (cache basis, key offset not yet removed)
+        into the sink store: ``sink_writes`` is (batch rows of each sequence's position 0,
+        their entries), ``SINK_TOKENS`` rows from each."""
+        if sink_writes is None:
+            return
+        offset = self.k_offset[index]
+        self._write_sinks(index, k if offset is None else k - offset.to(k.dtype), v, sink_writes)
+
+    def _write_sinks(self, index: int, k: torch.Tensor, v: torch.Tensor, sink_writes: tuple[torch.Tensor, torch.Tensor]) -> None:
+        rows, entries = sink_writes
+        positions = (rows[:, None] + torch.arange(SINK_TOKENS, device=rows.device)).flatten()
+        for store, x in ((self.sink_k[index], k), (self.sink_v[index], v)):
+            values = x.index_select(0, positions).view(len(entries), SINK_TOKENS, *x.shape[1:])
+            store[:, entries] = values.permute(2, 0, 1, 3).float()  # [kv_heads, entries, SINK_TOKENS, head_dim]
+
+    def sinks_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``index``'s sink store (K, V), None when the cache keeps none."""
+        return None if self.sinks is None else (self.sink_k[index], self.sink_v[index])
 
     def begin_basis_calibration(self) -> None:
         """Collect key means and variances and query mean squares per layer and KV head over
         the following :meth:`to_cache_basis` calls (offsets and key scales off meanwhile)."""
         self.k_offset = [None] * len(self.k)
         self.key_scale = [None] * len(self.k)
+        if self.sinks is not None:
+            self.sinks.clear()
         self._basis_stats = [[0, 0, 0, 0] for _ in self.k]
 
     def _record(self, index: int, q: torch.Tensor, k: torch.Tensor) -> None:
@@ -167,6 +211,8 @@ class KVCache:
         """Set ``key_scale`` (and ``k_offset`` unless ``offsets`` is False) from the collected
         statistics; layers that saw no token keep neither."""
         stats, self._basis_stats = self._basis_stats, None
+        if self.sinks is not None:  # written in the basis being replaced
+            self.sinks.clear()
         for index, (key_sum, key_squares, query_squares, count) in enumerate(stats):
             if not count:
                 continue

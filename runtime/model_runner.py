@@ -8,6 +8,7 @@ from .backends import AttentionMetadata, ForwardBatch, PrefillChunk
 from .config import ModelArch
 from .kernels.reference import block_rows
 from .kv_cache import KVCache
+from .kv_sinks import SINK_TOKENS
 from .model import LlamaModel
 from .rope import RotaryEmbedding
 from .sequence import Sequence
@@ -31,6 +32,9 @@ class ModelRunner:
         a sequence asked for are computed too (after the sampled rows): ``(seq, positions)`` pairs
         are appended to it, in that row order."""
         bs = self.block_size
+        sinks = self.cache.sinks
+        if sinks is not None:
+            sinks.begin_step()
         # decode rows (sequence, position), ascending context: one per decoding sequence, and one
         # per token being verified for a sequence with proposed tokens (speculative decoding:
         # each attends like a decode token, to the cache up to and including itself)
@@ -54,6 +58,7 @@ class ModelRunner:
                 extra.append(len(ids) - 1)  # a one-token prompt chunk
                 prompt_rows.append((seq, [p]))
         prefills = []
+        sink_writes: list[tuple[int, int]] = []
         for seq, n in chunks:
             start, p = len(ids), seq.num_computed
             ids.extend(seq.token_ids[p:p + n])
@@ -63,11 +68,16 @@ class ModelRunner:
             slots.extend(table[q // bs] * bs + q % bs for q in pos)
             if p == 0:
                 prefills.append(PrefillChunk(start, n, None, None))
+                if sinks is not None and n >= SINK_TOKENS:
+                    entry = sinks.claim(seq.first_tokens(SINK_TOKENS))
+                    if entry >= 0:
+                        sink_writes.append((start, entry))
             else:
                 ctx = p + n
                 blocks = torch.tensor(table[:-(-ctx // bs)], dtype=torch.long)
                 mask = torch.arange(ctx)[None, :] <= torch.arange(p, ctx)[:, None]
-                prefills.append(PrefillChunk(start, n, self._rows(blocks), mask))
+                sink = sinks.lookup(seq.first_tokens(SINK_TOKENS)) if sinks is not None else -1
+                prefills.append(PrefillChunk(start, n, self._rows(blocks), mask, sink))
             if p + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
@@ -81,9 +91,23 @@ class ModelRunner:
         attn = AttentionMetadata(torch.tensor(slots, dtype=torch.long), len(decodes), prefills=prefills)
         if decodes:
             attn.block_tables, attn.context_lens = self._block_tables(decodes)
+        if sinks is not None:
+            if decodes:
+                attn.decode_sinks = torch.tensor([sinks.lookup(s.first_tokens(SINK_TOKENS)) for s, _ in decodes], dtype=torch.long)
+            if sink_writes:
+                attn.sink_writes = tuple(torch.tensor(column, dtype=torch.long) for column in zip(*sink_writes))
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long), cos.unsqueeze(1), sin.unsqueeze(1), attn,
                              torch.tensor(sample_rows, dtype=torch.long), pos_t)
         return (batch if self.device.type == "cpu" else batch.to(self.device)), sampled
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward; a failed one leaves no half-written sink entry behind."""
+        try:
+            return self.model.forward(batch, self.cache)
+        except BaseException:
+            if self.cache.sinks is not None:
+                self.cache.sinks.discard_pending()
+            raise
 
     def _rows(self, block_ids: torch.Tensor) -> torch.Tensor:
         return block_rows(block_ids, self.arch.num_kv_heads, self.cache.num_blocks)
@@ -119,10 +143,10 @@ class ModelRunner:
         scored: list | None = [] if prompt_rows is not None else None
         batch, sampled = self.prepare(items, scored)
         if not scored:
-            return self.model.forward(batch, self.cache), sampled
+            return self._forward(batch), sampled
         rows, order = batch.sample_rows.sort()  # the models take rows in ascending order
         batch.sample_rows = rows
-        logits = torch.empty_like(computed := self.model.forward(batch, self.cache))
+        logits = torch.empty_like(computed := self._forward(batch))
         logits[order] = computed
         row = len(sampled)
         for seq, positions in scored or ():

@@ -90,6 +90,11 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def first_tokens(self, count: int) -> tuple[int, ...]:
+        """The first ``count`` token ids (fewer when the sequence is shorter): what the K/V of
+        positions ``0 .. count - 1`` depend on, the key of its attention sinks (``runtime.kv_sinks``)."""
+        return tuple(self.token_ids[:count])
+
     def token_at(self, position: int) -> int:
         """The token at ``position``, a proposed (speculative) one past the accepted tokens."""
         n = len(self.token_ids)

@@ -28,12 +28,14 @@ GROUP_COST_BLOCKS = 12  # one more attention call costs about as much as padding
 class PrefillChunk(NamedTuple):
     """``length`` prompt tokens of one sequence at batch rows ``start ...``: ``rows`` are the cache
     rows of its context (:func:`reference.block_rows`) and ``mask`` ``[length, context]`` bool
-    says what each token may see; both None when nothing is cached before the chunk."""
+    says what each token may see; both None when nothing is cached before the chunk. ``sink``:
+    the entry of the cache's sink store holding the sequence's first positions (-1: none)."""
 
     start: int
     length: int
     rows: torch.Tensor | None
     mask: torch.Tensor | None
+    sink: int = -1
 
 
 @dataclass
@@ -42,8 +44,11 @@ class AttentionMetadata:
 
     Batch rows ``0 .. num_decodes - 1`` are decode tokens (one per sequence, ascending context
     length) attending to ``context_lens`` tokens through ``block_tables`` ``[num_decodes, width]``
-    (int64, padded with block 0); prompt chunks follow. ``derived`` holds what a backend computes
-    from these once per forward (device copies, padded groups) for every layer to reuse."""
+    (int64, padded with block 0); prompt chunks follow. With an int4 cache's sink store
+    (``runtime.kv_sinks``): ``decode_sinks`` ``[num_decodes]`` int64, each decode row's entry
+    (-1: none), and ``sink_writes`` (batch rows of position 0 of the sequences whose first chunk
+    this is, their entries), None when nothing is written. ``derived`` holds what a backend
+    computes from these once per forward (device copies, padded groups) for every layer to reuse."""
 
     slots: torch.Tensor  # [T] KV cache slot of each token
     num_decodes: int = 0
@@ -51,13 +56,17 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     derived: dict = field(default_factory=dict)
+    decode_sinks: torch.Tensor | None = None
+    sink_writes: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device: torch.device) -> AttentionMetadata:
         def move(t):
             return None if t is None else t.to(device, non_blocking=True)
 
-        chunks = [PrefillChunk(c.start, c.length, move(c.rows), move(c.mask)) for c in self.prefills]
-        return AttentionMetadata(move(self.slots), self.num_decodes, move(self.block_tables), move(self.context_lens), chunks)
+        chunks = [PrefillChunk(c.start, c.length, move(c.rows), move(c.mask), c.sink) for c in self.prefills]
+        writes = None if self.sink_writes is None else (move(self.sink_writes[0]), move(self.sink_writes[1]))
+        return AttentionMetadata(move(self.slots), self.num_decodes, move(self.block_tables), move(self.context_lens), chunks,
+                                 decode_sinks=move(self.decode_sinks), sink_writes=writes)
 
 
 @dataclass
@@ -171,7 +180,7 @@ class Backend:
             qk = F.rms_norm(qk, (dim,), None, eps) * qk_norm
         qk = apply_rotary(qk, batch.cos, batch.sin)
         q, k, v = cache.to_cache_basis(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:], index)
-        cache.store(index, k, v, batch.attn.slots)
+        cache.store(index, k, v, batch.attn.slots, batch.attn.sink_writes)
         return q, k, v
 
     # -- attention ------------------------------------------------------------------------------
@@ -203,7 +212,8 @@ class Backend:
             return reference.prefill_attention(q, k, v, scale)
         return reference.chunked_prefill_attention(q, cache.k[index], cache.v[index], chunk.rows, chunk.mask,
                                                    cache.block_size, scale, cache.k_space, cache.v_space,
-                                                   cache.k_scale[index], cache.v_scale[index])
+                                                   cache.k_scale[index], cache.v_scale[index],
+                                                   sink_context(cache, index, chunk.sink))
 
     def decode_attention(self, q: torch.Tensor, meta: AttentionMetadata, cache: KVCache, index: int,
                          scale: float) -> torch.Tensor:
@@ -212,9 +222,12 @@ class Backend:
         groups = meta.derived.get("groups")
         if groups is None:
             groups = meta.derived["groups"] = decode_groups(meta, cache, q.dtype)
+        sinks = cache.sinks_of(index)
         outs = [reference.paged_decode_attention(q[start:start + count], cache.k[index], cache.v[index], rows, width, mask,
                                                  cache.block_size, scale, cache.k_space, cache.v_space,
-                                                 cache.k_scale[index], cache.v_scale[index])
+                                                 cache.k_scale[index], cache.v_scale[index],
+                                                 None if sinks is None or meta.decode_sinks is None
+                                                 else (*sinks, meta.decode_sinks[start:start + count]))
                 for start, count, rows, width, mask in groups]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -226,16 +239,21 @@ class Backend:
         kv_heads, bs = cache.k[index].shape[0], cache.block_size
         outs = []
 
-        def context(rows: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def context(rows: torch.Tensor, ctx: int, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
             kc = reference.gather_context(cache.k[index], cache.k_scale[index], rows, bs, cache.k_space, q.dtype)
             vc = reference.gather_context(cache.v[index], cache.v_scale[index], rows, bs, cache.v_space, q.dtype)
             dim = q.shape[-1]
-            return kc.view(kv_heads, -1, dim)[:, :ctx], vc.view(kv_heads, -1, dim)[:, :ctx]
+            kc, vc = kc.view(1, kv_heads, -1, dim), vc.view(1, kv_heads, -1, dim)
+            sinks = sink_context(cache, index, sink)
+            if sinks is not None:
+                reference.apply_sinks(kc, vc, *sinks)
+            return kc[0, :, :ctx], vc[0, :, :ctx]
 
         lens = meta.context_lens.tolist() if meta.num_decodes else []
+        decode_sinks = meta.decode_sinks.tolist() if meta.num_decodes and meta.decode_sinks is not None else [-1] * len(lens)
         for b, ctx in enumerate(lens):
             rows = reference.block_rows(meta.block_tables[b, :-(-ctx // bs)], kv_heads, cache.num_blocks)
-            kc, vc = context(rows, ctx)
+            kc, vc = context(rows, ctx, decode_sinks[b])
             outs.append(reference.masked_attention(q[b:b + 1], kc, vc, ctx - 1, scale, window, softcap))
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
@@ -243,7 +261,7 @@ class Backend:
                 kc, vc, start = k[rows].transpose(0, 1), v[rows].transpose(0, 1), 0
             else:
                 ctx = chunk.mask.shape[1]
-                kc, vc = context(chunk.rows, ctx)
+                kc, vc = context(chunk.rows, ctx, chunk.sink)
                 start = ctx - chunk.length
             outs.append(reference.masked_attention(q[rows], kc, vc, start, scale, window, softcap))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -252,6 +270,15 @@ class Backend:
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Row-wise argmax of ``[rows, vocab]`` logits (the first of equal maxima)."""
         return logits.argmax(-1)
+
+
+def sink_context(cache: KVCache, index: int, entry: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(sink K, sink V, ``[entry]``) of layer ``index`` for one sequence reading its sinks from
+    entry ``entry``; None when it has none (-1) or the cache keeps none."""
+    sinks = cache.sinks_of(index)
+    if sinks is None or entry < 0:
+        return None
+    return (*sinks, torch.tensor([entry], device=sinks[0].device))
 
 
 def decode_groups(meta: AttentionMetadata, cache: KVCache, dtype: torch.dtype) -> list[tuple]:

@@ -117,14 +117,18 @@ class CpuBackend(Backend):
             return q, k, v
         if cache.scales is not None:  # quantized in one C++ call (self.ops runs float32 models only)
             self.ops.store_kv(k, v, slots, k_cache, v_cache, cache.k_scale[index], cache.v_scale[index], cache.k_offset[index])
+            cache.store_sinks(index, k, v, batch.attn.sink_writes)
         else:
-            cache.store(index, k, v, slots)
+            cache.store(index, k, v, slots, batch.attn.sink_writes)
         return q, k, v
 
     def decode_attention(self, q: torch.Tensor, meta: AttentionMetadata, cache, index: int, scale: float) -> torch.Tensor:
         out = self.out_space.take(q.shape[0], q.shape[1] * q.shape[2])
+        sinks = cache.sinks_of(index) if meta.decode_sinks is not None else None
+        sink_k, sink_v = sinks or (None, None)
         return self.paged(q, cache.k[index], cache.v[index], cache.k_scale[index], cache.v_scale[index], meta.block_tables,
-                          meta.context_lens, cache.block_size, scale, out, False, 0)
+                          meta.context_lens, cache.block_size, scale, out, False, 0, sink_k, sink_v,
+                          None if sinks is None else meta.decode_sinks)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.dtype == torch.float32 and logits.is_contiguous():

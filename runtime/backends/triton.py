@@ -53,8 +53,10 @@ class TritonBackend(Backend):
         tables = meta.derived.get("tables32")
         if tables is None:
             tables = meta.derived["tables32"] = (meta.block_tables.to(torch.int32), meta.context_lens.to(torch.int32))
+        sinks = cache.sinks_of(index) if meta.decode_sinks is not None else None
         return triton_paged_decode_attention(q, cache.k[index], cache.v[index], tables[0], tables[1], cache.block_size, scale,
-                                             cache.k_scale[index], cache.v_scale[index])
+                                             cache.k_scale[index], cache.v_scale[index],
+                                             sinks=None if sinks is None else (*sinks, meta.decode_sinks))
 
 
 BACKEND = TritonBackend

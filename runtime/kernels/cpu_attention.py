@@ -30,6 +30,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     portable: bool = False,
     splits: int = 0,
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its cached context, through its block table.
 
@@ -38,6 +39,8 @@ def paged_decode_attention(
     ``block_tables`` ``[B, width]`` and ``context_lens`` ``[B]`` int32 or int64. Returns (or
     fills ``out``) ``[B, heads * head_dim]`` in ``q``'s dtype. ``portable`` forces the scalar
     path; ``splits`` > 0 fixes how many pieces each context is split into (0: automatic).
+    ``sinks`` (int4 caches): float32 sink K and V ``[kv_heads, entries, tokens, head_dim]`` and
+    each sequence's entry ``[B]`` (-1: none), read in place of its first positions' codes.
     """
     ext = extension()
     if ext is None:
@@ -45,7 +48,7 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
     return ext.paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size, scale,
-                            out, portable, splits)
+                            out, portable, splits, *(sinks or (None, None, None)))
 
 
 def has_avx2() -> bool:

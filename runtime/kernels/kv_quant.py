@@ -9,9 +9,11 @@ value). Float8 codes are kept as their raw bytes (``uint8``), because torch's CP
 do not take float8 tensors; ``dequantize`` reinterprets them.
 
 int4 (asymmetric, per group of ``int4_group(head_dim)`` values: 32, or the whole head when 32
-does not divide it): ``codes = round((x - min) / s)`` in 0..15 with ``s = (max - min) / 15``
-and ``s`` and ``min`` rounded to float16 first (the codes are fitted to the stored pair), two
-codes per byte (element ``2i`` in the low nibble of byte ``i``), so the cache's last dimension
+does not divide it): ``codes = round((x - low) / s)`` in 0..15 with ``s = (high - low) / 15``
+and ``s`` and ``low`` rounded to float16 first (the codes are fitted to the stored pair), where
+``low`` / ``high`` are the group's minimum and maximum moved inwards by ``INT4_TRIMS`` of its
+range, whichever candidate reconstructs the group with the least squared error (trimming the
+extremes a little refines the step of every other value), two codes per byte (element ``2i`` in the low nibble of byte ``i``), so the cache's last dimension
 is ``head_dim / 2``; scales are ``[..., groups, 2]`` float16 pairs ``(s, min)``: 5 bits a value
 for groups of 32, as llama.cpp's q4_1. The runtime stores int4 K/V in
 a Hadamard-rotated basis with a calibrated key offset removed (``runtime.kv_cache``): rotation
@@ -30,6 +32,9 @@ STORAGE = {"int8": torch.int8, "fp8": torch.uint8, "int4": torch.uint8}
 SCALE_DTYPE = torch.float32  # int8 / fp8; int4 keeps float16 pairs (scale_dtype)
 INT4_LEVELS = 15
 INT4_GROUP = 32
+# Range trimmed off each end of an int4 group, as a fraction of (max - min), per candidate pair: the
+# pair whose codes reconstruct the group with the least squared error is kept (0: min and max).
+INT4_TRIMS = torch.tensor([0.0125 * i for i in range(11)], dtype=torch.float32)
 
 
 def check_kv_cache_dtype(kind: str) -> None:
@@ -97,12 +102,18 @@ def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     group = int4_group(dim)
     grouped = x.view(*x.shape[:-1], dim // group, group)
     largest = torch.finfo(torch.float16).max
-    low = grouped.amin(dim=-1).clamp(-largest, largest).to(torch.float16)
-    scale = ((grouped.amax(dim=-1) - low.float()) / INT4_LEVELS).clamp(max=largest).to(torch.float16)
+    lo, hi = grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)
+    trim = (hi - lo) * INT4_TRIMS.to(x.device)  # [..., groups, candidates]
+    low = (lo + trim).clamp(-largest, largest).to(torch.float16)
+    scale = ((hi - trim - low.float()) / INT4_LEVELS).clamp(max=largest).to(torch.float16)
     step = scale.float().clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    codes = ((grouped - low.float().unsqueeze(-1)) / step).round_().clamp_(0, INT4_LEVELS).to(torch.uint8).view(x.shape)
+    values = grouped.unsqueeze(-2)  # [..., groups, 1, group]
+    codes = ((values - low.float().unsqueeze(-1)) / step).round_().clamp_(0, INT4_LEVELS)
+    error = (codes.double() * scale.double().unsqueeze(-1) + low.double().unsqueeze(-1) - values.double()).square_().sum(-1)
+    best = error.argmin(dim=-1, keepdim=True)  # the first of equal errors: the least trimmed
+    codes = codes.gather(-2, best.unsqueeze(-1).expand(*best.shape, group)).squeeze(-2).to(torch.uint8).view(x.shape)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, torch.stack([scale, low], dim=-1)
+    return packed, torch.stack([scale.gather(-1, best).squeeze(-1), low.gather(-1, best).squeeze(-1)], dim=-1)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

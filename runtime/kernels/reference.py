@@ -121,6 +121,19 @@ def gather_context(
     return kv_quant.dequantize(gathered.view(len(rows), block_size, dim), s, dtype).view(len(rows), -1)
 
 
+def apply_sinks(k: torch.Tensor, v: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, entries: torch.Tensor) -> None:
+    """Replace the first positions of gathered contexts ``k``/``v`` ``[B, kv_heads, ctx, dim]`` (in
+    place) by the float32 sinks of entries ``entries`` ``[B]`` of the store ``sink_k``/``sink_v``
+    ``[kv_heads, entries, tokens, dim]``; a sequence with entry -1 keeps its own."""
+    rows = (entries >= 0).nonzero().flatten()
+    if not len(rows):
+        return
+    chosen = entries.index_select(0, rows)
+    tokens = min(sink_k.shape[2], k.shape[2])
+    for context, store in ((k, sink_k), (v, sink_v)):
+        context[rows, :, :tokens] = store[:, chosen, :tokens].transpose(0, 1).to(context.dtype)
+
+
 def block_rows(block_ids: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
     """Rows for ``block_ids`` ``[..., n]`` ordered ``[..., head, block]``."""
     heads = torch.arange(kv_heads, device=block_ids.device) * num_blocks
@@ -140,18 +153,22 @@ def paged_decode_attention(
     v_space: Workspace,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its cached context.
 
     ``q`` ``[B, heads, head_dim]``; ``rows`` from :func:`block_rows` of the padded block
     tables ``[B, width / block_size]``; ``mask`` ``[B, 1, 1, width]`` additive (0 / -inf), or
     None when every sequence has exactly ``width`` tokens; ``k_scale``/``v_scale`` for a
-    quantized cache. Returns ``[B, heads * head_dim]``.
+    quantized cache; ``sinks`` (sink K, sink V, entries ``[B]``) read each sequence's first
+    positions from an int4 cache's sink store (:func:`apply_sinks`). Returns ``[B, heads * head_dim]``.
     """
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     k = gather_context(k_cache, k_scale, rows, block_size, k_space, q.dtype).view(batch, kv_heads, -1, dim)
     v = gather_context(v_cache, v_scale, rows, block_size, v_space, q.dtype).view(batch, kv_heads, -1, dim)
+    if sinks is not None:
+        apply_sinks(k, v, *sinks)
     if mask is None:
         k, v = k[:, :, :width], v[:, :, :width]
     else:
@@ -189,18 +206,22 @@ def chunked_prefill_attention(
     v_space: Workspace,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A prompt chunk attending to its cached context and itself (already written to the cache).
 
     ``q`` ``[n, heads, dim]`` at positions ``ctx - n ... ctx - 1``; ``rows`` from
     :func:`block_rows` of the blocks covering ``ctx``; ``mask`` ``[n, ctx]`` bool (True: may
-    attend); ``k_scale``/``v_scale`` for a quantized cache. Returns ``[n, heads * dim]``.
+    attend); ``k_scale``/``v_scale`` for a quantized cache; ``sinks`` as in
+    :func:`paged_decode_attention` (entries ``[1]``). Returns ``[n, heads * dim]``.
     """
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     ctx = mask.shape[1]
     k = gather_context(k_cache, k_scale, rows, block_size, k_space, q.dtype).view(1, kv_heads, -1, dim)[:, :, :ctx]
     v = gather_context(v_cache, v_scale, rows, block_size, v_space, q.dtype).view(1, kv_heads, -1, dim)[:, :, :ctx]
+    if sinks is not None:
+        apply_sinks(k, v, *sinks)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads,
     )

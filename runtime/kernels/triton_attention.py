@@ -63,13 +63,17 @@ if triton is not None:
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+        sink_k_ptr, sink_v_ptr, sink_index_ptr, sink_entries,
         qk_scale, tokens_per_part, block_size, num_parts,
         stride_qb, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_sh, stride_tb, stride_ob,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, INT4_GROUP: tl.constexpr,
+        SINK_TOKENS: tl.constexpr,
     ):
         """``qk_scale`` is the softmax scale times log2(e): scores are kept in base 2. Scales of a
-        quantized cache are ``[kv_heads, slots]`` with row stride ``stride_sh``."""
+        quantized cache are ``[kv_heads, slots]`` with row stride ``stride_sh``. ``SINK_TOKENS`` > 0:
+        positions below it read float32 sinks ``[kv_heads, sink_entries, SINK_TOKENS, HEAD_DIM]``
+        from entry ``sink_index[b]`` (-1: their codes)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         p = tl.program_id(2)
@@ -95,6 +99,8 @@ if triton is not None:
         v_scales = v_scale_ptr + kvh.to(tl.int64) * stride_sh
         dtype = q_ptr.dtype.element_ty  # a quantized cache is dequantized to q's dtype, as the reference does
         table = tables_ptr + b.to(tl.int64) * stride_tb
+        if SINK_TOKENS > 0:
+            entry = tl.load(sink_index_ptr + b).to(tl.int64)
         for t0 in range(start, end, BLOCK_T):
             ts = t0 + offs_t
             t_mask = ts < end
@@ -103,6 +109,13 @@ if triton is not None:
             # Slots past the context were never written (NaN included): masked loads read zeros.
             k = _load_kv(k_head, k_scales, slot, offs_d, t_mask, d_mask, stride_kt, KV_KIND, INT4_GROUP, HEAD_DIM).to(dtype)
             v = _load_kv(v_head, v_scales, slot, offs_d, t_mask, d_mask, stride_vt, KV_KIND, INT4_GROUP, HEAD_DIM).to(dtype)
+            if SINK_TOKENS > 0:
+                sunk = t_mask & (ts < SINK_TOKENS) & (ts * 0 + entry >= 0)  # a block, not a scalar, for the mask
+                sink_row = (kvh.to(tl.int64) * sink_entries + tl.maximum(entry, 0)) * SINK_TOKENS + tl.minimum(ts, SINK_TOKENS - 1)
+                at = sink_row[:, None] * HEAD_DIM + offs_d[None, :]
+                both = sunk[:, None] & d_mask[None, :]
+                k = tl.where(sunk[:, None], tl.load(sink_k_ptr + at, mask=both, other=0.0).to(dtype), k)
+                v = tl.where(sunk[:, None], tl.load(sink_v_ptr + at, mask=both, other=0.0).to(dtype), v)
             if DOT_F32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -172,6 +185,7 @@ def triton_paged_decode_attention(
     out: torch.Tensor | None = None,
     max_context: int | None = None,
     num_parts: int | None = None,
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention on the Triton kernel (arguments as the C++ kernel's).
 
@@ -180,7 +194,9 @@ def triton_paged_decode_attention(
     ``[kv_heads, slots, head_dim / 2]`` bytes with float16 ``[kv_heads, slots, groups, 2]`` pairs);
     ``block_tables`` ``[B, n]`` and ``context_lens`` ``[B]`` on ``q``'s device. ``max_context``
     bounds the lengths without reading them back (default ``n * block_size``); ``num_parts``
-    fixes the context partitions (default: enough to fill the GPU). Returns (or writes ``out``)
+    fixes the context partitions (default: enough to fill the GPU); ``sinks`` (int4 caches) as the
+    C++ kernel's: float32 sink K / V ``[kv_heads, entries, tokens, head_dim]`` and each sequence's
+    entry ``[B]`` (-1: none). Returns (or writes ``out``)
     ``[B, heads * head_dim]`` in ``q``'s dtype; a sequence of length 0 gives zeros.
     """
     if triton is None:
@@ -225,14 +241,23 @@ def triton_paged_decode_attention(
     else:
         part_m = part_l = part_o = out
     scales = (k_scale, v_scale) if quantized else (k_cache, v_cache)  # unread for a float cache
+    if sinks is not None:
+        sink_k, sink_v, sink_index = sinks
+        if kind != "int4" or sink_k.dtype != torch.float32 or not sink_k.is_contiguous() or sink_v.stride() != sink_k.stride() \
+                or sink_k.shape[0] != kv_heads or sink_k.shape[3] != dim or sink_index.shape != (batch,):
+            raise ValueError("sinks must be contiguous float32 [kv_heads, entries, tokens, head_dim] of an int4 cache, "
+                             "with one entry per sequence")
+        sink_args, sink_tokens = (sink_k, sink_v, sink_index.to(torch.int64), sink_k.shape[1]), sink_k.shape[2]
+    else:
+        sink_args, sink_tokens = (q, q, context_lens, 0), 0  # unread
     _paged_decode_kernel[(batch, kv_heads, num_parts)](
-        q, k_cache, v_cache, scales[0], scales[1], block_tables, context_lens, out, part_m, part_l, part_o,
+        q, k_cache, v_cache, scales[0], scales[1], block_tables, context_lens, out, part_m, part_l, part_o, *sink_args,
         scale * 1.4426950408889634, tokens_per_part, block_size, num_parts,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         scales[0].stride(0), block_tables.stride(0), out.stride(0),
         GROUP=group, HEAD_DIM=dim, KV_KIND=KV_KINDS[kind], SPLIT=split,
         DOT_F32=dot_dtype_is_f32(q.dtype), BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_T=BLOCK_T,
-        INT4_GROUP=kv_quant.int4_group(dim), num_warps=4, num_stages=2,
+        INT4_GROUP=kv_quant.int4_group(dim), SINK_TOKENS=sink_tokens, num_warps=4, num_stages=2,
     )
     if split:
         _combine_parts_kernel[(batch, heads)](

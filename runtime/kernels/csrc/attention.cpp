@@ -394,15 +394,32 @@ void write_outputs(const float* acc, const float* l, int64_t group, int64_t dim,
   }
 }
 
+// An int4 cache's attention sinks: float32 K/V [kv_heads, entries, tokens, dim] read in place of the
+// first ``tokens`` positions of each sequence whose entry (index[b]) is not -1.
+struct Sinks {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const int64_t* index = nullptr;
+  int64_t entries = 0, tokens = 0;
+};
+
 template <typename T, typename Q>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
          const torch::Tensor& tables, const torch::Tensor& lens, const Shape& sh, double scale,
-         bool vector_path, int64_t splits, torch::Tensor& out) {
+         bool vector_path, int64_t splits, const Sinks& sinks, torch::Tensor& out) {
   using BlockFn = void (*)(const T*, const T*, const float*, const float*, int64_t, const Shape&, State&);
+  using FloatFn = void (*)(const float*, const float*, const float*, const float*, int64_t, const Shape&, State&);
+  using Int4RowsFn = void (*)(const Int4Pair*, const c10::Half*, int64_t, int64_t, int64_t, float*);
   BlockFn block_fn = portable::attend_block<T>;
+  FloatFn float_fn = portable::attend_block<float>;
+  Int4RowsFn int4_rows_fn = int4_rows;
 #ifdef LLMOPT_X86
-  if (vector_path) block_fn = avx2::attend_block<T>;
+  if (vector_path) {
+    block_fn = avx2::attend_block<T>;
+    float_fn = avx2::attend_block<float>;
+    int4_rows_fn = avx2::int4_rows_avx2;
+  }
 #endif
   const int64_t B = q.size(0), H = sh.kv_heads, G = sh.group, D = sh.dim, bs = sh.block_size;
   const int64_t num_blocks = sh.num_slots / bs;
@@ -457,6 +474,18 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
           if (ks) prefetch(ks + next_slot * per_token, bs * per_token * 4);
           if (vs) prefetch(vs + next_slot * per_token, bs * per_token * 4);
         }
+        if constexpr (std::is_same<T, Int4Pair>::value) {
+          const int64_t entry = (j == 0 && sinks.index) ? sinks.index[b] : -1;
+          if (entry >= 0) {  // the block of the first positions: its sinks replace their codes
+            int4_rows_fn(k + slot * row, int4_pairs(ks + slot * per_token), n, D, sh.int4_group, st.kf);
+            int4_rows_fn(v + slot * row, int4_pairs(vs + slot * per_token), n, D, sh.int4_group, st.vf);
+            const int64_t from = (h * sinks.entries + entry) * sinks.tokens * D, count = std::min(n, sinks.tokens) * D;
+            std::copy(sinks.k + from, sinks.k + from + count, st.kf);
+            std::copy(sinks.v + from, sinks.v + from + count, st.vf);
+            float_fn(st.kf, st.vf, nullptr, nullptr, n, sh, st);
+            continue;
+          }
+        }
         block_fn(k + slot * row, v + slot * row, ks ? ks + slot * per_token : nullptr, vs ? vs + slot * per_token : nullptr, n, sh, st);
       }
       if (splits == 1) {
@@ -498,11 +527,11 @@ template <typename T>
 void run_for_query(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
                    const torch::Tensor& tables, const torch::Tensor& lens, const Shape& sh, double scale,
-                   bool vector_path, int64_t splits, torch::Tensor& out) {
+                   bool vector_path, int64_t splits, const Sinks& sinks, torch::Tensor& out) {
   switch (q.scalar_type()) {
-    case torch::kFloat: return run<T, float>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, out);
-    case torch::kBFloat16: return run<T, c10::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, out);
-    case torch::kHalf: return run<T, c10::Half>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, out);
+    case torch::kFloat: return run<T, float>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, sinks, out);
+    case torch::kBFloat16: return run<T, c10::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, sinks, out);
+    case torch::kHalf: return run<T, c10::Half>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, sinks, out);
     default: TORCH_CHECK(false, "queries must be float32, bfloat16 or float16, not ", q.scalar_type());
   }
 }
@@ -522,10 +551,14 @@ int64_t auto_splits(int64_t pairs, int64_t longest, int64_t block_size) {
 // uint8); scales [kv_heads, slots] float32 for int8 / uint8 (float8 e4m3) caches, float16
 // [kv_heads, slots, groups, 2] for int4 (groups: head_dim / 32, or 1); tables [B, width] and lens [B]
 // int32 or int64; out [B, heads * dim] of q's dtype (written, not read). splits 0: automatic.
+// sink_k / sink_v float32 [kv_heads, entries, tokens, dim] and sink_index [B] int64 (int4 caches
+// only; all three or none): sequence b reads its first tokens from entry sink_index[b] (-1: none).
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
                            const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale,
-                           torch::Tensor out, bool portable, int64_t splits) {
+                           torch::Tensor out, bool portable, int64_t splits,
+                           const std::optional<torch::Tensor>& sink_k, const std::optional<torch::Tensor>& sink_v,
+                           const std::optional<torch::Tensor>& sink_index) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [batch, heads, dim] with a contiguous last dimension");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "caches must be contiguous [kv_heads, slots, dim] tensors of one shape");
@@ -553,6 +586,25 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
                   "scales must be contiguous float32 [kv_heads, slots] (int4 uint8 caches: float16 [kv_heads, slots, groups, 2])");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == B && out.size(1) == heads * dim && out.stride(1) == 1 && out.scalar_type() == q.scalar_type(),
               "out must be [batch, heads * dim] of q's dtype");
+  Sinks sinks;
+  torch::Tensor index64;
+  TORCH_CHECK(sink_k.has_value() == sink_v.has_value() && sink_k.has_value() == sink_index.has_value(),
+              "sink_k, sink_v and sink_index come together");
+  if (sink_k) {
+    TORCH_CHECK(int4, "attention sinks are kept for int4 caches only");
+    for (const auto* t : {&*sink_k, &*sink_v})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 4 && t->size(0) == kv_heads &&
+                  t->size(3) == dim && t->sizes() == sink_k->sizes(),
+                  "sinks must be contiguous float32 [kv_heads, entries, tokens, head_dim], K and V alike");
+    TORCH_CHECK(sink_index->dim() == 1 && sink_index->size(0) == B, "sink_index must be [batch]");
+    index64 = sink_index->to(torch::kLong).contiguous();
+    const int64_t entries = sink_k->size(1);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t e = index64.data_ptr<int64_t>()[b];
+      TORCH_CHECK(e >= -1 && e < entries, "sink entry ", e, " of sequence ", b, " is outside the store (", entries, " entries)");
+    }
+    sinks = Sinks{sink_k->data_ptr<float>(), sink_v->data_ptr<float>(), index64.data_ptr<int64_t>(), entries, sink_k->size(2)};
+  }
   const torch::Tensor tables64 = tables.to(torch::kLong).contiguous(), lens64 = lens.to(torch::kLong).contiguous();
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -565,16 +617,16 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   if (splits <= 0) splits = auto_splits(B * kv_heads, longest, block_size);
   const bool vector_path = !portable && cpu_has_avx2() && dim % 8 == 0 && (!int4 || int4_group % 8 == 0);
   switch (k_cache.scalar_type()) {
-    case torch::kFloat: run_for_query<float>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
-    case torch::kBFloat16: run_for_query<c10::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
-    case torch::kHalf: run_for_query<c10::Half>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
-    case torch::kChar: run_for_query<int8_t>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
+    case torch::kFloat: run_for_query<float>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, sinks, out); break;
+    case torch::kBFloat16: run_for_query<c10::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, sinks, out); break;
+    case torch::kHalf: run_for_query<c10::Half>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, sinks, out); break;
+    case torch::kChar: run_for_query<int8_t>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, sinks, out); break;
     case torch::kByte:
       if (int4) {
-        run_for_query<Int4Pair>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out);
+        run_for_query<Int4Pair>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, sinks, out);
         break;
       }
-      run_for_query<uint8_t>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, out); break;
+      run_for_query<uint8_t>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, sinks, out); break;
     default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
   return out;

@@ -277,9 +277,25 @@ void rope(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin
 // operations in the same order, so the codes and scales are bit-identical):
 //   int8 / fp8  codes = x / s with s = max(max|x| / QMAX, FLT_MIN): int8 rounded half to even and
 //               clamped to +-127; e4m3 clamped to +-448, then converted (torch's rounding)
-//   int4        per group: minimum and (maximum - minimum) / 15 rounded to float16 first, codes
-//               round((x - min) / max(step, FLT_MIN)) in 0..15, two per byte (even element low)
+//   int4        per group: of eleven candidate pairs, low = minimum + trim and step = (maximum -
+//               trim - low) / 15 with trim = (maximum - minimum) * 0.0125 c (c = 0..10), each
+//               rounded to float16 (low first), the one whose codes round((x - low) / max(step,
+//               FLT_MIN)) in 0..15 reconstruct the group with the least squared error (summed in
+//               float64; the first of equal ones), codes two per byte (even element low)
 enum class KvKind { Int8, Fp8, Int4 };
+
+constexpr int kInt4Candidates = 11;
+
+// Squared error (float64) of a group's values rounded to int4 codes on a (step, low) pair.
+double int4_error(const float* x, int64_t n, float step16, float low, float step) {
+  double error = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float code = std::min(std::max(std::nearbyint((x[i] - low) / step), 0.0f), 15.0f);
+    const double e = static_cast<double>(code) * static_cast<double>(step16) + static_cast<double>(low) - static_cast<double>(x[i]);
+    error += e * e;
+  }
+  return error;
+}
 
 void quantize_token_head(const float* x, int64_t D, KvKind kind, int64_t group, void* codes, void* scales) {
   constexpr float tiny = std::numeric_limits<float>::min();
@@ -290,11 +306,20 @@ void quantize_token_head(const float* x, int64_t D, KvKind kind, int64_t group, 
     for (int64_t g0 = 0; g0 < D; g0 += group, pairs += 2) {
       float low = x[g0], high = x[g0];
       for (int64_t i = g0 + 1; i < g0 + group; ++i) low = std::min(low, x[i]), high = std::max(high, x[i]);
-      const c10::Half low16(std::min(std::max(low, -largest), largest));
-      const float lowf = static_cast<float>(low16);
-      const c10::Half step16(std::min((high - lowf) / 15.0f, largest));
-      const float step = std::max(static_cast<float>(step16), tiny);
-      pairs[0] = step16, pairs[1] = low16;
+      c10::Half best_low(0.0f), best_step(0.0f);
+      double best_error = std::numeric_limits<double>::infinity();
+      for (int c = 0; c < kInt4Candidates; ++c) {
+        const float trim = (high - low) * static_cast<float>(0.0125 * c);
+        const c10::Half low16(std::min(std::max(low + trim, -largest), largest));
+        const float lowf = static_cast<float>(low16);
+        const c10::Half step16(std::min((high - trim - lowf) / 15.0f, largest));
+        const float stepf = static_cast<float>(step16);
+        const double error = int4_error(x + g0, group, stepf, lowf, std::max(stepf, tiny));
+        if (error < best_error) best_error = error, best_low = low16, best_step = step16;
+      }
+      const float lowf = static_cast<float>(best_low);
+      const float step = std::max(static_cast<float>(best_step), tiny);
+      pairs[0] = best_step, pairs[1] = best_low;
       for (int64_t i = g0; i < g0 + group; i += 2) {
         const float a = std::min(std::max(std::nearbyint((x[i] - lowf) / step), 0.0f), 15.0f);
         const float b = std::min(std::max(std::nearbyint((x[i + 1] - lowf) / step), 0.0f), 15.0f);
