@@ -32,9 +32,10 @@ class EngineConfig:
     ``kv_cache_dtype``: ``auto`` stores K/V in the model's dtype; ``float16`` / ``bfloat16`` in
     that 16-bit float (half a float32 model's cache, llama.cpp's default is float16); ``fp8``
     (e4m3) and ``int8`` store one byte per value plus a float32 scale per token and KV head;
-    ``int4`` half a byte per value plus a float32 scale and minimum per token and KV head, in a
-    Hadamard-rotated basis with calibrated key scales and offsets (``runtime.kv_cache``; the engine runs a
-    512-token calibration text at start-up).
+    ``int4`` half a byte per value plus a float16 scale and minimum per 32 values of a token and
+    KV head (``int4_g16``: per 16), in a Hadamard-rotated basis with calibrated key scales and
+    offsets, each sequence's first token also kept in float32 as its attention sink
+    (``runtime.kv_cache``, ``runtime.kv_sinks``; the engine runs a 512-token calibration text at start-up).
     ``device``: ``cpu`` or ``cuda`` (``cuda:N``), where the weights and the KV cache live.
     ``kernels`` (the backend, chosen once, see ``runtime.backends``): ``auto`` is ``triton`` on
     CUDA, and on the CPU the C++ kernels when they build here (else the reference); ``cpu``

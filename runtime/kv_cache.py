@@ -21,7 +21,7 @@ class KVCache:
     codes (one byte each) with float32 scales ``[kv_heads, num_blocks * block_size]`` per layer
     (one per token and KV head, see ``kernels.kv_quant``); ``int4`` packs two codes per byte
     (last dimension ``head_dim / 2``) with a float16 (scale, minimum) pair per group of 32 values
-    of a token and KV head (scales ``[kv_heads, slots, groups, 2]``).
+    of a token and KV head (``int4_g16``: of 16; scales ``[kv_heads, slots, groups, 2]``).
 
     An int4 cache holds K and V in a rotated basis: ``rotation`` (a block-diagonal Hadamard
     matrix over ``head_dim``, orthogonal and symmetric) multiplies queries, keys and values
@@ -72,14 +72,14 @@ class KVCache:
         self.key_scale: list[torch.Tensor | None] = [None] * arch.num_layers  # [kv_heads, head_dim] float32
         self._basis_stats: list[list] | None = None  # per layer while calibrating, see _record
         self._factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (key_scale, _basis_factors)
-        block = block_for(arch.head_dim) if kv_cache_dtype == "int4" else None
+        block = block_for(arch.head_dim) if kv_quant.is_int4(kv_cache_dtype) else None
         if block is not None:
             h = hadamard_matrix(block, torch.float64)
             self.rotation = torch.block_diag(*[h] * (arch.head_dim // block)).to(dtype=dtype, device=device)
         self.sinks: SinkTable | None = None
         self.sink_k: list[torch.Tensor | None] = [None] * arch.num_layers
         self.sink_v: list[torch.Tensor | None] = [None] * arch.num_layers
-        if kv_cache_dtype == "int4" and block_size >= SINK_TOKENS:
+        if kv_quant.is_int4(kv_cache_dtype) and block_size >= SINK_TOKENS:
             entries = max_num_seqs + SPARE_ENTRIES
             self.sinks = SinkTable(entries)
             self.sink_data = torch.zeros(arch.num_layers, 2, arch.num_kv_heads, entries, SINK_TOKENS, arch.head_dim,

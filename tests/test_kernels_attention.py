@@ -157,14 +157,14 @@ def test_half_precision_caches(dtype, portable):
 
 @pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
 @pytest.mark.parametrize("dim", [64, 80, 128])  # int4: 2, 1 and 4 groups of (scale, minimum)
-@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4", "int4_g16"])
 def test_quantized_kv_matches_dequantized_reference(threads, kind, dim, portable):
     for group in (1, 3, 4):
         got, want = run_case(random.randint(1, 9), group, dim, kind=kind, portable=portable)
         torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4", "int4_g16"])
 def test_quantized_kv_with_bfloat16_queries(kind):
     got, want = run_case(random.randint(1, 9), 3, 64, kind=kind, dtype=torch.bfloat16)
     torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-3)
@@ -258,19 +258,20 @@ def test_bad_inputs_are_errors():
 # KV cache memory
 
 
-@pytest.mark.parametrize("kind", ["auto", "float16", "bfloat16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("kind", ["auto", "float16", "bfloat16", "int8", "fp8", "int4", "int4_g16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_cache_bytes_include_scales(kind, dtype):
     arch = SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=64)  # only the shape facts are needed
     cache = KVCache(arch, 10, 16, dtype, kind, max_num_seqs=4)
     per_block = KVCache.bytes_per_block(arch, 16, dtype, kind)
     # int4 also keeps float32 attention sinks: K and V of SINK_TOKENS positions per entry, layer and KV head
-    sinks = 3 * 2 * 2 * (4 + SPARE_ENTRIES) * SINK_TOKENS * 64 * 4 if kind == "int4" else 0
+    sinks = 3 * 2 * 2 * (4 + SPARE_ENTRIES) * SINK_TOKENS * 64 * 4 if kind.startswith("int4") else 0
     assert cache.nbytes == 10 * per_block + sinks
     assert cache.data.dtype == {"auto": dtype, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(kind, cache.data.dtype)
-    # bytes per token and KV head: values, then scales (int4: two float16 (scale, minimum) pairs of 32 values)
+    # bytes per token and KV head: values, then scales (int4: two float16 (scale, minimum) pairs of 32 values,
+    # int4_g16: four of 16)
     per_head = {"auto": 64 * torch.empty((), dtype=dtype).element_size(), "float16": 128, "bfloat16": 128,
-                "int8": 64 + 4, "fp8": 64 + 4, "int4": 32 + 2 * 4}[kind]
+                "int8": 64 + 4, "fp8": 64 + 4, "int4": 32 + 2 * 4, "int4_g16": 32 + 4 * 4}[kind]
     assert per_block == 3 * 2 * 2 * 16 * per_head
 
 

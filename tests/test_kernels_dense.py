@@ -171,7 +171,7 @@ def test_rope_and_kv_write_match_torch(qk_norm):
         cpu_fused.rope(qkv.clone(), cos, sin, heads, kv_heads, norm, eps, k_cache, v_cache, slots + slots_total)
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4", "int4_g16"])
 @pytest.mark.parametrize("dim", [64, 80, 128])
 def test_store_kv_writes_the_references_codes_and_scales_bit_for_bit(kind, dim):
     """The C++ quantized KV write against ``reference.write_kv`` (keys less an offset first), on

@@ -228,7 +228,7 @@ def test_paged_decode_attention_matches_reference(case: int, dtype: torch.dtype)
     check_attention(case, dtype, "auto")
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("kv", ["int8", "fp8", "int4", "int4_g16"])
 @pytest.mark.parametrize("case", [0, 1, 3, 5])
 def test_paged_decode_attention_quantized_cache(case: int, kv: str) -> None:
     check_attention(case, torch.float16, kv)

@@ -108,7 +108,7 @@ def paged_cache(lens: list[int], kind: str, rng: random.Random):
     return torch.randn(len(lens), heads, dim), cache, meta
 
 
-@pytest.mark.parametrize("kind", ["auto", "float16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("kind", ["auto", "float16", "int8", "fp8", "int4", "int4_g16"])
 def test_decode_attention_of_every_backend_matches_the_reference(kind):
     rng = random.Random(random.getrandbits(64))
     lens = sorted(rng.randint(1, 60) for _ in range(5))

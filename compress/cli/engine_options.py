@@ -53,7 +53,9 @@ def engine_options(batching: bool = True):
                      help="KV cache storage: the model's dtype (auto), a 16-bit float (float16, llama.cpp's default, "
                           "or bfloat16: half a float32 model's cache), fp8 e4m3 / int8 with per-token scales "
                           "(about half / a quarter of bf16 / fp32 memory), or int4 (Hadamard-rotated, calibrated "
-                          "key scales and offsets; under a third of bf16's memory)." + SAVED),
+                          "key scales and offsets, each sequence's first token kept in float32; five bits a value, "
+                          "under a third of bf16's memory; int4_g16: a scale pair per 16 values, six bits, closer "
+                          "to float)." + SAVED),
         click.option("--kernels", type=click.Choice(list(KERNEL_CHOICES)), help=KERNELS_HELP + SAVED),
         click.option("--device", help="Where weights and KV cache live: auto (the GPU when torch sees one, else the CPU), "
                                       "cpu, cuda or cuda:N." + PLACED),

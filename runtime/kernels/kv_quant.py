@@ -8,8 +8,8 @@ with ``s = max|x| / QMAX`` (127 for int8, rounded to nearest; 448 for e4m3, the 
 value). Float8 codes are kept as their raw bytes (``uint8``), because torch's CPU indexing ops
 do not take float8 tensors; ``dequantize`` reinterprets them.
 
-int4 (asymmetric, per group of ``int4_group(head_dim)`` values: 32, or the whole head when 32
-does not divide it): ``codes = round((x - low) / s)`` in 0..15 with ``s = (high - low) / 15``
+int4 (asymmetric, per group of ``int4_group(head_dim, group)`` values: 32 for ``int4``, 16 for
+``int4_g16`` (6 bits a value instead of 5), or the whole head when the group does not divide it): ``codes = round((x - low) / s)`` in 0..15 with ``s = (high - low) / 15``
 and ``s`` and ``low`` rounded to float16 first (the codes are fitted to the stored pair), where
 ``low`` / ``high`` are the group's minimum and maximum moved inwards by ``INT4_TRIMS`` of its
 range, whichever candidate reconstructs the group with the least squared error (trimming the
@@ -25,13 +25,14 @@ from __future__ import annotations
 import torch
 from llmopt.core.errors import LlmoptError
 
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "int8", "int4", "int4_g16")
 FLOAT_STORAGE = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 QMAX = {"int8": 127.0, "fp8": 448.0}
-STORAGE = {"int8": torch.int8, "fp8": torch.uint8, "int4": torch.uint8}
+STORAGE = {"int8": torch.int8, "fp8": torch.uint8, "int4": torch.uint8, "int4_g16": torch.uint8}
 SCALE_DTYPE = torch.float32  # int8 / fp8; int4 keeps float16 pairs (scale_dtype)
 INT4_LEVELS = 15
 INT4_GROUP = 32
+INT4_GROUPS = {"int4": INT4_GROUP, "int4_g16": 16}  # the int4 KV dtypes: values per (scale, minimum) pair
 # Range trimmed off each end of an int4 group, as a fraction of (max - min), per candidate pair: the
 # pair whose codes reconstruct the group with the least squared error is kept (0: min and max).
 INT4_TRIMS = torch.tensor([0.0125 * i for i in range(11)], dtype=torch.float32)
@@ -52,25 +53,30 @@ def storage_dtype(kind: str, model_dtype: torch.dtype) -> torch.dtype:
     return STORAGE.get(kind) or FLOAT_STORAGE.get(kind, model_dtype)
 
 
+def is_int4(kind: str) -> bool:
+    """Whether ``kind`` is one of the int4 KV dtypes (``int4``: pairs per 32 values, ``int4_g16``: per 16)."""
+    return kind in INT4_GROUPS
+
+
 def values_per_element(kind: str) -> int:
     """Head values per stored element: 2 for packed int4, 1 otherwise."""
-    return 2 if kind == "int4" else 1
+    return 2 if is_int4(kind) else 1
 
 
-def int4_group(head_dim: int) -> int:
-    """Values per int4 (scale, minimum) pair: 32, or the whole head when 32 does not divide it."""
-    return INT4_GROUP if head_dim % INT4_GROUP == 0 else head_dim
+def int4_group(head_dim: int, group: int = INT4_GROUP) -> int:
+    """Values per int4 (scale, minimum) pair: ``group``, or the whole head when it does not divide it."""
+    return group if head_dim % group == 0 else head_dim
 
 
 def scale_shape(kind: str, head_dim: int) -> tuple[int, ...]:
     """The trailing shape of one token-head's scales: ``(groups, 2)`` (scale, minimum) pairs for
     int4, ``()`` otherwise."""
-    return (head_dim // int4_group(head_dim), 2) if kind == "int4" else ()
+    return (head_dim // int4_group(head_dim, INT4_GROUPS[kind]), 2) if is_int4(kind) else ()
 
 
 def scale_dtype(kind: str) -> torch.dtype:
     """float16 for int4's (scale, minimum) pairs, float32 for int8 / fp8 scales."""
-    return torch.float16 if kind == "int4" else SCALE_DTYPE
+    return torch.float16 if is_int4(kind) else SCALE_DTYPE
 
 
 def kind_of(cache: torch.Tensor, scales: torch.Tensor | None = None) -> str:
@@ -81,12 +87,15 @@ def kind_of(cache: torch.Tensor, scales: torch.Tensor | None = None) -> str:
     return {torch.int8: "int8", torch.uint8: "fp8"}.get(cache.dtype, "auto")
 
 
-def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, kind: str, groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (``x``'s shape, or its last dimension halved for int4) and scales (``x.shape[:-1]``
-    in float32, or ``x.shape[:-1] + (groups, 2)`` float16 pairs for int4) of ``x``."""
+    in float32, or ``x.shape[:-1] + (groups, 2)`` float16 pairs for int4) of ``x``. An int4
+    ``kind`` takes its group size from ``INT4_GROUPS``, or ``groups`` pairs per head when given
+    (as an existing cache's scales were laid out)."""
     x = x.float()
-    if kind == "int4":
-        return _quantize_int4(x)
+    if is_int4(kind):
+        dim = x.shape[-1]
+        return _quantize_int4(x, dim // groups if groups else int4_group(dim, INT4_GROUPS[kind]))
     scale = (x.abs().amax(dim=-1) / QMAX[kind]).clamp_min(torch.finfo(torch.float32).tiny)
     y = x / scale.unsqueeze(-1)
     if kind == "int8":
@@ -94,12 +103,11 @@ def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return y.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8), scale
 
 
-def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_int4(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     if x.shape[-1] % 2:
         raise LlmoptError(f"an int4 KV cache packs two values per byte; head_dim {x.shape[-1]} is odd",
                           "use kv_cache_dtype int8 for this model")
     dim = x.shape[-1]
-    group = int4_group(dim)
     grouped = x.view(*x.shape[:-1], dim // group, group)
     largest = torch.finfo(torch.float16).max
     lo, hi = grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)

@@ -96,7 +96,9 @@ def write_kv(
         k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
         return
-    codes, s = kv_quant.quantize(torch.stack([k, v]), kv_quant.kind_of(k_cache, k_scale))  # K and V in one pass
+    kind = kv_quant.kind_of(k_cache, k_scale)
+    groups = k_scale.shape[-2] if kind == "int4" else None  # pairs per head, as the cache lays them out
+    codes, s = kv_quant.quantize(torch.stack([k, v]), kind, groups)  # K and V in one pass
     for i, (cache, scales) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
         cache.index_copy_(1, slots, codes[i].transpose(0, 1))
         scales.index_copy_(1, slots, s[i].transpose(0, 1))

@@ -215,8 +215,9 @@ def triton_paged_decode_attention(
         raise ValueError("the caches' head dimension must be contiguous")
     if quantized and (not k_scale.is_contiguous() or v_scale.stride() != k_scale.stride()):
         raise ValueError("the KV scales must be contiguous [kv_heads, slots] ([kv_heads, slots, groups, 2] for int4)")
-    if kind == "int4" and k_scale.shape[2:] != kv_quant.scale_shape("int4", dim):
-        raise ValueError(f"int4 KV scales must be [kv_heads, slots, {dim // kv_quant.int4_group(dim)}, 2] for head_dim {dim}")
+    int4_group = dim // k_scale.shape[2] if kind == "int4" else dim  # as the cache's scales lay the pairs out
+    if kind == "int4" and (k_scale.shape[3:] != (2,) or dim % k_scale.shape[2] or int4_group % 2 or v_scale.shape != k_scale.shape):
+        raise ValueError(f"int4 KV scales must be [kv_heads, slots, groups, 2] with groups of an even size dividing head_dim {dim}")
     group = heads // kv_heads
     if out is None:
         out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
@@ -257,7 +258,7 @@ def triton_paged_decode_attention(
         scales[0].stride(0), block_tables.stride(0), out.stride(0),
         GROUP=group, HEAD_DIM=dim, KV_KIND=KV_KINDS[kind], SPLIT=split,
         DOT_F32=dot_dtype_is_f32(q.dtype), BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_T=BLOCK_T,
-        INT4_GROUP=kv_quant.int4_group(dim), SINK_TOKENS=sink_tokens, num_warps=4, num_stages=2,
+        INT4_GROUP=int4_group, SINK_TOKENS=sink_tokens, num_warps=4, num_stages=2,
     )
     if split:
         _combine_parts_kernel[(batch, heads)](
