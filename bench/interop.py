@@ -405,19 +405,11 @@ def _put(model, state: dict[str, torch.Tensor]) -> None:
             fused.down_proj[int(expert)] = value
 
 
-INT8_ACTIVATION_OUTPUTS = {"W8A8", "W8A8 rotated", "W4A8"}
+def int8_activations(output: str) -> bool:
+    """Whether the output's scheme quantizes activations to int8 (dynamic, per token)."""
+    from llmopt.formats.schemes import get_scheme
 
-
-def compressed_tensors_rounding(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """``x`` rounded per token as compressed-tensors' own forward does (its symmetric scale is
-    |x|max over half the code range, 255 / 2 for int8; float8's is llmopt's rule already)."""
-    from llmopt.formats.schemes import fake_quantize_activations
-
-    if kind != "int8":
-        return fake_quantize_activations(x, kind)
-    xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127.5
-    return (torch.round(xf / scale).clamp(-128, 127) * scale).to(x.dtype)
+    return output in ACTIVATION_OUTPUTS and get_scheme(output.split()[0]).activations == "int8"
 
 
 def narrowed_tensors(theirs) -> dict[str, torch.dtype]:
@@ -502,6 +494,7 @@ def measure_hf(row: str, output: str, source: Path, folder: Path, args, cells: d
     from transformers import AutoModelForCausalLM
 
     from llmopt.checkpoints.models import load_model
+    from llmopt.formats.compressed import loader_activation_rounding
 
     try:
         ckpt = make_output(output, source, folder)
@@ -527,10 +520,10 @@ def measure_hf(row: str, output: str, source: Path, folder: Path, args, cells: d
             narrowed = narrowed_tensors(theirs)
             if narrowed and judged(cells["transformers"], output, "transformers")["status"] != "pass":
                 cells["transformers"] = against_narrowed(cells["transformers"], ckpt, theirs, narrowed, ids)
-            if output in INT8_ACTIVATION_OUTPUTS and judged(cells["transformers"], output, "transformers")["status"] != "pass":
+            if int8_activations(output) and judged(cells["transformers"], output, "transformers")["status"] != "pass":
                 ours = cells["transformers"]
                 cells["transformers"] = {
-                    **compare(scored(independent_reference(source, ckpt, compressed_tensors_rounding), ids), theirs_scores,
+                    **compare(scored(independent_reference(source, ckpt, loader_activation_rounding), ids), theirs_scores,
                               "transformers"),
                     "plain_dlogp": ours["max_dlogp"],
                     "note": "compressed-tensors (transformers' loader) rounds dynamic int8 activations with scale |x|max / "

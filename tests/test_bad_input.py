@@ -82,6 +82,8 @@ CASES = [
     (Q + ["--scheme", "W4A16", "--ignore", "("], "invalid ignore pattern"),
     (Q + ["--scheme", "W4A16", "--ignore", ".*"], "no Linear layers left"),
     (Q + ["--scheme", "NF4", "--ignore", "re:.*"], "no Linear layers left"),
+    (Q + ["--scheme", "W4A16", "--ignore", "head", "--head", "int4"], "keeps lm_head in float"),  # found in the name
+    (Q + ["--scheme", "W4A16", "--ignore", "re:lm_", "--head", "int8"], "keeps lm_head in float"),  # matched from the start
     (Q + ["--scheme", "W4A16", "--device", "tpu"], "unknown --device 'tpu'"),
     (Q + ["--scheme", "W4A16", "--device", "cuda"], "no CUDA GPU"),
     (P + ["--method", "drop-layers", "--num", "1", "--device", "cpu:0"], "not drop-layers"),

@@ -18,6 +18,7 @@ from transformers import (
 
 from llmopt.formats import compressed
 from llmopt.formats.compressed import (
+    loader_activation_rounding,
     load_dequantized,
     nf4_dequantized_state,
     read_compressed,
@@ -100,16 +101,10 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(ids).logits.float()
 
 
-def ct_fake_quant(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """compressed-tensors' own dynamic per-token activation QDQ (what transformers runs).
-
-    For int8 it divides the absmax by 255/2 = 127.5 (its symmetric ``bit_range / 2``), not by 127
-    as vLLM's kernels and ``formats.fake_quantize_activations`` do; fp8 is identical to ours.
-    """
-    if kind == "fp8":
-        return fake_quantize_activations(x, "fp8")
-    scale = x.abs().amax(dim=-1, keepdim=True) / 127.5
-    return torch.round(x / scale).clamp(-128, 127) * scale
+# compressed-tensors' own dynamic per-token activation QDQ (what transformers runs): int8 divides the
+# absmax by 255/2 = 127.5, not by 127 as vLLM's kernels and ``fake_quantize_activations`` do; fp8 is
+# identical to ours. Checked against compressed-tensors itself below.
+ct_fake_quant = loader_activation_rounding
 
 
 @torch.no_grad()

@@ -91,6 +91,19 @@ __all__ = [
 FP4_PRESETS = {"e4m3": "NVFP4A16", "e8m0": "MXFP4A16"}  # our FP4 scale formats → compressed-tensors' presets
 
 
+def loader_activation_rounding(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x`` rounded per token as compressed-tensors' own forward (transformers' loader) rounds
+    dynamic activations: int8 with the symmetric scale ``|x|max / 127.5`` (half its 255-code
+    range; vLLM's kernels and llmopt divide by 127), float8 as llmopt does."""
+    from llmopt.formats.schemes import fake_quantize_activations
+
+    if kind != "int8":
+        return fake_quantize_activations(x, kind)
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127.5
+    return (torch.round(xf / scale).clamp(-128, 127) * scale).to(x.dtype)
+
+
 def _weight_args(scheme: QuantScheme, group_size: int | None) -> QuantizationArgs:
     """compressed-tensors weight QuantizationArgs for one layer's scheme and group size (FP4:
     compressed-tensors' own preset's, strategy, scale and zero-point dtypes included)."""

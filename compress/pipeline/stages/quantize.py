@@ -8,7 +8,6 @@ writer that turns it into the saved ``quantization_config``.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 from dataclasses import dataclass, fields, replace
@@ -22,7 +21,7 @@ from llmopt.checkpoints.provenance import finish_record, read_provenance, versio
 from llmopt.core.atomic import check_output
 from llmopt.core.data import CALIB_HELP
 from llmopt.core.errors import LlmoptError
-from llmopt.core.patterns import check_ignore_pattern
+from llmopt.core.patterns import check_ignore_pattern, ignore_matches
 from llmopt.formats.schemes import PRESETS, QuantScheme
 from llmopt.pipeline.stages.base import device_option, eval_option, option, overwrite_option
 from llmopt.pipeline.stages.evaluate import evaluate_output
@@ -246,7 +245,7 @@ class QuantizeConfig:
         elif (self.head != "float" or self.embedding != "float") and self.parse_scheme().activations is not None:
             raise LlmoptError(f"--head/--embedding quantize weights only; {self.scheme} quantizes activations too",
                               "use them with W4A16, W4A16_ASYM or W8A16")
-        if any(re.fullmatch(p.removeprefix("re:"), "lm_head") for p in self.ignore) and self.head != "float":
+        if any(ignore_matches("lm_head", p) for p in self.ignore) and self.head != "float":
             raise LlmoptError(f"--ignore keeps lm_head in float but --head {self.head} asks to quantize it", "drop one of them")
         self._check_auto(method)
         self._check_imatrix(method)
