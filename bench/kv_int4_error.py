@@ -3,10 +3,11 @@
 Every variant runs the engine's forward on a float32 cache in the int4 cache's basis (the
 Hadamard rotation, key scales and key offsets the int4 engine calibrated) and rounds K and/or V
 as written (quantize, then dequantize): the same arithmetic as storing codes, so layouts the
-kernels do not have can be measured. Variants: the engine's layout (asymmetric int4 with a
-float16 (scale, minimum) pair per 32 values; checked against the int4 engine itself), keys only,
-values only, one float32 pair per token and head (the layout before groups), a pair per 16
-values, keys per channel over blocks of 16 tokens (KIVI's layout; decode steps, which write one
+kernels do not have can be measured. Variants: the engine's layout with its attention sink (the
+first token of each window in float32; checked against the int4 engine itself), int4_g16's with
+it, then without sinks: the engine's layout (asymmetric int4 with a float16 (scale, minimum) pair
+per 32 values), keys only, values only, one float32 pair per token and head (the layout before
+groups), a pair per 16 values, keys per channel over blocks of 16 tokens (KIVI's layout; decode steps, which write one
 token, fall back to the engine's), and int8 keys with int4 values. Then the int4 engine itself
 with the key scales' power (``runtime.kv_cache.KEY_SCALE_POWER``) swept, 0 being no key scales. KL divergence to the
 float cache on WikiText-2, ``--windows`` × ``--window`` tokens (chunks of 64, the last 64 as
@@ -69,9 +70,24 @@ def int4_channels(x: torch.Tensor, tokens: int, fallback: Rounding) -> torch.Ten
     return asymmetric_int4(runs, tokens).movedim(-1, 1).reshape(x.shape)
 
 
+def engine_int4_g16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the ``int4_g16`` cache stores it (float16 pairs per group of 16)."""
+    from llmopt.runtime.kernels import kv_quant
+
+    return kv_quant.dequantize(*kv_quant.quantize(x, "int4_g16"), torch.float32)
+
+
+SINK_ROWS = {  # variants whose first token stays float32, as the engine's attention sinks
+    "keys and values, the engine's layout, the first token in float32 (the engine's sinks)",
+    "keys and values, a pair per 16 values (int4_g16), the first token in float32",
+}
+
+
 def variants(head_dim: int) -> dict[str, tuple[Rounding | None, Rounding | None]]:
     """Name → (keys' rounding, values' rounding); None keeps float."""
     return {
+        "keys and values, the engine's layout, the first token in float32 (the engine's sinks)": (engine_int4, engine_int4),
+        "keys and values, a pair per 16 values (int4_g16), the first token in float32": (engine_int4_g16, engine_int4_g16),
         "keys and values, the engine's layout (a float16 pair per 32 values)": (engine_int4, engine_int4),
         "keys only, the engine's layout": (engine_int4, None),
         "values only, the engine's layout": (None, engine_int4),
@@ -94,20 +110,27 @@ def simulating_engine(int4_engine):
     return engine
 
 
-def round_on_store(engine, keys: Rounding | None, values: Rounding | None) -> None:
-    """Make ``engine``'s cache write K / V rounded by ``keys`` / ``values`` (keys less their offset)."""
+def round_on_store(engine, keys: Rounding | None, values: Rounding | None, sink: bool = False) -> dict:
+    """Make ``engine``'s cache write K / V rounded by ``keys`` / ``values`` (keys less their offset),
+    the first token of each window unrounded when ``sink``. Returns the per-layer count of tokens
+    written, which the caller clears at the start of each window."""
     from llmopt.runtime.kernels.reference import write_kv
 
     cache = engine.cache
+    written: dict[int, int] = {}
 
     def store(index, k, v, slots, sink_writes=None):
         offset = cache.k_offset[index]
         k = k - offset.to(k.dtype) if offset is not None else k
-        k = keys(k).to(k.dtype) if keys else k
-        v = values(v).to(v.dtype) if values else v
-        write_kv(cache.k[index], cache.v[index], k, v, slots)
+        rounded_k = keys(k).to(k.dtype) if keys else k
+        rounded_v = values(v).to(v.dtype) if values else v
+        if sink and written.get(index, 0) == 0:
+            rounded_k, rounded_v = torch.cat([k[:1], rounded_k[1:]]), torch.cat([v[:1], rounded_v[1:]])
+        written[index] = written.get(index, 0) + k.shape[0]
+        write_kv(cache.k[index], cache.v[index], rounded_k, rounded_v, slots)
 
     cache.store = store
+    return written
 
 
 def kld(base: list[torch.Tensor], other: list[torch.Tensor]) -> torch.Tensor:
@@ -135,8 +158,12 @@ def main() -> None:
     simulated = simulating_engine(int4_engine)
     rows = {}
     for name, (keys, values) in variants(simulated.cache.head_dim).items():
-        round_on_store(simulated, keys, values)
-        value = kld(base, [forced_logits(simulated, w, chunk, decode).log_softmax(-1) for w in windows])
+        written = round_on_store(simulated, keys, values, sink=name in SINK_ROWS)
+        logits = []
+        for w in windows:
+            written.clear()
+            logits.append(forced_logits(simulated, w, chunk, decode).log_softmax(-1))
+        value = kld(base, logits)
         rows[name] = {"kld_mean": float(value.mean()), "kld_p99": float(value.quantile(0.99))}
         log(f"{name}: mean KLD {rows[name]['kld_mean']:.5f}")
     sweep = {}
@@ -161,8 +188,9 @@ def markdown(report: dict) -> str:
         (f"Written by bench/kv_int4_error.py: WikiText-2, {report['windows']} windows × {report['window']} tokens "
          f"(chunks of {report['chunk']}, the last {report['decode']} as decode steps), mean KLD to the float cache. "
          "Each row rounds K and/or V as written to a float32 cache in the int4 cache's basis (rotation, key scales, "
-         "key offsets as the int4 engine calibrated them); the first row is the engine's own layout, and the int4 "
-         f"engine itself measured {report['int4_engine_kld_mean']:.5f} on the same windows."),
+         "key offsets as the int4 engine calibrated them; pairs chosen among trimmed ranges as the cache does); the "
+         "first row is the engine's own layout with its attention sink (each window's first token kept in float32), "
+         f"and the int4 engine itself measured {report['int4_engine_kld_mean']:.5f} on the same windows."),
         "",
         "| rounding | mean KLD | KLD p99 |",
         "|---|---:|---:|",
