@@ -58,11 +58,14 @@ class SinkTable:
 
     def claim(self, key: Key) -> int:
         """An entry for this step's forward to write ``key``'s sinks into (its own when it has
-        one), or -1 when every entry is in use this step."""
-        entry = self._pending.get(key, self._ready.get(key, -1))
+        one, which stays readable: the same first tokens give the same sinks), or -1 when every
+        entry is in use this step."""
+        if key in self._ready:
+            return self.lookup(key)
+        entry = self._pending.get(key, -1)
         if entry >= 0:
-            self._ready.pop(key, None)
-        elif self._free:
+            return entry
+        if self._free:
             entry = self._free.pop()
         else:
             victim = next((k for k, e in self._ready.items() if e not in self._in_step), None)

@@ -47,7 +47,12 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
         extra: list[int] = []  # prompt rows scored for prompt log-probabilities (after the sampled ones)
+        sink_writes: list[tuple[int, int]] = []  # (batch row of a sequence's position 0, its sink entry)
         for seq, p in decodes:
+            if p == 0 and sinks is not None and SINK_TOKENS == 1:  # a one-token prompt: its only token is its sink
+                entry = sinks.claim(seq.first_tokens(SINK_TOKENS))
+                if entry >= 0:
+                    sink_writes.append((len(ids), entry))
             ids.append(seq.token_at(p))
             positions.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
@@ -58,7 +63,6 @@ class ModelRunner:
                 extra.append(len(ids) - 1)  # a one-token prompt chunk
                 prompt_rows.append((seq, [p]))
         prefills = []
-        sink_writes: list[tuple[int, int]] = []
         for seq, n in chunks:
             start, p = len(ids), seq.num_computed
             ids.extend(seq.token_ids[p:p + n])

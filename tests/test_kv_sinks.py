@@ -35,7 +35,7 @@ def test_sink_table_hands_out_least_recently_used_entries_never_ones_in_use():
     assert table.claim((5,)) == -1  # every entry is in use this step
     table.begin_step()
     assert (table.lookup((1,)), table.lookup((3,)), table.lookup((4,))) == (-1, c, a)
-    assert table.claim((3,)) == c  # a key keeps its entry when written again
+    assert table.claim((3,)) == c and table.lookup((3,)) == c  # a key keeps its entry, readable, when written again
 
 
 def test_sink_table_forgets_a_failed_step():
@@ -124,3 +124,12 @@ def test_a_failed_forward_leaves_no_sink_entry_behind(tmp_path):
     assert len(outputs) == 1 and outputs[0].token_ids == []
     sinks.begin_step()
     assert sinks.lookup((9,)) == -1 and len(sinks) == 0
+
+
+def test_a_one_token_prompt_writes_its_sink(tmp_path):
+    path = save_model(tiny_llama(seed=5), tmp_path / "m")
+    llm = LLM(str(path), kv_cache_dtype="int4", max_num_seqs=1, kernels="reference")
+    llm.generate([[42]], SamplingParams(max_tokens=3, temperature=0.0))
+    sinks = llm.engine.cache.sinks
+    sinks.begin_step()
+    assert len(sinks) == 1 and sinks.lookup((42,)) >= 0
