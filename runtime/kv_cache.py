@@ -36,9 +36,9 @@ class KVCache:
     and centring the keys halves their int4 error. The engine calibrates both
     (:meth:`begin_basis_calibration`, ``runtime.kv_calibration``). An int4 cache also keeps each
     sequence's first ``SINK_TOKENS`` keys and values (its attention sinks) in float32, in the
-    same basis, in ``sink_entries`` entries (``sink_k`` / ``sink_v`` ``[kv_heads, entries,
-    SINK_TOKENS, head_dim]`` per layer; ``runtime.kv_sinks``) that the attention kernels read
-    in place of those positions' codes.
+    same basis, in ``max_num_seqs + SPARE_ENTRIES`` entries (``sink_k`` / ``sink_v``
+    ``[kv_heads, entries, SINK_TOKENS, head_dim]`` per layer; ``runtime.kv_sinks``) that the
+    attention kernels read in place of those positions' codes.
 
     Allocated once with ``torch.empty``: the operating system backs pages only as blocks are
     first written, so resident memory follows the blocks actually used.
