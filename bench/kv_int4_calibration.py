@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT / "bench"))
 from kv_cache import TEXT_START, TEXTS, engine_for, forced_logits, log  # noqa: E402
-from kv_int4_error import kld  # noqa: E402
+from kv_int4_error import kld, simulating_engine  # noqa: E402
 
 DECODE = 64
 
@@ -51,8 +51,6 @@ def position_offsets(int4_engine, tokenizer):
     from llmopt.runtime.kernels.reference import write_kv
     from llmopt.runtime.kv_calibration import basis_calibration_ids
     from llmopt.runtime.rope import apply_rotary
-
-    from kv_int4_error import simulating_engine
 
     engine = simulating_engine(int4_engine)
     cache, rope = engine.cache, engine.runner.rope

@@ -34,10 +34,7 @@ class SinkTable:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._ready: OrderedDict[Key, int] = OrderedDict()  # written entries, least recently used first
-        self._pending: dict[Key, int] = {}  # claimed this step, written by its forward
-        self._free = list(range(capacity - 1, -1, -1))
-        self._in_step: set[int] = set()
+        self.clear()
 
     def __len__(self) -> int:
         return len(self._ready)
@@ -82,5 +79,8 @@ class SinkTable:
         self._pending.clear()
 
     def clear(self) -> None:
-        """Forget every entry (the cache's basis changed)."""
-        self.__init__(self.capacity)
+        """Forget every entry (at start, and when the cache's basis changes)."""
+        self._ready: OrderedDict[Key, int] = OrderedDict()  # written entries, least recently used first
+        self._pending: dict[Key, int] = {}  # claimed this step, written by its forward
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._in_step: set[int] = set()
