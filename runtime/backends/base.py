@@ -222,12 +222,11 @@ class Backend:
         groups = meta.derived.get("groups")
         if groups is None:
             groups = meta.derived["groups"] = decode_groups(meta, cache, q.dtype)
-        sinks = cache.sinks_of(index)
+        sinks = decode_sinks(cache, meta, index)
         outs = [reference.paged_decode_attention(q[start:start + count], cache.k[index], cache.v[index], rows, width, mask,
                                                  cache.block_size, scale, cache.k_space, cache.v_space,
                                                  cache.k_scale[index], cache.v_scale[index],
-                                                 None if sinks is None or meta.decode_sinks is None
-                                                 else (*sinks, meta.decode_sinks[start:start + count]))
+                                                 None if sinks is None else (*sinks[:2], sinks[2][start:start + count]))
                 for start, count, rows, width, mask in groups]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -270,6 +269,13 @@ class Backend:
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Row-wise argmax of ``[rows, vocab]`` logits (the first of equal maxima)."""
         return logits.argmax(-1)
+
+
+def decode_sinks(cache: KVCache, meta: AttentionMetadata, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(sink K, sink V, each decode row's entry) of layer ``index``, as the decode kernels take
+    them; None when the cache keeps no sinks or the batch reads none."""
+    sinks = cache.sinks_of(index)
+    return None if sinks is None or meta.decode_sinks is None else (*sinks, meta.decode_sinks)
 
 
 def sink_context(cache: KVCache, index: int, entry: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

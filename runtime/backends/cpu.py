@@ -8,7 +8,7 @@ from llmopt.core.errors import LlmoptError
 from ..kernels import cpu_attention, cpu_dense, cpu_fused, cpu_linear
 from ..kernels.reference import Workspace
 from ..layers import DenseLinear, QuantLinear
-from .base import AttentionMetadata, Backend, ForwardBatch
+from .base import AttentionMetadata, Backend, ForwardBatch, decode_sinks
 
 
 EXACT_HEAD_ROWS = 16  # up to these many rows a float head keeps the exact GEMV under medium / low
@@ -124,11 +124,9 @@ class CpuBackend(Backend):
 
     def decode_attention(self, q: torch.Tensor, meta: AttentionMetadata, cache, index: int, scale: float) -> torch.Tensor:
         out = self.out_space.take(q.shape[0], q.shape[1] * q.shape[2])
-        sinks = cache.sinks_of(index) if meta.decode_sinks is not None else None
-        sink_k, sink_v = sinks or (None, None)
         return self.paged(q, cache.k[index], cache.v[index], cache.k_scale[index], cache.v_scale[index], meta.block_tables,
-                          meta.context_lens, cache.block_size, scale, out, False, 0, sink_k, sink_v,
-                          None if sinks is None else meta.decode_sinks)
+                          meta.context_lens, cache.block_size, scale, out, False, 0,
+                          *(decode_sinks(cache, meta, index) or (None, None, None)))
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.dtype == torch.float32 and logits.is_contiguous():

@@ -14,7 +14,7 @@ from ..kernels.triton_attention import triton_paged_decode_attention
 from ..kernels.triton_common import interpreting, triton_available
 from ..kernels.triton_linear import pack_weight, triton_quant_linear
 from ..layers import DenseLinear, QuantLinear
-from .base import AttentionMetadata, Backend
+from .base import AttentionMetadata, Backend, decode_sinks
 
 
 KERNEL_BITS = {"int4": 4, "int8": 8, "nl4": 8}  # a weight format's kernel → the code width the Triton kernel runs
@@ -53,10 +53,8 @@ class TritonBackend(Backend):
         tables = meta.derived.get("tables32")
         if tables is None:
             tables = meta.derived["tables32"] = (meta.block_tables.to(torch.int32), meta.context_lens.to(torch.int32))
-        sinks = cache.sinks_of(index) if meta.decode_sinks is not None else None
         return triton_paged_decode_attention(q, cache.k[index], cache.v[index], tables[0], tables[1], cache.block_size, scale,
-                                             cache.k_scale[index], cache.v_scale[index],
-                                             sinks=None if sinks is None else (*sinks, meta.decode_sinks))
+                                             cache.k_scale[index], cache.v_scale[index], sinks=decode_sinks(cache, meta, index))
 
 
 BACKEND = TritonBackend
