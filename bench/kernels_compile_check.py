@@ -55,13 +55,14 @@ def attention_variants(tatt, quick: bool):
         sig = {"q_ptr": f"*{dt}", "k_ptr": cache, "v_ptr": cache, "k_scale_ptr": scale_dt, "v_scale_ptr": scale_dt,
                "tables_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": f"*{dt}",
                "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_o_ptr": "*fp32", "sink_k_ptr": "*fp32", "sink_v_ptr": "*fp32",
-               "sink_index_ptr": "*i64", "sink_entries": "i32", "qk_scale": "fp32", "tokens_per_part": "i32",
+               "sink_index_ptr": "*i64", "sink_entries": "i32", "offsets_ptr": "*fp32", "offset_rows": "i32",
+               "qk_scale": "fp32", "tokens_per_part": "i32",
                "block_size": "i32", "num_parts": "i32", "stride_qb": "i32", "stride_qh": "i32", "stride_kh": "i32",
                "stride_kt": "i32", "stride_vh": "i32", "stride_vt": "i32", "stride_sh": "i32", "stride_tb": "i32",
                "stride_ob": "i32"}
         consts = {"GROUP": group, "HEAD_DIM": dim, "KV_KIND": kv_kind, "SPLIT": split, "DOT_F32": dt == "fp32", "BLOCK_G": 16,
                   "BLOCK_D": max(16, 1 << (dim - 1).bit_length()), "BLOCK_T": tatt.BLOCK_T, "INT4_GROUP": 32,
-                  "SINK_TOKENS": 1 if kv_kind == 3 else 0}  # an int4 cache reads its attention sinks
+                  "SINK_TOKENS": 1 if kv_kind == 3 else 0, "HAS_OFFSETS": kv_kind == 3}  # an int4 cache: sinks, key offsets
         name = f"attention {dt} group={group} dim={dim} split={int(split)} kv={'int4' if kv_kind == 3 else kv_dt or dt}"
         yield name, tatt._paged_decode_kernel, sig, consts, 4, 2
     for dt in ["fp16", "bf16"]:

@@ -116,7 +116,7 @@ def variant_engine(variant: str):
     if not sinks:
         engine.cache.sinks = None
     if not offsets:
-        engine.cache.k_offset = [None] * len(engine.cache.k_offset)
+        engine.cache.k_offsets = [None] * len(engine.cache.k_offsets)
     if not rotation:
         engine.cache.rotation = None
     return engine

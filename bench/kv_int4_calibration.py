@@ -1,18 +1,19 @@
 """How the int4 KV cache's calibration length meets the context length it serves (demo model).
 
-The int4 cache's key offsets are the mean key, after RoPE, of a calibration text the engine runs
-at start-up (``runtime.kv_calibration.CALIBRATION_TOKENS``, 512 tokens). RoPE turns each key's
-slow-rotating pairs through an angle that grows with its position, so that mean depends on the
-positions the calibration covers: an offset centred on positions 0 .. 511 is off-centre for keys
-at position 2000. This measures the int4 engine calibrated on ``--calibrations`` token counts
-against windows of ``--lengths`` tokens (WikiText-2 and the held-out Gutenberg novel, mean KLD to
-the float cache, prompt chunks then the last 64 tokens as decode steps, as ``bench/kv_cache.py``).
+The int4 cache's key offsets come from a calibration text the engine runs at start-up
+(``runtime.kv_calibration.CALIBRATION_TOKENS``, 512 tokens). RoPE turns each key's slow pairs
+through an angle that grows with its position, so a fixed mean key after RoPE depends on the
+positions the calibration covers: centred on positions 0 .. 511, it is off-centre at position
+2000. The engine therefore fits a mean key before RoPE and turns it by each block's average
+RoPE rotation (one offset per 16 positions, ``runtime.kv_cache``). This measures the int4
+engine calibrated on ``--calibrations`` token counts against windows of ``--lengths`` tokens
+(WikiText-2 and the held-out Gutenberg novel, mean KLD to the float cache, prompt chunks then
+the last 64 tokens as decode steps, as ``bench/kv_cache.py``).
 
-A last row simulates what the kernels do not do yet: position-aware key offsets. The calibration
-text's mean key before RoPE (per layer and KV head) is rotated to each key's own position and put
-in the cache's basis, each key is rounded less that offset, and the offset is added back as read
-(a float32 cache written through the reference, as ``bench/kv_int4_error.py`` does; first token
-in float32 as the engine's sinks). No key's offset then depends on where the calibration text ended.
+A last row simulates the finest version, which the kernels do not run: the mean key before RoPE
+rotated to each key's own position (not its block's average), each key rounded less it and the
+offset added back as read (a float32 cache written through the reference, as
+``bench/kv_int4_error.py`` does; first token in float32 as the engine's sinks).
 
 Results: ``bench/results/kv_int4_calibration.{json,md}``.
 
@@ -71,7 +72,7 @@ def position_offsets(int4_engine, tokenizer):
 
     sums: dict[int, torch.Tensor] = {}
 
-    def calibrate(index, k, v, slots, sink_writes=None):
+    def calibrate(index, k, v, slots, sink_writes=None, key_blocks=None):
         before_rope = turn((k.float() @ rotation) / cache.key_scale[index], positions_of(index, k.shape[0]), -1.0)
         sums[index] = sums.get(index, 0) + before_rope.double().sum(0)
         write_kv(cache.k[index], cache.v[index], k, v, slots)
@@ -81,7 +82,7 @@ def position_offsets(int4_engine, tokenizer):
     forced_logits(engine, ids, 64, 1)
     mean_key = {index: (total / len(ids)).float() for index, total in sums.items()}
 
-    def store(index, k, v, slots, sink_writes=None):
+    def store(index, k, v, slots, sink_writes=None, key_blocks=None):
         positions = positions_of(index, k.shape[0])
         offsets = (turn(mean_key[index].expand(len(positions), *mean_key[index].shape), positions, 1.0)
                    * cache.key_scale[index]) @ rotation
@@ -149,7 +150,8 @@ def markdown(report: dict, args) -> str:
     lines = [
         "# The int4 KV cache's calibration length against the context length (demo model)",
         "",
-        (f"Written by bench/kv_int4_calibration.py: mean KLD of the int4 engine (rotated, key scales and offsets, float32 "
+        (f"Written by bench/kv_int4_calibration.py: mean KLD of the int4 engine (rotated, key scales and per-block "
+         f"position-aware key offsets, float32 "
          f"sinks) to the float cache, {report['tokens']} tokens of each text cut into windows of each length (prompt chunks "
          f"of length / 8, at least 64, then the last {report['decode']} tokens as decode steps). Rows: the calibration "
          f"text's length (the engine's default: {report['default_calibration']} tokens)."),
@@ -159,7 +161,7 @@ def markdown(report: dict, args) -> str:
     ]
     for calibration in [*args.calibrations, "position"]:
         cells = [f"{report['rows'][f'{calibration}/{t}/{n}']['kld_mean']:.5f}" for t in TEXTS for n in args.lengths]
-        label = "512, position-aware offsets (simulated)" if calibration == "position" else calibration
+        label = "512, offsets per position (simulated)" if calibration == "position" else calibration
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [""])
 

@@ -1,8 +1,8 @@
 """Where the int4 KV cache's error comes from, and what other layouts would leave (demo model).
 
 Every variant runs the engine's forward on a float32 cache in the int4 cache's basis (the
-Hadamard rotation, key scales and key offsets the int4 engine calibrated) and rounds K and/or V
-as written (quantize, then dequantize): the same arithmetic as storing codes, so layouts the
+Hadamard rotation, key scales and per-block key offsets the int4 engine calibrated) and rounds K
+and/or V as written (quantize, then dequantize; keys less their offset, added back): the same arithmetic as storing codes, so layouts the
 kernels do not have can be measured. Variants: the engine's layout with its attention sink (the
 first token of each window in float32; checked against the int4 engine itself), int4_g16's with
 it, then without sinks: the engine's layout (asymmetric int4 with a float16 (scale, minimum) pair
@@ -100,29 +100,32 @@ def variants(head_dim: int) -> dict[str, tuple[Rounding | None, Rounding | None]
 
 
 def simulating_engine(int4_engine):
-    """A float32-cache engine in ``int4_engine``'s basis, K/V written through the reference step."""
+    """A float32-cache engine in ``int4_engine``'s basis, K/V written through the reference step;
+    the int4 cache's key offsets kept aside (``engine.int4_offsets``) for :func:`round_on_store`."""
     from llmopt.runtime.backends import Backend
 
-    engine = engine_for("auto", True, max_num_seqs=1)
+    engine = engine_for("auto", True, max_num_seqs=1, max_model_len=int4_engine.max_model_len)
     engine.backend.rope_and_store = partial(Backend.rope_and_store, engine.backend)  # no fused float32 write
     source = int4_engine.cache
-    engine.cache.rotation, engine.cache.key_scale, engine.cache.k_offset = source.rotation, source.key_scale, source.k_offset
+    engine.cache.rotation, engine.cache.key_scale = source.rotation, source.key_scale
+    engine.int4_offsets = source.k_offsets
     return engine
 
 
 def round_on_store(engine, keys: Rounding | None, values: Rounding | None, sink: bool = False) -> dict:
-    """Make ``engine``'s cache write K / V rounded by ``keys`` / ``values`` (keys less their offset),
-    the first token of each window unrounded when ``sink``. Returns the per-layer count of tokens
-    written, which the caller clears at the start of each window."""
+    """Make ``engine``'s cache write K / V rounded by ``keys`` / ``values`` (keys less their block's
+    offset, added back after rounding, as the int4 kernels read them), the first token of each
+    window unrounded when ``sink``. Returns the per-layer count of tokens written, which the
+    caller clears at the start of each window."""
     from llmopt.runtime.kernels.reference import write_kv
 
     cache = engine.cache
     written: dict[int, int] = {}
 
-    def store(index, k, v, slots, sink_writes=None):
-        offset = cache.k_offset[index]
-        k = k - offset.to(k.dtype) if offset is not None else k
-        rounded_k = keys(k).to(k.dtype) if keys else k
+    def store(index, k, v, slots, sink_writes=None, key_blocks=None):
+        offsets = engine.int4_offsets[index]
+        offset = 0 if offsets is None else offsets.index_select(1, key_blocks).transpose(0, 1).to(k.dtype)
+        rounded_k = keys(k - offset).to(k.dtype) + offset if keys else k
         rounded_v = values(v).to(v.dtype) if values else v
         if sink and written.get(index, 0) == 0:
             rounded_k, rounded_v = torch.cat([k[:1], rounded_k[1:]]), torch.cat([v[:1], rounded_v[1:]])

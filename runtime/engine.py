@@ -82,9 +82,7 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(self.path)
         self.eos_token_ids = _eos_ids(self.path, self.tokenizer)
         if self.cache.rotation is not None:
-            # soft-capped scores (Gemma 2) are not shift-invariant: their keys keep no offset
-            calibrate_cache_basis(self.runner, self.tokenizer, num_blocks, bs, config.max_num_batched_tokens, self.max_model_len,
-                                  offsets=self.arch.attn_softcap is None)
+            calibrate_cache_basis(self.runner, self.tokenizer, num_blocks, bs, config.max_num_batched_tokens, self.max_model_len)
         self.stats = RunStats()
         self._requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []

@@ -9,6 +9,7 @@ from .config import ModelArch
 from .kernels import kv_quant
 from .kernels.reference import Workspace, write_kv
 from .kv_sinks import SINK_TOKENS, SPARE_ENTRIES, SinkTable
+from .rope import block_means
 
 
 KEY_SCALE_POWER = 0.15  # the best of 0-0.3 on the demo model (bench/results/kv_int4_error.md)
@@ -30,11 +31,14 @@ class KVCache:
     multiplied by a calibrated factor and each query channel divided by it (``key_scale``, per
     layer and KV head), which leaves every score unchanged and moves key magnitude out of the
     channels the queries weigh most, where int4 error costs most (factor ``(E q² / Var k) **
-    KEY_SCALE_POWER``, geometric mean 1). Keys are stored less a per-layer, per-head offset
-    (``k_offset``, the mean key of a calibration text in the cache's basis): a constant shift
-    of every key adds the same amount to all of a query's scores, which the softmax ignores,
-    and centring the keys halves their int4 error. The engine calibrates both
-    (:meth:`begin_basis_calibration`, ``runtime.kv_calibration``). An int4 cache also keeps each
+    KEY_SCALE_POWER``, geometric mean 1). Keys are stored less a per-layer, per-head offset of
+    their block of positions (``k_offsets`` ``[kv_heads, blocks, head_dim]`` float32, row
+    ``position // block_size``), which the attention kernels add back as they read: a
+    calibrated mean key before RoPE turned by the block's average RoPE rotation (RoPE turns a
+    key's slow pairs by its position, so one fixed offset fits only the positions it was
+    calibrated on), or the plain mean key where that fits the calibration text better (layers
+    without RoPE). Centring the keys halves their int4 error. The engine calibrates scales and
+    offsets (:meth:`begin_basis_calibration`, ``runtime.kv_calibration``). An int4 cache also keeps each
     sequence's first ``SINK_TOKENS`` keys and values (its attention sinks) in float32, in the
     same basis, in ``max_num_seqs + SPARE_ENTRIES`` entries (``sink_k`` / ``sink_v``
     ``[kv_heads, entries, SINK_TOKENS, head_dim]`` per layer; ``runtime.kv_sinks``) that the
@@ -68,9 +72,10 @@ class KVCache:
         self.k_space = Workspace(storage, device)  # scratch for gathered context, reused by every layer
         self.v_space = Workspace(storage, device)
         self.rotation: torch.Tensor | None = None
-        self.k_offset: list[torch.Tensor | None] = [None] * arch.num_layers
+        self.k_offsets: list[torch.Tensor | None] = [None] * arch.num_layers  # [kv_heads, blocks, head_dim] float32
         self.key_scale: list[torch.Tensor | None] = [None] * arch.num_layers  # [kv_heads, head_dim] float32
-        self._basis_stats: list[list] | None = None  # per layer while calibrating, see _record
+        self._basis_stats: list[dict] | None = None  # per layer while calibrating, see _record
+        self._rope_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
         self._factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (key_scale, _basis_factors)
         block = block_for(arch.head_dim) if kv_quant.is_int4(kv_cache_dtype) else None
         if block is not None:
@@ -105,7 +110,7 @@ class KVCache:
             total += self.scales.numel() * self.scales.element_size()
         if self.sinks is not None:
             total += self.sink_data.numel() * self.sink_data.element_size()
-        return total
+        return total + sum(o.numel() * o.element_size() for o in self.k_offsets if o is not None)
 
     # -- the rotated basis of an int4 cache ------------------------------------------------------
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,68 +162,92 @@ class KVCache:
         return cached[1]
 
     def store(self, index: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              sink_writes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+              sink_writes: tuple[torch.Tensor, torch.Tensor] | None = None, key_blocks: torch.Tensor | None = None) -> None:
         """Write ``k``/``v`` ``[tokens, kv_heads, head_dim]`` (already in the cache's basis) of
-        layer ``index`` at ``slots``, keys less the layer's offset; and the attention sinks among
-        them (:meth:`store_sinks`)."""
-        offset = self.k_offset[index]
-        if offset is not None:
-            k = k - offset.to(k.dtype)
-        write_kv(self.k[index], self.v[index], k, v, slots, self.k_scale[index], self.v_scale[index])
-        if sink_writes is not None:
-            self._write_sinks(index, k, v, sink_writes)
+        layer ``index`` at ``slots``, keys less their block's offset (``key_blocks`` ``[tokens]``:
+        each token's ``position // block_size``); and the attention sinks among them
+        (:meth:`store_sinks`)."""
+        write_kv(self.k[index], self.v[index], self.centred_keys(index, k, key_blocks), v, slots,
+                 self.k_scale[index], self.v_scale[index])
+        self.store_sinks(index, k, v, sink_writes)
+
+    def centred_keys(self, index: int, k: torch.Tensor, key_blocks: torch.Tensor | None) -> torch.Tensor:
+        """``k`` ``[tokens, kv_heads, head_dim]`` less each token's block offset (itself without offsets)."""
+        offsets = self.k_offsets[index]
+        if offsets is None:
+            return k
+        if key_blocks is None or key_blocks.shape != k.shape[:1]:
+            raise ValueError("a cache with key offsets needs each token's block of positions (key_blocks [tokens])")
+        return k - offsets.index_select(1, key_blocks).transpose(0, 1).to(k.dtype)
 
     def store_sinks(self, index: int, k: torch.Tensor, v: torch.Tensor,
                     sink_writes: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Copy the attention sinks among ``k``/``v`` (cache basis, key offset not yet removed)
-        into the sink store: ``sink_writes`` is (batch rows of each sequence's position 0,
-        their entries), ``SINK_TOKENS`` rows from each."""
+        """Copy the attention sinks among ``k``/``v`` (cache basis, key offsets not removed) into
+        the sink store, keys less the first block's offset: ``sink_writes`` is (batch rows of
+        each sequence's position 0, their entries), ``SINK_TOKENS`` rows from each."""
         if sink_writes is None:
             return
-        offset = self.k_offset[index]
-        self._write_sinks(index, k if offset is None else k - offset.to(k.dtype), v, sink_writes)
-
-    def _write_sinks(self, index: int, k: torch.Tensor, v: torch.Tensor, sink_writes: tuple[torch.Tensor, torch.Tensor]) -> None:
         rows, entries = sink_writes
         positions = (rows[:, None] + torch.arange(SINK_TOKENS, device=rows.device)).flatten()
-        for store, x in ((self.sink_k[index], k), (self.sink_v[index], v)):
-            values = x.index_select(0, positions).view(len(entries), SINK_TOKENS, *x.shape[1:])
-            store[:, entries] = values.permute(2, 0, 1, 3).float()  # [kv_heads, entries, SINK_TOKENS, head_dim]
+        offsets = self.k_offsets[index]
+        for store, x, first in ((self.sink_k[index], k, offsets), (self.sink_v[index], v, None)):
+            values = x.index_select(0, positions).view(len(entries), SINK_TOKENS, *x.shape[1:]).float()
+            if first is not None:
+                values = values - first[:, 0]
+            store[:, entries] = values.permute(2, 0, 1, 3)  # [kv_heads, entries, SINK_TOKENS, head_dim]
+
+    def offsets_of(self, index: int) -> torch.Tensor | None:
+        """Layer ``index``'s key offsets ``[kv_heads, blocks, head_dim]`` float32 (None: none)."""
+        return self.k_offsets[index]
 
     def sinks_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer ``index``'s sink store (K, V), None when the cache keeps none."""
         return None if self.sinks is None else (self.sink_k[index], self.sink_v[index])
 
-    def begin_basis_calibration(self) -> None:
-        """Collect key means and variances and query mean squares per layer and KV head over
-        the following :meth:`to_cache_basis` calls (offsets and key scales off meanwhile)."""
-        self.k_offset = [None] * len(self.k)
+    def begin_basis_calibration(self, rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Collect per layer and KV head the statistics of the key scales and offsets (key means,
+        variances and RoPE-block moments, query mean squares) over the following
+        :meth:`to_cache_basis` calls, which must run one sequence's positions 0, 1, ... in order
+        (scales and offsets off meanwhile). ``rope_tables``: the model's cos and signed sin rows
+        ``[positions, head_dim]`` (``runtime.rope``) that keys are turned by; without them,
+        offsets are plain mean keys."""
+        self.k_offsets = [None] * len(self.k)
         self.key_scale = [None] * len(self.k)
         if self.sinks is not None:
             self.sinks.clear()
-        self._basis_stats = [[0, 0, 0, 0] for _ in self.k]
+        self._rope_blocks = None
+        if rope_tables is not None:
+            self._rope_blocks = tuple(block_means(t, self.block_size).double() for t in rope_tables)
+        self._basis_stats = [{"count": 0} for _ in self.k]
 
     def _record(self, index: int, q: torch.Tensor, k: torch.Tensor) -> None:
         keys = k.double()
         queries = q.double().reshape(q.shape[0], k.shape[1], -1, q.shape[-1])  # a KV head's query group
         stats = self._basis_stats[index]
-        stats[0] = stats[0] + keys.sum(0)
-        stats[1] = stats[1] + keys.square().sum(0)
-        stats[2] = stats[2] + queries.square().mean(2).sum(0)
-        stats[3] += k.shape[0]
+        first = stats["count"]
+        sums = {"key": keys.sum(0), "key_squares": keys.square().sum(0), "query_squares": queries.square().mean(2).sum(0)}
+        if self._rope_blocks is not None:
+            blocks = torch.arange(first, first + k.shape[0], device=k.device) // self.block_size
+            cos, sin = (t.to(k.device)[blocks] for t in self._rope_blocks)  # [tokens, head_dim]
+            sums.update(cos_key=(keys * cos[:, None]).sum(0), sin_key=(keys * sin[:, None]).sum(0),
+                        cos2=cos.square().sum(0), sin2=sin.square().sum(0), cos_sin=(cos * sin).sum(0))
+        for name, value in sums.items():
+            stats[name] = stats.get(name, 0) + value
+        stats["count"] = first + k.shape[0]
 
     def end_basis_calibration(self, offsets: bool = True) -> None:
-        """Set ``key_scale`` (and ``k_offset`` unless ``offsets`` is False) from the collected
+        """Set ``key_scale`` (and ``k_offsets`` unless ``offsets`` is False) from the collected
         statistics; layers that saw no token keep neither."""
-        stats, self._basis_stats = self._basis_stats, None
+        stats_of, self._basis_stats = self._basis_stats, None
         if self.sinks is not None:  # written in the basis being replaced
             self.sinks.clear()
-        for index, (key_sum, key_squares, query_squares, count) in enumerate(stats):
+        for index, stats in enumerate(stats_of):
+            count = stats["count"]
             if not count:
                 continue
-            mean = key_sum / count
-            variance = (key_squares / count - mean.square()).clamp_min(0)
-            query_power = query_squares / count
+            mean = stats["key"] / count
+            variance = (stats["key_squares"] / count - mean.square()).clamp_min(0)
+            query_power = stats["query_squares"] / count
             floor = torch.finfo(torch.float32).tiny
             ratio = (query_power + 1e-6 * query_power.mean(-1, keepdim=True) + floor) / (
                 variance + 1e-6 * variance.mean(-1, keepdim=True) + floor)
@@ -226,4 +255,28 @@ class KVCache:
             scale = scale / scale.log().mean(-1, keepdim=True).exp()
             self.key_scale[index] = scale.to(torch.float32)
             if offsets:
-                self.k_offset[index] = self.rotate(mean * scale).to(torch.float32)
+                self.k_offsets[index] = self.rotate(self._offset_rows(stats, mean, scale) * scale[:, None]).to(torch.float32)
+        self._rope_blocks = None
+
+    def _offset_rows(self, stats: dict, mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Key offsets ``[kv_heads, blocks, head_dim]`` in the original basis (float64): per KV
+        head, the least-squares fit of the keys by ``mu`` turned by each key's block-average
+        RoPE rotation (``A_b mu``: each pair of ``mu`` rotated and shrunk as the block's rows
+        average), or the mean key in every block where that leaves less key energy (weighted
+        by the squared key scales, the int4 rounding's basis). ``A_b`` keeps pairs orthogonal,
+        so the fit is one division per channel."""
+        if self._rope_blocks is None:
+            return mean[:, None, :].expand(-1, self.num_blocks, -1)  # no sequence spans more blocks
+        cos, sin = self._rope_blocks  # [blocks, head_dim]
+        half = mean.shape[-1] // 2
+        turn = lambda x: torch.roll(x, half, -1)  # noqa: E731 - each channel's pair partner
+        normal = stats["cos2"] + turn(stats["sin2"])
+        mu = (stats["cos_key"] + turn(stats["sin_key"])) / normal.clamp_min(torch.finfo(torch.float64).tiny)
+        weight = scale.square()
+        fitted = (-2 * (mu * stats["cos_key"] + turn(mu) * stats["sin_key"]) + mu.square() * stats["cos2"]
+                  + 2 * mu * turn(mu) * stats["cos_sin"] + turn(mu).square() * stats["sin2"])
+        gain_rotating = -(weight * fitted).sum(-1)  # key energy the fit removes, per KV head
+        gain_constant = stats["count"] * (weight * mean.square()).sum(-1)
+        rotating = cos[None] * mu[:, None] + sin[None] * turn(mu)[:, None]  # [kv_heads, blocks, head_dim]
+        constant = mean[:, None, :].expand_as(rotating)
+        return torch.where((gain_rotating > gain_constant)[:, None, None], rotating, constant)

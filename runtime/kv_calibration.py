@@ -1,6 +1,7 @@
 """The basis of an int4 KV cache, calibrated on a short text: per layer and KV head, the key
-scale (keys multiplied, queries divided) and the key offset, the mean key in the cache's basis,
-removed from every key before it is quantized (see ``KVCache``)."""
+scale (keys multiplied, queries divided) and the key offsets of each block of positions,
+removed from every key before it is quantized and added back as attention reads it (see
+``KVCache``)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def calibrate_cache_basis(runner: ModelRunner, tokenizer, num_blocks: int, block
     blocks = BlockManager(num_blocks, block_size, False)
     blocks.allocate(seq, len(ids))
     cache = runner.cache
-    cache.begin_basis_calibration()
+    cache.begin_basis_calibration((runner.rope.cos, runner.rope.sin))
     try:
         while seq.num_computed < len(ids):
             n = min(chunk, len(ids) - seq.num_computed)

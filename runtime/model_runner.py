@@ -92,7 +92,8 @@ class ModelRunner:
         sample_rows += extra
         pos_t = torch.tensor(positions, dtype=torch.long)
         cos, sin = self._rope_rows([(p + 1, 1) for _, p in decodes] + [(s.num_computed + n, n) for s, n in chunks], pos_t)
-        attn = AttentionMetadata(torch.tensor(slots, dtype=torch.long), len(decodes), prefills=prefills)
+        attn = AttentionMetadata(torch.tensor(slots, dtype=torch.long), len(decodes), prefills=prefills,
+                                 key_blocks=pos_t // self.block_size)
         if decodes:
             attn.block_tables, attn.context_lens = self._block_tables(decodes)
         if sinks is not None:

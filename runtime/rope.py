@@ -77,6 +77,17 @@ class RotaryEmbedding:
         return _tables(inv_freq, scaling, positions, self.dtype)
 
 
+def block_means(table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``table`` ``[positions, head_dim]`` (cos or signed sin rows) averaged over each run of
+    ``block_size`` positions, float32 ``[blocks, head_dim]`` (the last run may be shorter)."""
+    rows = table.float()
+    blocks = -(-rows.shape[0] // block_size)
+    padded = torch.nn.functional.pad(rows, (0, 0, 0, blocks * block_size - rows.shape[0]))
+    counts = torch.full((blocks, 1), float(block_size))
+    counts[-1] = rows.shape[0] - (blocks - 1) * block_size
+    return padded.view(blocks, block_size, -1).sum(1) / counts
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[tokens, heads, head_dim]`` with per-token ``cos``/``sin`` ``[tokens, 1, head_dim]``."""
     rotated = torch.roll(x, shifts=x.shape[-1] // 2, dims=-1)

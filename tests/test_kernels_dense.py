@@ -174,7 +174,7 @@ def test_rope_and_kv_write_match_torch(qk_norm):
 @pytest.mark.parametrize("kind", ["int8", "fp8", "int4", "int4_g16"])
 @pytest.mark.parametrize("dim", [64, 80, 128])
 def test_store_kv_writes_the_references_codes_and_scales_bit_for_bit(kind, dim):
-    """The C++ quantized KV write against ``reference.write_kv`` (keys less an offset first), on
+    """The C++ quantized KV write against ``reference.write_kv`` (keys less their block's offset first), on
     strided views of a merged q/k/v row as the CPU backend passes them, with wide value ranges,
     a constant head and a head of exact ties; untouched slots stay as they were."""
     from llmopt.runtime.kernels import kv_quant
@@ -184,7 +184,8 @@ def test_store_kv_writes_the_references_codes_and_scales_bit_for_bit(kind, dim):
     qkv[0, heads] = 1.5  # a constant key head: zero range
     qkv[1, heads + kv_heads] = torch.tensor([0.0, 1.0]).repeat(dim // 2)  # ties at every rounding boundary
     k, v = qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
-    offset = torch.randn(kv_heads, dim)
+    offsets = torch.randn(kv_heads, 5, dim)  # [kv_heads, blocks of positions, dim]
+    key_blocks = torch.tensor([0, 0, 1, 4, 2, 2, 3, 0, 4])
     slots = torch.randperm(slots_total)[:tokens]
     storage = kv_quant.storage_dtype(kind, torch.float32)
     shape = (kv_heads, slots_total, dim // kv_quant.values_per_element(kind))
@@ -196,15 +197,17 @@ def test_store_kv_writes_the_references_codes_and_scales_bit_for_bit(kind, dim):
         return codes, scales
 
     (want_k, want_v), (want_ks, want_vs) = empty()
-    reference.write_kv(want_k, want_v, k - offset, v, slots, want_ks, want_vs)
+    reference.write_kv(want_k, want_v, k - offsets[:, key_blocks].transpose(0, 1), v, slots, want_ks, want_vs)
     (got_k, got_v), (got_ks, got_vs) = empty()
-    cpu_fused.store_kv(k, v, slots, got_k, got_v, got_ks, got_vs, offset)
+    cpu_fused.store_kv(k, v, slots, got_k, got_v, got_ks, got_vs, offsets, key_blocks)
     for got, want in ((got_k, want_k), (got_v, want_v), (got_ks, want_ks), (got_vs, want_vs)):
         assert got.shape == want.shape and got.dtype == want.dtype
         assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float16 else got,
                            want.view(torch.uint8) if want.dtype == torch.float16 else want)
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu_fused.store_kv(k, v, slots + slots_total, got_k, got_v, got_ks, got_vs, None)
+    with pytest.raises(RuntimeError, match="outside the key offsets"):
+        cpu_fused.store_kv(k, v, slots, got_k, got_v, got_ks, got_vs, offsets, key_blocks + 1)
 
 
 def test_argmax_matches_torch_with_ties_and_nan():

@@ -55,15 +55,19 @@ def test_rotated_scores_and_outputs_equal_the_original():
     torch.testing.assert_close(cache.unrotate_output(out.reshape(5, 64)), scores @ v)
 
 
-def test_store_removes_the_offset_before_quantizing():
+def test_store_removes_each_blocks_offset_before_quantizing():
     cache = KVCache(arch(32), 3, 4, torch.float32, "int4")
-    offset = torch.randn(2, 32) * 3
-    cache.k_offset = [offset]
-    k, v = torch.randn(6, 2, 32) + offset, torch.randn(6, 2, 32)
+    offsets = torch.randn(2, 3, 32) * 3  # [kv_heads, blocks of positions, head_dim]
+    cache.k_offsets = [offsets]
+    key_blocks = torch.tensor([0, 0, 1, 1, 2, 0])
+    k, v = torch.randn(6, 2, 32) + offsets[:, key_blocks].transpose(0, 1), torch.randn(6, 2, 32)
     slots = torch.tensor([0, 1, 2, 5, 8, 11])
-    cache.store(0, k, v, slots)
+    with pytest.raises(ValueError, match="key_blocks"):
+        cache.store(0, k, v, slots)
+    cache.store(0, k, v, slots, key_blocks=key_blocks)
+    centred = k - offsets[:, key_blocks].transpose(0, 1)
     assert cache.k[0].shape == (2, 12, 16) and cache.k_scale[0].shape == (2, 12, 1, 2)  # one group of 32
-    for stored, scales, want in ((cache.k[0], cache.k_scale[0], k - offset), (cache.v[0], cache.v_scale[0], v)):
+    for stored, scales, want in ((cache.k[0], cache.k_scale[0], centred), (cache.v[0], cache.v_scale[0], v)):
         back = kv_quant.dequantize(stored[:, slots], scales[:, slots], torch.float32).transpose(0, 1)
         assert back.shape == want.shape
         torch.testing.assert_close(back, kv_quant.dequantize(*kv_quant.quantize(want, "int4"), torch.float32), rtol=0, atol=0)
@@ -72,44 +76,77 @@ def test_store_removes_the_offset_before_quantizing():
         assert ((back - want).abs() <= 2.5 * step * 1.01 + low.abs() * 2 ** -10 + 1e-6).all()
 
 
+def rope_rows(positions: int, dim: int, base: float = 100.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin rows ``[positions, dim]`` laid out as ``runtime.rope``'s."""
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq
+    return torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
+
+
+def turned(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
+
+
 def test_calibration_sets_key_scales_and_offsets_from_the_queries_and_keys_seen():
     """Per layer and KV head: scale ``(E q² / Var k) ** KEY_SCALE_POWER`` (query heads of a KV
-    head's group pooled, geometric mean 1), offset the mean scaled key rotated; both computed
-    here from all the tokens at once and compared with the cache's running sums."""
+    head's group pooled, geometric mean 1); offsets the least-squares fit of the keys by one
+    vector turned by each key's block-average RoPE rows (solved here by ``torch.linalg.lstsq``
+    over explicit matrices), or the mean key where that fits better: KV head 0's keys turn
+    with their positions, KV head 1's do not. Computed here from all the tokens at once and
+    compared with the cache's running sums over chunks."""
     from llmopt.runtime.kv_cache import KEY_SCALE_POWER
+    from llmopt.runtime.rope import block_means
 
-    cache = KVCache(arch(16, layers=2), 4, 4, torch.float64, "int4")
-    cache.begin_basis_calibration()
-    keys = [torch.randn(7, 2, 16, dtype=torch.float64) * torch.linspace(0.5, 3, 16, dtype=torch.float64) + 2,
-            torch.randn(5, 2, 16, dtype=torch.float64) - 1]
-    queries = [torch.randn(7, 6, 16, dtype=torch.float64) * torch.rand(16, dtype=torch.float64) * 4,
-               torch.randn(5, 6, 16, dtype=torch.float64)]
-    values = torch.randn(7, 2, 16, dtype=torch.float64)
-    for part in (slice(0, 4), slice(4, 7)):
-        cache.to_cache_basis(queries[0][part], keys[0][part], values[part], 0)
-    cache.to_cache_basis(queries[1], keys[1], values[:5], 1)
+    dim, block, tokens = 16, 4, 30
+    cos, sin = rope_rows(40, dim)
+    cache = KVCache(arch(dim, layers=1), 12, block, torch.float64, "int4")
+    cache.begin_basis_calibration((cos, sin))
+    torch.manual_seed(0)
+    mu = torch.randn(dim, dtype=torch.float64) * 3
+    keys = torch.randn(tokens, 2, dim, dtype=torch.float64) * torch.linspace(0.5, 2, dim, dtype=torch.float64)
+    keys[:, 0] += turned(mu, cos[:tokens], sin[:tokens])
+    keys[:, 1] += torch.randn(dim, dtype=torch.float64) * 3
+    queries = torch.randn(tokens, 6, dim, dtype=torch.float64) * torch.rand(dim, dtype=torch.float64) * 4
+    values = torch.randn(tokens, 2, dim, dtype=torch.float64)
+    for part in (slice(0, 7), slice(7, 19), slice(19, tokens)):
+        cache.to_cache_basis(queries[part], keys[part], values[part], 0)
     cache.end_basis_calibration()
-    assert [o.shape for o in cache.k_offset] == [(2, 16), (2, 16)]
-    assert [s.shape for s in cache.key_scale] == [(2, 16), (2, 16)]
-    for scale, offset, k, q in zip(cache.key_scale, cache.k_offset, keys, queries):
-        power = q.view(q.shape[0], 2, 3, 16).square().mean((0, 2))
-        want = (power / k.var(0, unbiased=False)) ** KEY_SCALE_POWER
-        want = want / want.log().mean(-1, keepdim=True).exp()
-        torch.testing.assert_close(scale.double(), want, rtol=1e-4, atol=0)  # the cache floors both by 1e-6 of their mean
-        torch.testing.assert_close(offset.double(), cache.rotate(k.mean(0) * want), rtol=1e-4, atol=1e-4)
+    scale, offsets = cache.key_scale[0].double(), cache.k_offsets[0].double()
+    assert scale.shape == (2, dim) and offsets.shape == (2, 10, dim)  # 40 positions in blocks of 4
+    power = queries.view(tokens, 2, 3, dim).square().mean((0, 2))
+    want = (power / keys.var(0, unbiased=False)) ** KEY_SCALE_POWER
+    want = want / want.log().mean(-1, keepdim=True).exp()
+    torch.testing.assert_close(scale, want, rtol=1e-4, atol=0)  # the cache floors both by 1e-6 of their mean
+    block_cos, block_sin = block_means(cos, block).double(), block_means(sin, block).double()
+    eye = torch.eye(dim, dtype=torch.float64)
+    rows = block_cos[torch.arange(tokens) // block], block_sin[torch.arange(tokens) // block]
+    matrices = torch.stack([turned(eye, c, s).T for c, s in zip(*rows)])  # A_t x = turned(x, ...)
+    fit = torch.linalg.lstsq(matrices.reshape(-1, dim), keys[:, 0].reshape(-1, 1)).solution.flatten()
+    want_rotating = turned(fit, block_cos, block_sin)  # [blocks, dim]
+    # offsets in the cache's basis: scaled by the cache's key scales, rotated, float32
+    torch.testing.assert_close(offsets[0], cache.rotate(want_rotating * scale[0]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(offsets[1], cache.rotate(keys[:, 1].mean(0) * scale[1]).expand(10, dim), rtol=1e-5, atol=1e-5)
     # in the cache's basis every score is unchanged: q / s · k s = q · k
-    q, k = queries[0][:3], keys[0][:3]
+    q, k = queries[:3], keys[:3]
     q2, k2, _ = cache.to_cache_basis(q, k, values[:3], 0)
     group = torch.arange(6) // 3
     torch.testing.assert_close(torch.einsum("thd,shd->ths", q2, k2[:, group]), torch.einsum("thd,shd->ths", q, k[:, group]))
 
 
-def test_softcapped_models_calibrate_key_scales_without_offsets():
+def test_calibration_without_rope_rows_or_offsets():
+    """Without RoPE rows every block's offset is the mean key; ``offsets=False`` keeps none."""
     cache = KVCache(arch(16), 4, 4, torch.float32, "int4")
+    keys = torch.randn(5, 2, 16) + 3
     cache.begin_basis_calibration()
-    cache.to_cache_basis(torch.randn(5, 2, 16), torch.randn(5, 2, 16) + 3, torch.randn(5, 2, 16), 0)
+    cache.to_cache_basis(torch.randn(5, 2, 16), keys, torch.randn(5, 2, 16), 0)
+    cache.end_basis_calibration()
+    scale = cache.key_scale[0]
+    assert cache.k_offsets[0].shape == (2, 4, 16)  # as many rows as the cache has blocks
+    torch.testing.assert_close(cache.k_offsets[0], cache.rotate(keys.mean(0) * scale).unsqueeze(1).expand(2, 4, 16))
+    cache.begin_basis_calibration()
+    cache.to_cache_basis(torch.randn(5, 2, 16), keys, torch.randn(5, 2, 16), 0)
     cache.end_basis_calibration(offsets=False)
-    assert cache.k_offset == [None] and cache.key_scale[0].shape == (2, 16)
+    assert cache.k_offsets == [None] and cache.key_scale[0].shape == (2, 16)
 
 
 def forced_logits(engine: LLMEngine, ids: list[int], chunk: int) -> torch.Tensor:
@@ -135,7 +172,8 @@ def test_int4_engine_on_the_cpu_kernels_equals_the_reference_backend(tmp_path):
     logits = {}
     for kernels in ("cpu", "reference"):
         engine = LLMEngine(path, kernels=kernels, kv_cache_dtype="int4", block_size=4, max_num_seqs=1)
-        assert engine.cache.rotation is not None and all(o is not None and o.shape == (2, 16) for o in engine.cache.k_offset)
+        rows = -(-engine.max_model_len // 4)
+        assert engine.cache.rotation is not None and all(o is not None and o.shape == (2, rows, 16) for o in engine.cache.k_offsets)
         assert all(s is not None and s.shape == (2, 16) for s in engine.cache.key_scale)
         logits[kernels] = forced_logits(engine, ids, 8)
     assert logits["cpu"].shape == (40, 259)
@@ -159,7 +197,7 @@ def test_sinks_rotation_offsets_and_key_scales_cut_the_int4_error_on_the_demo_mo
         if variant in ("int4 no-sinks", "int4 unscaled", "int4 plain"):  # each ablation drops the sinks
             engine.cache.sinks = None
         if variant == "int4 plain":
-            engine.cache.rotation, engine.cache.k_offset = None, [None] * len(engine.cache.k_offset)
+            engine.cache.rotation, engine.cache.k_offsets = None, [None] * len(engine.cache.k_offsets)
         ids = engine.tokenizer.encode(text)[:256]
         assert len(ids) == 256
         logp[variant] = forced_logits(engine, ids, 32).log_softmax(-1)
@@ -178,8 +216,8 @@ def test_sinks_rotation_offsets_and_key_scales_cut_the_int4_error_on_the_demo_mo
 @pytest.mark.parametrize("kind", ["llama", "gemma2", "gemma3", "phi3", "gpt_neox"])
 def test_rotated_basis_and_key_offsets_are_exact_on_every_attention_path(kind, tmp_path):
     """The int4 cache's rotation, key scales and key offsets change nothing by themselves: on a
-    float cache given a rotation, random key scales and random offsets, logits equal the plain cache's. Covers the native
-    models (sliding windows, Gemma 2's soft-capped scores, which keep no offsets, Gemma 3's q/k
+    float cache given a rotation, random key scales and random per-block offsets, logits equal the plain cache's (the
+    offsets are added back as attention reads). Covers the native models (sliding windows, Gemma 2's soft-capped scores, Gemma 3's q/k
     norms, Phi-3's fused projections) and the transformers path (GPT-NeoX: partial rotary)."""
     import test_runtime_architectures as native
     import test_runtime_generic as generic
@@ -193,8 +231,8 @@ def test_rotated_basis_and_key_offsets_are_exact_on_every_attention_path(kind, t
     dim = cache.head_dim
     cache.rotation = KVCache(arch(dim), 1, 4, torch.float32, "int4").rotation
     cache.key_scale = [torch.rand(k.shape[0], dim) * 3 + 0.2 for k in cache.k]
-    if engine.arch.attn_softcap is None:
-        cache.k_offset = [torch.randn(k.shape[0], dim) * 3 for k in cache.k]
+    rows = -(-engine.max_model_len // 4)
+    cache.k_offsets = [torch.randn(k.shape[0], rows, dim) * 3 for k in cache.k]
     rotated = forced_logits(engine, ids, 6)
     assert rotated.shape == plain.shape == (30, engine.arch.vocab_size)
     torch.testing.assert_close(rotated, plain, rtol=1e-4, atol=1e-4)

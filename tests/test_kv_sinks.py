@@ -1,5 +1,6 @@
 """Attention sinks of the int4 KV cache: the entry table, every backend's decode attention reading
-them (against the reference), and the engine writing position 0's float K/V into them."""
+them and the key offsets (against the reference and a hand computation), and the engine writing
+position 0's float K/V into them."""
 
 from __future__ import annotations
 
@@ -48,11 +49,13 @@ def test_sink_table_forgets_a_failed_step():
     assert sorted([table.claim((8,)), table.claim((9,))]) == sorted([first, 1 - first])
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_decode_attention_of_every_backend_reads_the_sinks(tokens):
+@pytest.mark.parametrize("tokens,offsets", [(1, False), (3, False), (1, True)])
+def test_decode_attention_of_every_backend_reads_the_sinks_and_key_offsets(tokens, offsets):
     rng = random.Random(random.getrandbits(64))
     lens = sorted(rng.randint(1, 60) for _ in range(6))
     q, cache, meta = paged_cache(lens, "int4", rng)
+    key_offsets = torch.randn(cache.k[0].shape[0], meta.block_tables.shape[1] + 2, cache.head_dim) * 3 if offsets else None
+    cache.offsets_of = lambda index: key_offsets
     entries = 5
     sink_k, sink_v = torch.randn(2, cache.k[0].shape[0], entries, tokens, cache.head_dim) * 3
     cache.sinks_of = lambda index: (sink_k, sink_v)
@@ -71,6 +74,8 @@ def test_decode_attention_of_every_backend_reads_the_sinks(tokens):
     keys = kv_quant.dequantize(cache.k[0][:, slots], cache.k_scale[0][:, slots], torch.float32)
     values = kv_quant.dequantize(cache.v[0][:, slots], cache.v_scale[0][:, slots], torch.float32)
     keys[:, :tokens], values[:, :tokens] = sink_k[:, 2, :n], sink_v[:, 2, :n]
+    if offsets:  # each block's offset added back to its keys, sinks included
+        keys += key_offsets[:, torch.arange(n) // bs]
     group = q.shape[1] // keys.shape[0]
     probs = torch.softmax(0.2 * torch.einsum("hgd,htd->hgt", q[0].view(-1, group, q.shape[2]), keys), -1)
     manual = torch.einsum("hgt,htd->hgd", probs, values).reshape(-1)
@@ -79,7 +84,7 @@ def test_decode_attention_of_every_backend_reads_the_sinks(tokens):
     for backend in others:
         got = backend.decode_attention(q, meta, cache, 0, 0.2)
         assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"{backend.name}, {tokens} sink tokens")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"{backend.name}, {tokens} sink tokens, offsets {offsets}")
 
 
 def test_engine_writes_position_zero_in_float_and_reads_it_back(tmp_path):
@@ -89,7 +94,7 @@ def test_engine_writes_position_zero_in_float_and_reads_it_back(tmp_path):
     int4 = LLM(str(path), kv_cache_dtype="int4", max_num_seqs=2, kernels="reference")
     float_cache = LLM(str(path), kv_cache_dtype="auto", max_num_seqs=2, kernels="reference")
     source, target = int4.engine.cache, float_cache.engine.cache
-    target.rotation, target.key_scale, target.k_offset = source.rotation, source.key_scale, source.k_offset
+    target.rotation, target.key_scale, target.k_offsets = source.rotation, source.key_scale, source.k_offsets
     assert len(source.sinks) == 0  # calibration's own entries are dropped with the old basis
     prompt = [5, 17, 99, 3, 42, 8, 11, 60, 71, 2, 9, 14, 33, 21, 7, 1, 4, 6]
     params = SamplingParams(max_tokens=3, temperature=0.0)

@@ -47,7 +47,9 @@ class AttentionMetadata:
     (int64, padded with block 0); prompt chunks follow. With an int4 cache's sink store
     (``runtime.kv_sinks``): ``decode_sinks`` ``[num_decodes]`` int64, each decode row's entry
     (-1: none), and ``sink_writes`` (batch rows of position 0 of the sequences whose first chunk
-    this is, their entries), None when nothing is written. ``derived`` holds what a backend
+    this is, their entries), None when nothing is written. ``key_blocks`` ``[T]`` int64: each
+    token's ``position // block_size``, the row of the cache's key offsets it is stored less
+    (``KVCache.k_offsets``). ``derived`` holds what a backend
     computes from these once per forward (device copies, padded groups) for every layer to reuse."""
 
     slots: torch.Tensor  # [T] KV cache slot of each token
@@ -58,6 +60,7 @@ class AttentionMetadata:
     derived: dict = field(default_factory=dict)
     decode_sinks: torch.Tensor | None = None
     sink_writes: tuple[torch.Tensor, torch.Tensor] | None = None
+    key_blocks: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> AttentionMetadata:
         def move(t):
@@ -66,7 +69,7 @@ class AttentionMetadata:
         chunks = [PrefillChunk(c.start, c.length, move(c.rows), move(c.mask), c.sink) for c in self.prefills]
         writes = None if self.sink_writes is None else (move(self.sink_writes[0]), move(self.sink_writes[1]))
         return AttentionMetadata(move(self.slots), self.num_decodes, move(self.block_tables), move(self.context_lens), chunks,
-                                 decode_sinks=move(self.decode_sinks), sink_writes=writes)
+                                 decode_sinks=move(self.decode_sinks), sink_writes=writes, key_blocks=move(self.key_blocks))
 
 
 @dataclass
@@ -180,7 +183,7 @@ class Backend:
             qk = F.rms_norm(qk, (dim,), None, eps) * qk_norm
         qk = apply_rotary(qk, batch.cos, batch.sin)
         q, k, v = cache.to_cache_basis(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:], index)
-        cache.store(index, k, v, batch.attn.slots, batch.attn.sink_writes)
+        cache.store(index, k, v, batch.attn.slots, batch.attn.sink_writes, batch.attn.key_blocks)
         return q, k, v
 
     # -- attention ------------------------------------------------------------------------------
@@ -213,7 +216,7 @@ class Backend:
         return reference.chunked_prefill_attention(q, cache.k[index], cache.v[index], chunk.rows, chunk.mask,
                                                    cache.block_size, scale, cache.k_space, cache.v_space,
                                                    cache.k_scale[index], cache.v_scale[index],
-                                                   sink_context(cache, index, chunk.sink))
+                                                   sink_context(cache, index, chunk.sink), cache.offsets_of(index))
 
     def decode_attention(self, q: torch.Tensor, meta: AttentionMetadata, cache: KVCache, index: int,
                          scale: float) -> torch.Tensor:
@@ -222,11 +225,12 @@ class Backend:
         groups = meta.derived.get("groups")
         if groups is None:
             groups = meta.derived["groups"] = decode_groups(meta, cache, q.dtype)
-        sinks = decode_sinks(cache, meta, index)
+        sinks, offsets = decode_sinks(cache, meta, index), cache.offsets_of(index)
         outs = [reference.paged_decode_attention(q[start:start + count], cache.k[index], cache.v[index], rows, width, mask,
                                                  cache.block_size, scale, cache.k_space, cache.v_space,
                                                  cache.k_scale[index], cache.v_scale[index],
-                                                 None if sinks is None else (*sinks[:2], sinks[2][start:start + count]))
+                                                 None if sinks is None else (*sinks[:2], sinks[2][start:start + count]),
+                                                 offsets)
                 for start, count, rows, width, mask in groups]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -243,9 +247,7 @@ class Backend:
             vc = reference.gather_context(cache.v[index], cache.v_scale[index], rows, bs, cache.v_space, q.dtype)
             dim = q.shape[-1]
             kc, vc = kc.view(1, kv_heads, -1, dim), vc.view(1, kv_heads, -1, dim)
-            sinks = sink_context(cache, index, sink)
-            if sinks is not None:
-                reference.apply_sinks(kc, vc, *sinks)
+            reference.restore_keys(kc, vc, sink_context(cache, index, sink), cache.offsets_of(index), bs)
             return kc[0, :, :ctx], vc[0, :, :ctx]
 
         lens = meta.context_lens.tolist() if meta.num_decodes else []

@@ -116,17 +116,19 @@ class CpuBackend(Backend):
         if fused_write:
             return q, k, v
         if cache.scales is not None:  # quantized in one C++ call (self.ops runs float32 models only)
-            self.ops.store_kv(k, v, slots, k_cache, v_cache, cache.k_scale[index], cache.v_scale[index], cache.k_offset[index])
+            offsets = cache.offsets_of(index)
+            self.ops.store_kv(k, v, slots, k_cache, v_cache, cache.k_scale[index], cache.v_scale[index], offsets,
+                              None if offsets is None else batch.attn.key_blocks)
             cache.store_sinks(index, k, v, batch.attn.sink_writes)
         else:
-            cache.store(index, k, v, slots, batch.attn.sink_writes)
+            cache.store(index, k, v, slots, batch.attn.sink_writes, batch.attn.key_blocks)
         return q, k, v
 
     def decode_attention(self, q: torch.Tensor, meta: AttentionMetadata, cache, index: int, scale: float) -> torch.Tensor:
         out = self.out_space.take(q.shape[0], q.shape[1] * q.shape[2])
         return self.paged(q, cache.k[index], cache.v[index], cache.k_scale[index], cache.v_scale[index], meta.block_tables,
                           meta.context_lens, cache.block_size, scale, out, False, 0,
-                          *(decode_sinks(cache, meta, index) or (None, None, None)))
+                          *(decode_sinks(cache, meta, index) or (None, None, None)), cache.offsets_of(index))
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.dtype == torch.float32 and logits.is_contiguous():

@@ -54,7 +54,8 @@ class TritonBackend(Backend):
         if tables is None:
             tables = meta.derived["tables32"] = (meta.block_tables.to(torch.int32), meta.context_lens.to(torch.int32))
         return triton_paged_decode_attention(q, cache.k[index], cache.v[index], tables[0], tables[1], cache.block_size, scale,
-                                             cache.k_scale[index], cache.v_scale[index], sinks=decode_sinks(cache, meta, index))
+                                             cache.k_scale[index], cache.v_scale[index], sinks=decode_sinks(cache, meta, index),
+                                             key_offsets=cache.offsets_of(index))
 
 
 BACKEND = TritonBackend

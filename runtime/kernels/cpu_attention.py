@@ -31,6 +31,7 @@ def paged_decode_attention(
     portable: bool = False,
     splits: int = 0,
     sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    key_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its cached context, through its block table.
 
@@ -40,7 +41,9 @@ def paged_decode_attention(
     fills ``out``) ``[B, heads * head_dim]`` in ``q``'s dtype. ``portable`` forces the scalar
     path; ``splits`` > 0 fixes how many pieces each context is split into (0: automatic).
     ``sinks`` (int4 caches): float32 sink K and V ``[kv_heads, entries, tokens, head_dim]`` and
-    each sequence's entry ``[B]`` (-1: none), read in place of its first positions' codes.
+    each sequence's entry ``[B]`` (-1: none), read in place of its first positions' codes;
+    ``key_offsets`` (int4 caches) float32 ``[kv_heads, blocks, head_dim]``, row j added back to
+    the keys of each context's block j.
     """
     ext = extension()
     if ext is None:
@@ -48,7 +51,7 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
     return ext.paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size, scale,
-                            out, portable, splits, *(sinks or (None, None, None)))
+                            out, portable, splits, *(sinks or (None, None, None)), key_offsets)
 
 
 def has_avx2() -> bool:

@@ -42,11 +42,13 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             k_scale: torch.Tensor, v_scale: torch.Tensor, k_offset: torch.Tensor | None = None) -> None:
-    """Quantize float32 ``k`` / ``v`` ``[tokens, kv_heads, head_dim]`` (keys less ``k_offset``
-    ``[kv_heads, head_dim]`` when given) into an int8 / fp8 / int4 cache at int64 ``slots``:
-    the codes and scales ``kernels.reference.write_kv`` writes, bit for bit."""
-    extension().store_kv(k, v, slots, k_cache, v_cache, k_scale, v_scale, k_offset)
+             k_scale: torch.Tensor, v_scale: torch.Tensor, k_offsets: torch.Tensor | None = None,
+             key_blocks: torch.Tensor | None = None) -> None:
+    """Quantize float32 ``k`` / ``v`` ``[tokens, kv_heads, head_dim]`` (keys less their block's
+    offset when given: ``k_offsets`` ``[kv_heads, blocks, head_dim]``, token t's row
+    ``key_blocks[t]``) into an int8 / fp8 / int4 cache at int64 ``slots``: the codes and scales
+    ``kernels.reference.write_kv`` writes, bit for bit."""
+    extension().store_kv(k, v, slots, k_cache, v_cache, k_scale, v_scale, k_offsets, key_blocks)
 
 
 def hadamard(x: torch.Tensor, block: int) -> torch.Tensor:

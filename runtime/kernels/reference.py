@@ -136,6 +136,28 @@ def apply_sinks(k: torch.Tensor, v: torch.Tensor, sink_k: torch.Tensor, sink_v: 
         context[rows, :, :tokens] = store[:, chosen, :tokens].transpose(0, 1).to(context.dtype)
 
 
+def add_key_offsets(k: torch.Tensor, offsets: torch.Tensor, block_size: int) -> None:
+    """Add back to gathered keys ``k`` ``[B, kv_heads, blocks * block_size, dim]`` (in place, whole
+    blocks from position 0) each block's offset ``offsets[:, block]`` (``[kv_heads, rows, dim]``,
+    an int4 cache's ``k_offsets``), which the cache removed before rounding."""
+    batch, heads, length, dim = k.shape
+    blocks = length // block_size
+    if blocks > offsets.shape[1]:
+        raise ValueError(f"keys span {blocks} blocks but the cache has key offsets for {offsets.shape[1]}")
+    k.view(batch, heads, blocks, block_size, dim).add_(offsets[:, :blocks, None, :].to(k.dtype))
+
+
+def restore_keys(k: torch.Tensor, v: torch.Tensor, sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                 key_offsets: torch.Tensor | None, block_size: int) -> None:
+    """Gathered whole-block contexts ``k``/``v`` ``[B, kv_heads, blocks * block_size, dim]`` as an
+    int4 cache means them (in place): sinks read in (:func:`apply_sinks`), then key offsets
+    added back (:func:`add_key_offsets`); nothing for a cache with neither."""
+    if sinks is not None:
+        apply_sinks(k, v, *sinks)
+    if key_offsets is not None:
+        add_key_offsets(k, key_offsets, block_size)
+
+
 def block_rows(block_ids: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
     """Rows for ``block_ids`` ``[..., n]`` ordered ``[..., head, block]``."""
     heads = torch.arange(kv_heads, device=block_ids.device) * num_blocks
@@ -156,6 +178,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    key_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its cached context.
 
@@ -163,14 +186,14 @@ def paged_decode_attention(
     tables ``[B, width / block_size]``; ``mask`` ``[B, 1, 1, width]`` additive (0 / -inf), or
     None when every sequence has exactly ``width`` tokens; ``k_scale``/``v_scale`` for a
     quantized cache; ``sinks`` (sink K, sink V, entries ``[B]``) read each sequence's first
-    positions from an int4 cache's sink store (:func:`apply_sinks`). Returns ``[B, heads * head_dim]``.
+    positions from an int4 cache's sink store (:func:`apply_sinks`); ``key_offsets`` (an int4
+    cache's) are added back to the keys (:func:`add_key_offsets`). Returns ``[B, heads * head_dim]``.
     """
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     k = gather_context(k_cache, k_scale, rows, block_size, k_space, q.dtype).view(batch, kv_heads, -1, dim)
     v = gather_context(v_cache, v_scale, rows, block_size, v_space, q.dtype).view(batch, kv_heads, -1, dim)
-    if sinks is not None:
-        apply_sinks(k, v, *sinks)
+    restore_keys(k, v, sinks, key_offsets, block_size)
     if mask is None:
         k, v = k[:, :, :width], v[:, :, :width]
     else:
@@ -209,21 +232,22 @@ def chunked_prefill_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    key_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A prompt chunk attending to its cached context and itself (already written to the cache).
 
     ``q`` ``[n, heads, dim]`` at positions ``ctx - n ... ctx - 1``; ``rows`` from
     :func:`block_rows` of the blocks covering ``ctx``; ``mask`` ``[n, ctx]`` bool (True: may
-    attend); ``k_scale``/``v_scale`` for a quantized cache; ``sinks`` as in
-    :func:`paged_decode_attention` (entries ``[1]``). Returns ``[n, heads * dim]``.
+    attend); ``k_scale``/``v_scale`` for a quantized cache; ``sinks`` (entries ``[1]``) and
+    ``key_offsets`` as in :func:`paged_decode_attention`. Returns ``[n, heads * dim]``.
     """
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     ctx = mask.shape[1]
-    k = gather_context(k_cache, k_scale, rows, block_size, k_space, q.dtype).view(1, kv_heads, -1, dim)[:, :, :ctx]
-    v = gather_context(v_cache, v_scale, rows, block_size, v_space, q.dtype).view(1, kv_heads, -1, dim)[:, :, :ctx]
-    if sinks is not None:
-        apply_sinks(k, v, *sinks)
+    k = gather_context(k_cache, k_scale, rows, block_size, k_space, q.dtype).view(1, kv_heads, -1, dim)
+    v = gather_context(v_cache, v_scale, rows, block_size, v_space, q.dtype).view(1, kv_heads, -1, dim)
+    restore_keys(k, v, sinks, key_offsets, block_size)
+    k, v = k[:, :, :ctx], v[:, :, :ctx]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads,
     )

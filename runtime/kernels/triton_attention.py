@@ -63,17 +63,18 @@ if triton is not None:
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
-        sink_k_ptr, sink_v_ptr, sink_index_ptr, sink_entries,
+        sink_k_ptr, sink_v_ptr, sink_index_ptr, sink_entries, offsets_ptr, offset_rows,
         qk_scale, tokens_per_part, block_size, num_parts,
         stride_qb, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_sh, stride_tb, stride_ob,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, INT4_GROUP: tl.constexpr,
-        SINK_TOKENS: tl.constexpr,
+        SINK_TOKENS: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     ):
         """``qk_scale`` is the softmax scale times log2(e): scores are kept in base 2. Scales of a
         quantized cache are ``[kv_heads, slots]`` with row stride ``stride_sh``. ``SINK_TOKENS`` > 0:
         positions below it read float32 sinks ``[kv_heads, sink_entries, SINK_TOKENS, HEAD_DIM]``
-        from entry ``sink_index[b]`` (-1: their codes)."""
+        from entry ``sink_index[b]`` (-1: their codes). ``HAS_OFFSETS``: row ``position // block_size``
+        of the float32 key offsets ``[kv_heads, offset_rows, HEAD_DIM]`` is added to each key."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         p = tl.program_id(2)
@@ -116,6 +117,10 @@ if triton is not None:
                 both = sunk[:, None] & d_mask[None, :]
                 k = tl.where(sunk[:, None], tl.load(sink_k_ptr + at, mask=both, other=0.0).to(dtype), k)
                 v = tl.where(sunk[:, None], tl.load(sink_v_ptr + at, mask=both, other=0.0).to(dtype), v)
+            if HAS_OFFSETS:
+                offset_row = kvh.to(tl.int64) * offset_rows + ts // block_size
+                at = offset_row[:, None] * HEAD_DIM + offs_d[None, :]
+                k = k + tl.load(offsets_ptr + at, mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(dtype)
             if DOT_F32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -186,6 +191,7 @@ def triton_paged_decode_attention(
     max_context: int | None = None,
     num_parts: int | None = None,
     sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    key_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention on the Triton kernel (arguments as the C++ kernel's).
 
@@ -196,8 +202,8 @@ def triton_paged_decode_attention(
     bounds the lengths without reading them back (default ``n * block_size``); ``num_parts``
     fixes the context partitions (default: enough to fill the GPU); ``sinks`` (int4 caches) as the
     C++ kernel's: float32 sink K / V ``[kv_heads, entries, tokens, head_dim]`` and each sequence's
-    entry ``[B]`` (-1: none). Returns (or writes ``out``)
-    ``[B, heads * head_dim]`` in ``q``'s dtype; a sequence of length 0 gives zeros.
+    entry ``[B]`` (-1: none), and ``key_offsets`` float32 ``[kv_heads, blocks, head_dim]``. Returns
+    (or writes ``out``) ``[B, heads * head_dim]`` in ``q``'s dtype; a sequence of length 0 gives zeros.
     """
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -251,14 +257,25 @@ def triton_paged_decode_attention(
         sink_args, sink_tokens = (sink_k, sink_v, sink_index.to(torch.int64), sink_k.shape[1]), sink_k.shape[2]
     else:
         sink_args, sink_tokens = (q, q, context_lens, 0), 0  # unread
+    if key_offsets is not None:
+        if kind != "int4" or key_offsets.dtype != torch.float32 or not key_offsets.is_contiguous() \
+                or key_offsets.dim() != 3 or key_offsets.shape[0] != kv_heads or key_offsets.shape[2] != dim:
+            raise ValueError("key offsets must be contiguous float32 [kv_heads, blocks, head_dim] of an int4 cache")
+        if max_context > key_offsets.shape[1] * block_size:
+            raise ValueError(f"contexts of {max_context} tokens are longer than the key offsets cover "
+                             f"({key_offsets.shape[1]} blocks of {block_size})")
+        offset_args = (key_offsets, key_offsets.shape[1])
+    else:
+        offset_args = (q, 0)  # unread
     _paged_decode_kernel[(batch, kv_heads, num_parts)](
         q, k_cache, v_cache, scales[0], scales[1], block_tables, context_lens, out, part_m, part_l, part_o, *sink_args,
+        *offset_args,
         scale * 1.4426950408889634, tokens_per_part, block_size, num_parts,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         scales[0].stride(0), block_tables.stride(0), out.stride(0),
         GROUP=group, HEAD_DIM=dim, KV_KIND=KV_KINDS[kind], SPLIT=split,
         DOT_F32=dot_dtype_is_f32(q.dtype), BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_T=BLOCK_T,
-        INT4_GROUP=int4_group, SINK_TOKENS=sink_tokens, num_warps=4, num_stages=2,
+        INT4_GROUP=int4_group, SINK_TOKENS=sink_tokens, HAS_OFFSETS=key_offsets is not None, num_warps=4, num_stages=2,
     )
     if split:
         _combine_parts_kernel[(batch, heads)](

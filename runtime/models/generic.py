@@ -74,7 +74,7 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     cache, meta = step.cache, step.batch.attn
     q, k, v = cache.to_cache_basis(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), index)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    cache.store(index, k, v, meta.slots, meta.sink_writes)
+    cache.store(index, k, v, meta.slots, meta.sink_writes, meta.key_blocks)
     scale = scaling if scaling is not None else dim ** -0.5
     window = step.windows.get(sliding_window) if sliding_window else None
     if window is None and softcap is None:

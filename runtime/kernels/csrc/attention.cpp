@@ -99,8 +99,10 @@ int64_t scales_per_token(const Shape& sh) { return std::is_same<T, Int4Pair>::va
 // An int4 block's float16 (scale, minimum) pairs, passed through the float32 scale pointer.
 inline const c10::Half* int4_pairs(const float* scales) { return reinterpret_cast<const c10::Half*>(scales); }
 
-// n rows of dim int4 codes with their (scale, minimum) pairs, one per group values -> float32 values.
-void int4_rows(const Int4Pair* src, const c10::Half* pairs, int64_t n, int64_t dim, int64_t group, float* out) {
+// n rows of dim int4 codes with their (scale, minimum) pairs, one per group values -> float32 values,
+// plus ``add`` [dim] on every row when given (an int4 cache's key offset of the block).
+void int4_rows(const Int4Pair* src, const c10::Half* pairs, int64_t n, int64_t dim, int64_t group, const float* add,
+               float* out) {
   for (int64_t t = 0; t < n; ++t) {
     const Int4Pair* row = src + t * dim / 2;
     float* o = out + t * dim;
@@ -111,6 +113,8 @@ void int4_rows(const Int4Pair* src, const c10::Half* pairs, int64_t n, int64_t d
         o[2 * i + 1] = static_cast<float>(row[i].bits >> 4) * scale + low;
       }
     }
+    if (add)
+      for (int64_t d = 0; d < dim; ++d) o[d] += add[d];
   }
 }
 
@@ -161,15 +165,6 @@ void attend_block(const T* k, const T* v, const float* ks, const float* vs, int6
     for (int64_t t = 0; t < n; ++t)
       for (int64_t d = 0; d < D; ++d) acc[d] += p[t] * vf[t * D + d];
   }
-}
-
-// int4: both blocks dequantized to float32, then the float32 path.
-template <>
-void attend_block<Int4Pair>(const Int4Pair* k, const Int4Pair* v, const float* ks, const float* vs, int64_t n,
-                            const Shape& sh, State& st) {
-  int4_rows(k, int4_pairs(ks), n, sh.dim, sh.int4_group, st.kf);
-  int4_rows(v, int4_pairs(vs), n, sh.dim, sh.int4_group, st.vf);
-  attend_block<float>(st.kf, st.vf, nullptr, nullptr, n, sh, st);
 }
 
 }  // namespace portable
@@ -340,24 +335,20 @@ LLMOPT_AVX2 inline __m256 int4x8(const Int4Pair* p) {
 }
 
 // As int4_rows; group is a multiple of 8 here (paged_decode's vector_path).
-LLMOPT_AVX2 void int4_rows_avx2(const Int4Pair* src, const c10::Half* pairs, int64_t n, int64_t dim, int64_t group, float* out) {
+LLMOPT_AVX2 void int4_rows_avx2(const Int4Pair* src, const c10::Half* pairs, int64_t n, int64_t dim, int64_t group,
+                                const float* add, float* out) {
   for (int64_t t = 0; t < n; ++t) {
     const Int4Pair* row = src + t * dim / 2;
     for (int64_t start = 0; start < dim; start += group, pairs += 2) {
       const __m256 scale = _mm256_set1_ps(_cvtsh_ss(pairs[0].x)), low = _mm256_set1_ps(_cvtsh_ss(pairs[1].x));  // F16C
-      for (int64_t d = start; d < start + group; d += 8)
-        _mm256_storeu_ps(out + t * dim + d, _mm256_fmadd_ps(int4x8(row + d / 2), scale, low));
+      for (int64_t d = start; d < start + group; d += 8) {
+        const __m256 x = _mm256_fmadd_ps(int4x8(row + d / 2), scale, low);
+        _mm256_storeu_ps(out + t * dim + d, add ? _mm256_add_ps(x, _mm256_loadu_ps(add + d)) : x);
+      }
     }
   }
 }
 
-template <>
-LLMOPT_AVX2 void attend_block<Int4Pair>(const Int4Pair* k, const Int4Pair* v, const float* ks, const float* vs, int64_t n,
-                                        const Shape& sh, State& st) {
-  int4_rows_avx2(k, int4_pairs(ks), n, sh.dim, sh.int4_group, st.kf);
-  int4_rows_avx2(v, int4_pairs(vs), n, sh.dim, sh.int4_group, st.vf);
-  attend_block<float>(st.kf, st.vf, nullptr, nullptr, n, sh, st);
-}
 
 }  // namespace avx2
 
@@ -394,29 +385,35 @@ void write_outputs(const float* acc, const float* l, int64_t group, int64_t dim,
   }
 }
 
-// An int4 cache's attention sinks: float32 K/V [kv_heads, entries, tokens, dim] read in place of the
-// first ``tokens`` positions of each sequence whose entry (index[b]) is not -1.
-struct Sinks {
+// What an int4 cache adds to its codes. Sinks: float32 K/V [kv_heads, entries, tokens, dim] read in
+// place of the first ``tokens`` positions of each sequence whose entry (index[b]) is not -1. Key
+// offsets: float32 [kv_heads, offset_rows, dim], row j added back to every key of block j of a
+// sequence's context (the cache stored the keys less it).
+struct Int4Extras {
   const float* k = nullptr;
   const float* v = nullptr;
   const int64_t* index = nullptr;
   int64_t entries = 0, tokens = 0;
+  const float* offsets = nullptr;
+  int64_t offset_rows = 0;
 };
 
 template <typename T, typename Q>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
          const torch::Tensor& tables, const torch::Tensor& lens, const Shape& sh, double scale,
-         bool vector_path, int64_t splits, const Sinks& sinks, torch::Tensor& out) {
+         bool vector_path, int64_t splits, const Int4Extras& sinks, torch::Tensor& out) {
   using BlockFn = void (*)(const T*, const T*, const float*, const float*, int64_t, const Shape&, State&);
   using FloatFn = void (*)(const float*, const float*, const float*, const float*, int64_t, const Shape&, State&);
-  using Int4RowsFn = void (*)(const Int4Pair*, const c10::Half*, int64_t, int64_t, int64_t, float*);
-  BlockFn block_fn = portable::attend_block<T>;
+  using Int4RowsFn = void (*)(const Int4Pair*, const c10::Half*, int64_t, int64_t, int64_t, const float*, float*);
+  constexpr bool int4 = std::is_same<T, Int4Pair>::value;  // dequantized below, then the float32 path
+  BlockFn block_fn = nullptr;
+  if constexpr (!int4) block_fn = portable::attend_block<T>;
   FloatFn float_fn = portable::attend_block<float>;
   Int4RowsFn int4_rows_fn = int4_rows;
 #ifdef LLMOPT_X86
   if (vector_path) {
-    block_fn = avx2::attend_block<T>;
+    if constexpr (!int4) block_fn = avx2::attend_block<T>;
     float_fn = avx2::attend_block<float>;
     int4_rows_fn = avx2::int4_rows_avx2;
   }
@@ -474,17 +471,20 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
           if (ks) prefetch(ks + next_slot * per_token, bs * per_token * 4);
           if (vs) prefetch(vs + next_slot * per_token, bs * per_token * 4);
         }
-        if constexpr (std::is_same<T, Int4Pair>::value) {
+        if constexpr (int4) {  // dequantized, sinks read in, offsets added back
+          const float* offset = sinks.offsets ? sinks.offsets + (h * sinks.offset_rows + j) * D : nullptr;
+          int4_rows_fn(k + slot * row, int4_pairs(ks + slot * per_token), n, D, sh.int4_group, offset, st.kf);
+          int4_rows_fn(v + slot * row, int4_pairs(vs + slot * per_token), n, D, sh.int4_group, nullptr, st.vf);
           const int64_t entry = (j == 0 && sinks.index) ? sinks.index[b] : -1;
           if (entry >= 0) {  // the block of the first positions: its sinks replace their codes
-            int4_rows_fn(k + slot * row, int4_pairs(ks + slot * per_token), n, D, sh.int4_group, st.kf);
-            int4_rows_fn(v + slot * row, int4_pairs(vs + slot * per_token), n, D, sh.int4_group, st.vf);
             const int64_t from = (h * sinks.entries + entry) * sinks.tokens * D, count = std::min(n, sinks.tokens) * D;
             std::copy(sinks.k + from, sinks.k + from + count, st.kf);
             std::copy(sinks.v + from, sinks.v + from + count, st.vf);
-            float_fn(st.kf, st.vf, nullptr, nullptr, n, sh, st);
-            continue;
+            if (offset)
+              for (int64_t i = 0; i < count; ++i) st.kf[i] += offset[i % D];
           }
+          float_fn(st.kf, st.vf, nullptr, nullptr, n, sh, st);
+          continue;
         }
         block_fn(k + slot * row, v + slot * row, ks ? ks + slot * per_token : nullptr, vs ? vs + slot * per_token : nullptr, n, sh, st);
       }
@@ -527,7 +527,7 @@ template <typename T>
 void run_for_query(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
                    const torch::Tensor& tables, const torch::Tensor& lens, const Shape& sh, double scale,
-                   bool vector_path, int64_t splits, const Sinks& sinks, torch::Tensor& out) {
+                   bool vector_path, int64_t splits, const Int4Extras& sinks, torch::Tensor& out) {
   switch (q.scalar_type()) {
     case torch::kFloat: return run<T, float>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, sinks, out);
     case torch::kBFloat16: return run<T, c10::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, sinks, out);
@@ -553,12 +553,13 @@ int64_t auto_splits(int64_t pairs, int64_t longest, int64_t block_size) {
 // int32 or int64; out [B, heads * dim] of q's dtype (written, not read). splits 0: automatic.
 // sink_k / sink_v float32 [kv_heads, entries, tokens, dim] and sink_index [B] int64 (int4 caches
 // only; all three or none): sequence b reads its first tokens from entry sink_index[b] (-1: none).
+// key_offsets float32 [kv_heads, rows, dim] (int4 caches only): row j added to block j's keys.
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
                            const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale,
                            torch::Tensor out, bool portable, int64_t splits,
                            const std::optional<torch::Tensor>& sink_k, const std::optional<torch::Tensor>& sink_v,
-                           const std::optional<torch::Tensor>& sink_index) {
+                           const std::optional<torch::Tensor>& sink_index, const std::optional<torch::Tensor>& key_offsets) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [batch, heads, dim] with a contiguous last dimension");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "caches must be contiguous [kv_heads, slots, dim] tensors of one shape");
@@ -586,7 +587,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
                   "scales must be contiguous float32 [kv_heads, slots] (int4 uint8 caches: float16 [kv_heads, slots, groups, 2])");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == B && out.size(1) == heads * dim && out.stride(1) == 1 && out.scalar_type() == q.scalar_type(),
               "out must be [batch, heads * dim] of q's dtype");
-  Sinks sinks;
+  Int4Extras sinks;
   torch::Tensor index64;
   TORCH_CHECK(sink_k.has_value() == sink_v.has_value() && sink_k.has_value() == sink_index.has_value(),
               "sink_k, sink_v and sink_index come together");
@@ -603,13 +604,27 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
       const int64_t e = index64.data_ptr<int64_t>()[b];
       TORCH_CHECK(e >= -1 && e < entries, "sink entry ", e, " of sequence ", b, " is outside the store (", entries, " entries)");
     }
-    sinks = Sinks{sink_k->data_ptr<float>(), sink_v->data_ptr<float>(), index64.data_ptr<int64_t>(), entries, sink_k->size(2)};
+    sinks.k = sink_k->data_ptr<float>();
+    sinks.v = sink_v->data_ptr<float>();
+    sinks.index = index64.data_ptr<int64_t>();
+    sinks.entries = entries;
+    sinks.tokens = sink_k->size(2);
+  }
+  if (key_offsets) {
+    TORCH_CHECK(int4, "key offsets are kept for int4 caches only");
+    TORCH_CHECK(key_offsets->scalar_type() == torch::kFloat && key_offsets->is_contiguous() && key_offsets->dim() == 3 &&
+                key_offsets->size(0) == kv_heads && key_offsets->size(2) == dim,
+                "key offsets must be contiguous float32 [kv_heads, blocks, head_dim]");
+    sinks.offsets = key_offsets->data_ptr<float>();
+    sinks.offset_rows = key_offsets->size(1);
   }
   const torch::Tensor tables64 = tables.to(torch::kLong).contiguous(), lens64 = lens.to(torch::kLong).contiguous();
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = lens64.data_ptr<int64_t>()[b];
     TORCH_CHECK(n >= 1 && n <= tables.size(1) * block_size, "context length ", n, " of sequence ", b, " does not fit its block table");
+    TORCH_CHECK(!key_offsets || n <= sinks.offset_rows * block_size, "context length ", n, " of sequence ", b,
+                " is longer than the key offsets cover (", sinks.offset_rows, " blocks)");
     longest = std::max(longest, n);
   }
   if (B == 0) return out;

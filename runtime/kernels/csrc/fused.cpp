@@ -345,14 +345,15 @@ void quantize_token_head(const float* x, int64_t D, KvKind kind, int64_t group, 
   }
 }
 
-// k / v [T, kv_heads, D] float32 (last dimension contiguous; any row strides), less k_offset
-// [kv_heads, D] from the keys when given, quantized into the caches at `slots` [T] (int64):
+// k / v [T, kv_heads, D] float32 (last dimension contiguous; any row strides), keys less their
+// block's offset when given (k_offsets float32 [kv_heads, blocks, D], token t's row key_blocks[t]
+// int64 [T]), quantized into the caches at `slots` [T] (int64):
 // int8 caches (int8, float32 scales [kv_heads, slots]), float8 e4m3 as bytes (uint8, float32
 // scales [kv_heads, slots]) or packed int4 (uint8 [kv_heads, slots, D / 2], float16 pairs
 // [kv_heads, slots, D / group, 2]).
 void store_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slots, torch::Tensor& k_cache,
               torch::Tensor& v_cache, torch::Tensor& k_scale, torch::Tensor& v_scale,
-              const std::optional<torch::Tensor>& k_offset) {
+              const std::optional<torch::Tensor>& k_offsets, const std::optional<torch::Tensor>& key_blocks) {
   check(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat &&
             k.stride(2) == 1 && v.stride(2) == 1 && k.device().is_cpu() && v.device().is_cpu(),
         "k and v must be float32 [tokens, kv_heads, head_dim] with a contiguous last dimension");
@@ -370,10 +371,21 @@ void store_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tenso
             (!int4 || (D % k_scale.size(2) == 0 && group % 2 == 0 && k_scale.size(3) == 2)) && (int4 || k_scale.dim() == 2),
         "scales must be float32 [kv_heads, slots] (int4: float16 [kv_heads, slots, groups, 2])");
   check(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == T, "slots must be int64 [tokens]");
-  if (k_offset) check(is_f32_contiguous(*k_offset) && k_offset->numel() == H * D, "k_offset must be float32 [kv_heads, head_dim]");
+  check(k_offsets.has_value() == key_blocks.has_value(), "k_offsets and key_blocks come together");
+  const int64_t offset_rows = k_offsets ? k_offsets->size(1) : 0;
+  if (k_offsets) {
+    check(is_f32_contiguous(*k_offsets) && k_offsets->dim() == 3 && k_offsets->size(0) == H && k_offsets->size(2) == D,
+          "k_offsets must be float32 [kv_heads, blocks, head_dim]");
+    check(key_blocks->scalar_type() == torch::kLong && key_blocks->is_contiguous() && key_blocks->numel() == T,
+          "key_blocks must be int64 [tokens]");
+    const int64_t* rows = key_blocks->data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t)
+      check(rows[t] >= 0 && rows[t] < offset_rows, "a key's block is outside the key offsets");
+  }
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  const float* off = k_offset ? k_offset->data_ptr<float>() : nullptr;
+  const float* off = k_offsets ? k_offsets->data_ptr<float>() : nullptr;
+  const int64_t* key_rows = key_blocks ? key_blocks->data_ptr<int64_t>() : nullptr;
   const int64_t* sl = slots.data_ptr<int64_t>();
   auto* kc = static_cast<uint8_t*>(k_cache.data_ptr());
   auto* vc = static_cast<uint8_t*>(v_cache.data_ptr());
@@ -391,7 +403,8 @@ void store_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tenso
       }
       const float* key = kp + t * k.stride(0) + h * k.stride(1);
       if (off) {
-        for (int64_t d = 0; d < D; ++d) centred[d] = key[d] - off[h * D + d];
+        const float* row = off + (h * offset_rows + key_rows[t]) * D;
+        for (int64_t d = 0; d < D; ++d) centred[d] = key[d] - row[d];
         key = centred;
       }
       const int64_t at = h * capacity + slot;
@@ -431,9 +444,9 @@ torch::Tensor hadamard(const torch::Tensor& x, int64_t block) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("store_kv", &store_kv, "k / v quantized into an int8 / fp8 / int4 KV cache at slots, keys less k_offset",
+  m.def("store_kv", &store_kv, "k / v quantized into an int8 / fp8 / int4 KV cache at slots, keys less their block's offset",
         pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("slots"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
-        pybind11::arg("k_scale"), pybind11::arg("v_scale"), pybind11::arg("k_offset"));
+        pybind11::arg("k_scale"), pybind11::arg("v_scale"), pybind11::arg("k_offsets"), pybind11::arg("key_blocks"));
   m.def("hadamard", &hadamard, "x V: block-diagonal Sylvester Hadamard blocks / sqrt(block), a fast Walsh-Hadamard transform",
         pybind11::arg("x"), pybind11::arg("block"));
   m.def("add_rms_norm", &add_rms_norm, "h += delta; out = rms_norm(h) * weight", pybind11::arg("h"),
