@@ -55,7 +55,7 @@ def attention_variants(tatt, quick: bool):
         sig = {"q_ptr": f"*{dt}", "k_ptr": cache, "v_ptr": cache, "k_scale_ptr": scale_dt, "v_scale_ptr": scale_dt,
                "tables_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": f"*{dt}",
                "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_o_ptr": "*fp32", "sink_k_ptr": "*fp32", "sink_v_ptr": "*fp32",
-               "sink_index_ptr": "*i64", "sink_entries": "i32", "offsets_ptr": "*fp32", "offset_rows": "i32",
+               "sink_index_ptr": "*i64", "sink_entries": "i32", "offsets_ptr": "*fp16", "offset_rows": "i32",
                "qk_scale": "fp32", "tokens_per_part": "i32",
                "block_size": "i32", "num_parts": "i32", "stride_qb": "i32", "stride_qh": "i32", "stride_kh": "i32",
                "stride_kt": "i32", "stride_vh": "i32", "stride_vt": "i32", "stride_sh": "i32", "stride_tb": "i32",

@@ -12,6 +12,7 @@ from .kv_sinks import SINK_TOKENS, SPARE_ENTRIES, SinkTable
 from .rope import block_means
 
 
+FLOAT16_LIMIT = 65504.0
 KEY_SCALE_POWER = 0.15  # the best of 0-0.3 on the demo model (bench/results/kv_int4_error.md)
 
 
@@ -32,8 +33,9 @@ class KVCache:
     layer and KV head), which leaves every score unchanged and moves key magnitude out of the
     channels the queries weigh most, where int4 error costs most (factor ``(E q² / Var k) **
     KEY_SCALE_POWER``, geometric mean 1). Keys are stored less a per-layer, per-head offset of
-    their block of positions (``k_offsets`` ``[kv_heads, blocks, head_dim]`` float32, row
-    ``position // block_size``), which the attention kernels add back as they read: a
+    their block of positions (``k_offsets`` ``[kv_heads, blocks, head_dim]`` float16, row
+    ``position // block_size``, as many rows as a sequence can fill: the model length's blocks,
+    at most the cache's), which the attention kernels add back as they read: a
     calibrated mean key before RoPE turned by the block's average RoPE rotation (RoPE turns a
     key's slow pairs by its position, so one fixed offset fits only the positions it was
     calibrated on), or the plain mean key where that fits the calibration text better (layers
@@ -72,7 +74,7 @@ class KVCache:
         self.k_space = Workspace(storage, device)  # scratch for gathered context, reused by every layer
         self.v_space = Workspace(storage, device)
         self.rotation: torch.Tensor | None = None
-        self.k_offsets: list[torch.Tensor | None] = [None] * arch.num_layers  # [kv_heads, blocks, head_dim] float32
+        self.k_offsets: list[torch.Tensor | None] = [None] * arch.num_layers  # [kv_heads, blocks, head_dim] float16
         self.key_scale: list[torch.Tensor | None] = [None] * arch.num_layers  # [kv_heads, head_dim] float32
         self._basis_stats: list[dict] | None = None  # per layer while calibrating, see _record
         self._rope_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -197,7 +199,7 @@ class KVCache:
             store[:, entries] = values.permute(2, 0, 1, 3)  # [kv_heads, entries, SINK_TOKENS, head_dim]
 
     def offsets_of(self, index: int) -> torch.Tensor | None:
-        """Layer ``index``'s key offsets ``[kv_heads, blocks, head_dim]`` float32 (None: none)."""
+        """Layer ``index``'s key offsets ``[kv_heads, blocks, head_dim]`` float16 (None: none)."""
         return self.k_offsets[index]
 
     def sinks_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -255,7 +257,9 @@ class KVCache:
             scale = scale / scale.log().mean(-1, keepdim=True).exp()
             self.key_scale[index] = scale.to(torch.float32)
             if offsets:
-                self.k_offsets[index] = self.rotate(self._offset_rows(stats, mean, scale) * scale[:, None]).to(torch.float32)
+                rows = self.rotate(self._offset_rows(stats, mean, scale) * scale[:, None])
+                # float16 halves the table; written and read alike, so its rounding costs only centring
+                self.k_offsets[index] = rows.clamp(-FLOAT16_LIMIT, FLOAT16_LIMIT).to(torch.float16)
         self._rope_blocks = None
 
     def _offset_rows(self, stats: dict, mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -266,17 +270,20 @@ class KVCache:
         by the squared key scales, the int4 rounding's basis). ``A_b`` keeps pairs orthogonal,
         so the fit is one division per channel."""
         if self._rope_blocks is None:
-            return mean[:, None, :].expand(-1, self.num_blocks, -1)  # no sequence spans more blocks
-        cos, sin = self._rope_blocks  # [blocks, head_dim]
+            return mean[:, None, :].expand(-1, self.num_blocks, -1)
+        cos, sin = (t[:self.num_blocks] for t in self._rope_blocks)  # [blocks, head_dim]: no sequence spans more
         half = mean.shape[-1] // 2
-        turn = lambda x: torch.roll(x, half, -1)  # noqa: E731 - each channel's pair partner
-        normal = stats["cos2"] + turn(stats["sin2"])
-        mu = (stats["cos_key"] + turn(stats["sin_key"])) / normal.clamp_min(torch.finfo(torch.float64).tiny)
+
+        def partner(x: torch.Tensor) -> torch.Tensor:  # each channel's RoPE pair partner
+            return torch.roll(x, half, -1)
+
+        normal = stats["cos2"] + partner(stats["sin2"])
+        mu = (stats["cos_key"] + partner(stats["sin_key"])) / normal.clamp_min(torch.finfo(torch.float64).tiny)
         weight = scale.square()
-        fitted = (-2 * (mu * stats["cos_key"] + turn(mu) * stats["sin_key"]) + mu.square() * stats["cos2"]
-                  + 2 * mu * turn(mu) * stats["cos_sin"] + turn(mu).square() * stats["sin2"])
+        fitted = (-2 * (mu * stats["cos_key"] + partner(mu) * stats["sin_key"]) + mu.square() * stats["cos2"]
+                  + 2 * mu * partner(mu) * stats["cos_sin"] + partner(mu).square() * stats["sin2"])
         gain_rotating = -(weight * fitted).sum(-1)  # key energy the fit removes, per KV head
         gain_constant = stats["count"] * (weight * mean.square()).sum(-1)
-        rotating = cos[None] * mu[:, None] + sin[None] * turn(mu)[:, None]  # [kv_heads, blocks, head_dim]
+        rotating = cos[None] * mu[:, None] + sin[None] * partner(mu)[:, None]  # [kv_heads, blocks, head_dim]
         constant = mean[:, None, :].expand_as(rotating)
         return torch.where((gain_rotating > gain_constant)[:, None, None], rotating, constant)

@@ -184,7 +184,7 @@ def test_store_kv_writes_the_references_codes_and_scales_bit_for_bit(kind, dim):
     qkv[0, heads] = 1.5  # a constant key head: zero range
     qkv[1, heads + kv_heads] = torch.tensor([0.0, 1.0]).repeat(dim // 2)  # ties at every rounding boundary
     k, v = qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
-    offsets = torch.randn(kv_heads, 5, dim)  # [kv_heads, blocks of positions, dim]
+    offsets = torch.randn(kv_heads, 5, dim).half()  # [kv_heads, blocks of positions, dim], as the cache keeps them
     key_blocks = torch.tensor([0, 0, 1, 4, 2, 2, 3, 0, 4])
     slots = torch.randperm(slots_total)[:tokens]
     storage = kv_quant.storage_dtype(kind, torch.float32)
@@ -197,7 +197,7 @@ def test_store_kv_writes_the_references_codes_and_scales_bit_for_bit(kind, dim):
         return codes, scales
 
     (want_k, want_v), (want_ks, want_vs) = empty()
-    reference.write_kv(want_k, want_v, k - offsets[:, key_blocks].transpose(0, 1), v, slots, want_ks, want_vs)
+    reference.write_kv(want_k, want_v, k - offsets[:, key_blocks].transpose(0, 1).float(), v, slots, want_ks, want_vs)
     (got_k, got_v), (got_ks, got_vs) = empty()
     cpu_fused.store_kv(k, v, slots, got_k, got_v, got_ks, got_vs, offsets, key_blocks)
     for got, want in ((got_k, want_k), (got_v, want_v), (got_ks, want_ks), (got_vs, want_vs)):

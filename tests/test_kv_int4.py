@@ -123,9 +123,17 @@ def test_calibration_sets_key_scales_and_offsets_from_the_queries_and_keys_seen(
     matrices = torch.stack([turned(eye, c, s).T for c, s in zip(*rows)])  # A_t x = turned(x, ...)
     fit = torch.linalg.lstsq(matrices.reshape(-1, dim), keys[:, 0].reshape(-1, 1)).solution.flatten()
     want_rotating = turned(fit, block_cos, block_sin)  # [blocks, dim]
-    # offsets in the cache's basis: scaled by the cache's key scales, rotated, float32
-    torch.testing.assert_close(offsets[0], cache.rotate(want_rotating * scale[0]), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(offsets[1], cache.rotate(keys[:, 1].mean(0) * scale[1]).expand(10, dim), rtol=1e-5, atol=1e-5)
+    # offsets in the cache's basis: scaled by the cache's key scales, rotated, rounded to float16
+    assert cache.k_offsets[0].dtype == torch.float16
+    torch.testing.assert_close(offsets[0], cache.rotate(want_rotating * scale[0]), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(offsets[1], cache.rotate(keys[:, 1].mean(0) * scale[1]).expand(10, dim), rtol=1e-3, atol=1e-3)
+    # a cache of 6 blocks holds no sequence longer than 24 positions: its offsets stop there
+    small = KVCache(arch(dim, layers=1), 6, block, torch.float64, "int4")
+    small.begin_basis_calibration((cos, sin))
+    small.to_cache_basis(queries, keys, values, 0)
+    small.end_basis_calibration()
+    assert small.k_offsets[0].shape == (2, 6, dim)
+    torch.testing.assert_close(small.k_offsets[0], cache.k_offsets[0][:, :6], rtol=1e-3, atol=1e-3)
     # in the cache's basis every score is unchanged: q / s · k s = q · k
     q, k = queries[:3], keys[:3]
     q2, k2, _ = cache.to_cache_basis(q, k, values[:3], 0)
@@ -142,7 +150,8 @@ def test_calibration_without_rope_rows_or_offsets():
     cache.end_basis_calibration()
     scale = cache.key_scale[0]
     assert cache.k_offsets[0].shape == (2, 4, 16)  # as many rows as the cache has blocks
-    torch.testing.assert_close(cache.k_offsets[0], cache.rotate(keys.mean(0) * scale).unsqueeze(1).expand(2, 4, 16))
+    want = cache.rotate(keys.mean(0) * scale).unsqueeze(1).expand(2, 4, 16)
+    torch.testing.assert_close(cache.k_offsets[0].float(), want, rtol=1e-3, atol=1e-3)
     cache.begin_basis_calibration()
     cache.to_cache_basis(torch.randn(5, 2, 16), keys, torch.randn(5, 2, 16), 0)
     cache.end_basis_calibration(offsets=False)
@@ -169,15 +178,22 @@ def forced_logits(engine: LLMEngine, ids: list[int], chunk: int) -> torch.Tensor
 def test_int4_engine_on_the_cpu_kernels_equals_the_reference_backend(tmp_path):
     path = save_model(tiny_llama(seed=7), tmp_path / "tiny")
     ids = [random.randrange(3, 259) for _ in range(40)]
-    logits = {}
-    for kernels in ("cpu", "reference"):
+    logits, basis = {}, None
+    for kernels in ("reference", "cpu"):
         engine = LLMEngine(path, kernels=kernels, kv_cache_dtype="int4", block_size=4, max_num_seqs=1)
-        rows = -(-engine.max_model_len // 4)
+        rows = min(-(-engine.max_model_len // 4), engine.cache.num_blocks)
         assert engine.cache.rotation is not None and all(o is not None and o.shape == (2, rows, 16) for o in engine.cache.k_offsets)
         assert all(s is not None and s.shape == (2, 16) for s in engine.cache.key_scale)
+        if basis is None:  # each engine calibrates; the kernels are compared in one basis (the float16 offsets
+            basis = engine.cache.key_scale, engine.cache.k_offsets  # of two calibrations can differ by an ulp)
+        else:
+            engine.cache.key_scale, engine.cache.k_offsets = basis
         logits[kernels] = forced_logits(engine, ids, 8)
     assert logits["cpu"].shape == (40, 259)
-    torch.testing.assert_close(logits["cpu"], logits["reference"], rtol=1e-4, atol=1e-4)
+    # The backends' projections differ in the last bits, which can round a group's float16 (scale,
+    # minimum) pair the other way: a value moves by ~1e-3 and a few logits by ~2e-4. A kernel that
+    # misread codes, sinks or offsets moves them by far more.
+    torch.testing.assert_close(logits["cpu"], logits["reference"], rtol=1e-3, atol=1e-3)
 
 
 def test_sinks_rotation_offsets_and_key_scales_cut_the_int4_error_on_the_demo_model(monkeypatch):
@@ -206,8 +222,9 @@ def test_sinks_rotation_offsets_and_key_scales_cut_the_int4_error_on_the_demo_mo
         return float((logp["auto"].exp() * (logp["auto"] - logp[variant])).sum(-1).mean())
 
     ours, no_sinks, unscaled, plain, g16 = (kld(v) for v in ("int4", "int4 no-sinks", "int4 unscaled", "int4 plain", "int4_g16"))
-    # when written: int4_g16 0.011, int4 0.015, without sinks 0.027, key scales 0.032, plain 0.049
-    assert 0 < g16 < 0.85 * ours < 0.1, (g16, ours)
+    # last run: int4_g16 0.0116, int4 0.0127 (position-aware key offsets); earlier, with one offset per head:
+    # int4_g16 0.011, int4 0.015, without sinks 0.027, key scales 0.032, plain 0.049
+    assert 0 < g16 < 0.95 * ours < 0.1, (g16, ours)
     assert ours < 0.75 * no_sinks, (ours, no_sinks)
     assert no_sinks < 0.9 * unscaled, (no_sinks, unscaled)
     assert no_sinks < 0.7 * plain, (no_sinks, plain)

@@ -54,7 +54,8 @@ def test_decode_attention_of_every_backend_reads_the_sinks_and_key_offsets(token
     rng = random.Random(random.getrandbits(64))
     lens = sorted(rng.randint(1, 60) for _ in range(6))
     q, cache, meta = paged_cache(lens, "int4", rng)
-    key_offsets = torch.randn(cache.k[0].shape[0], meta.block_tables.shape[1] + 2, cache.head_dim) * 3 if offsets else None
+    rows = (cache.k[0].shape[0], meta.block_tables.shape[1] + 2, cache.head_dim)
+    key_offsets = (torch.randn(rows) * 3).half() if offsets else None  # as the cache keeps them
     cache.offsets_of = lambda index: key_offsets
     entries = 5
     sink_k, sink_v = torch.randn(2, cache.k[0].shape[0], entries, tokens, cache.head_dim) * 3
@@ -75,7 +76,7 @@ def test_decode_attention_of_every_backend_reads_the_sinks_and_key_offsets(token
     values = kv_quant.dequantize(cache.v[0][:, slots], cache.v_scale[0][:, slots], torch.float32)
     keys[:, :tokens], values[:, :tokens] = sink_k[:, 2, :n], sink_v[:, 2, :n]
     if offsets:  # each block's offset added back to its keys, sinks included
-        keys += key_offsets[:, torch.arange(n) // bs]
+        keys += key_offsets[:, torch.arange(n) // bs].float()
     group = q.shape[1] // keys.shape[0]
     probs = torch.softmax(0.2 * torch.einsum("hgd,htd->hgt", q[0].view(-1, group, q.shape[2]), keys), -1)
     manual = torch.einsum("hgt,htd->hgd", probs, values).reshape(-1)

@@ -42,7 +42,7 @@ def paged_decode_attention(
     path; ``splits`` > 0 fixes how many pieces each context is split into (0: automatic).
     ``sinks`` (int4 caches): float32 sink K and V ``[kv_heads, entries, tokens, head_dim]`` and
     each sequence's entry ``[B]`` (-1: none), read in place of its first positions' codes;
-    ``key_offsets`` (int4 caches) float32 ``[kv_heads, blocks, head_dim]``, row j added back to
+    ``key_offsets`` (int4 caches) float16 ``[kv_heads, blocks, head_dim]``, row j added back to
     the keys of each context's block j.
     """
     ext = extension()

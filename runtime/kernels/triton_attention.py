@@ -74,7 +74,7 @@ if triton is not None:
         quantized cache are ``[kv_heads, slots]`` with row stride ``stride_sh``. ``SINK_TOKENS`` > 0:
         positions below it read float32 sinks ``[kv_heads, sink_entries, SINK_TOKENS, HEAD_DIM]``
         from entry ``sink_index[b]`` (-1: their codes). ``HAS_OFFSETS``: row ``position // block_size``
-        of the float32 key offsets ``[kv_heads, offset_rows, HEAD_DIM]`` is added to each key."""
+        of the float16 key offsets ``[kv_heads, offset_rows, HEAD_DIM]`` is added to each key."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         p = tl.program_id(2)
@@ -202,7 +202,7 @@ def triton_paged_decode_attention(
     bounds the lengths without reading them back (default ``n * block_size``); ``num_parts``
     fixes the context partitions (default: enough to fill the GPU); ``sinks`` (int4 caches) as the
     C++ kernel's: float32 sink K / V ``[kv_heads, entries, tokens, head_dim]`` and each sequence's
-    entry ``[B]`` (-1: none), and ``key_offsets`` float32 ``[kv_heads, blocks, head_dim]``. Returns
+    entry ``[B]`` (-1: none), and ``key_offsets`` float16 ``[kv_heads, blocks, head_dim]``. Returns
     (or writes ``out``) ``[B, heads * head_dim]`` in ``q``'s dtype; a sequence of length 0 gives zeros.
     """
     if triton is None:
@@ -258,9 +258,9 @@ def triton_paged_decode_attention(
     else:
         sink_args, sink_tokens = (q, q, context_lens, 0), 0  # unread
     if key_offsets is not None:
-        if kind != "int4" or key_offsets.dtype != torch.float32 or not key_offsets.is_contiguous() \
+        if kind != "int4" or key_offsets.dtype != torch.float16 or not key_offsets.is_contiguous() \
                 or key_offsets.dim() != 3 or key_offsets.shape[0] != kv_heads or key_offsets.shape[2] != dim:
-            raise ValueError("key offsets must be contiguous float32 [kv_heads, blocks, head_dim] of an int4 cache")
+            raise ValueError("key offsets must be contiguous float16 [kv_heads, blocks, head_dim] of an int4 cache")
         if max_context > key_offsets.shape[1] * block_size:
             raise ValueError(f"contexts of {max_context} tokens are longer than the key offsets cover "
                              f"({key_offsets.shape[1]} blocks of {block_size})")

@@ -100,8 +100,8 @@ int64_t scales_per_token(const Shape& sh) { return std::is_same<T, Int4Pair>::va
 inline const c10::Half* int4_pairs(const float* scales) { return reinterpret_cast<const c10::Half*>(scales); }
 
 // n rows of dim int4 codes with their (scale, minimum) pairs, one per group values -> float32 values,
-// plus ``add`` [dim] on every row when given (an int4 cache's key offset of the block).
-void int4_rows(const Int4Pair* src, const c10::Half* pairs, int64_t n, int64_t dim, int64_t group, const float* add,
+// plus ``add`` [dim] (float16) on every row when given (an int4 cache's key offset of the block).
+void int4_rows(const Int4Pair* src, const c10::Half* pairs, int64_t n, int64_t dim, int64_t group, const c10::Half* add,
                float* out) {
   for (int64_t t = 0; t < n; ++t) {
     const Int4Pair* row = src + t * dim / 2;
@@ -114,7 +114,7 @@ void int4_rows(const Int4Pair* src, const c10::Half* pairs, int64_t n, int64_t d
       }
     }
     if (add)
-      for (int64_t d = 0; d < dim; ++d) o[d] += add[d];
+      for (int64_t d = 0; d < dim; ++d) o[d] += static_cast<float>(add[d]);
   }
 }
 
@@ -336,14 +336,19 @@ LLMOPT_AVX2 inline __m256 int4x8(const Int4Pair* p) {
 
 // As int4_rows; group is a multiple of 8 here (paged_decode's vector_path).
 LLMOPT_AVX2 void int4_rows_avx2(const Int4Pair* src, const c10::Half* pairs, int64_t n, int64_t dim, int64_t group,
-                                const float* add, float* out) {
+                                const c10::Half* add, float* out) {
   for (int64_t t = 0; t < n; ++t) {
     const Int4Pair* row = src + t * dim / 2;
     for (int64_t start = 0; start < dim; start += group, pairs += 2) {
       const __m256 scale = _mm256_set1_ps(_cvtsh_ss(pairs[0].x)), low = _mm256_set1_ps(_cvtsh_ss(pairs[1].x));  // F16C
       for (int64_t d = start; d < start + group; d += 8) {
         const __m256 x = _mm256_fmadd_ps(int4x8(row + d / 2), scale, low);
-        _mm256_storeu_ps(out + t * dim + d, add ? _mm256_add_ps(x, _mm256_loadu_ps(add + d)) : x);
+        if (add) {
+          const __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(add + d)));  // F16C
+          _mm256_storeu_ps(out + t * dim + d, _mm256_add_ps(x, offset));
+        } else {
+          _mm256_storeu_ps(out + t * dim + d, x);
+        }
       }
     }
   }
@@ -387,14 +392,14 @@ void write_outputs(const float* acc, const float* l, int64_t group, int64_t dim,
 
 // What an int4 cache adds to its codes. Sinks: float32 K/V [kv_heads, entries, tokens, dim] read in
 // place of the first ``tokens`` positions of each sequence whose entry (index[b]) is not -1. Key
-// offsets: float32 [kv_heads, offset_rows, dim], row j added back to every key of block j of a
+// offsets: float16 [kv_heads, offset_rows, dim], row j added back to every key of block j of a
 // sequence's context (the cache stored the keys less it).
 struct Int4Extras {
   const float* k = nullptr;
   const float* v = nullptr;
   const int64_t* index = nullptr;
   int64_t entries = 0, tokens = 0;
-  const float* offsets = nullptr;
+  const c10::Half* offsets = nullptr;
   int64_t offset_rows = 0;
 };
 
@@ -405,7 +410,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
          bool vector_path, int64_t splits, const Int4Extras& sinks, torch::Tensor& out) {
   using BlockFn = void (*)(const T*, const T*, const float*, const float*, int64_t, const Shape&, State&);
   using FloatFn = void (*)(const float*, const float*, const float*, const float*, int64_t, const Shape&, State&);
-  using Int4RowsFn = void (*)(const Int4Pair*, const c10::Half*, int64_t, int64_t, int64_t, const float*, float*);
+  using Int4RowsFn = void (*)(const Int4Pair*, const c10::Half*, int64_t, int64_t, int64_t, const c10::Half*, float*);
   constexpr bool int4 = std::is_same<T, Int4Pair>::value;  // dequantized below, then the float32 path
   BlockFn block_fn = nullptr;
   if constexpr (!int4) block_fn = portable::attend_block<T>;
@@ -472,7 +477,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
           if (vs) prefetch(vs + next_slot * per_token, bs * per_token * 4);
         }
         if constexpr (int4) {  // dequantized, sinks read in, offsets added back
-          const float* offset = sinks.offsets ? sinks.offsets + (h * sinks.offset_rows + j) * D : nullptr;
+          const c10::Half* offset = sinks.offsets ? sinks.offsets + (h * sinks.offset_rows + j) * D : nullptr;
           int4_rows_fn(k + slot * row, int4_pairs(ks + slot * per_token), n, D, sh.int4_group, offset, st.kf);
           int4_rows_fn(v + slot * row, int4_pairs(vs + slot * per_token), n, D, sh.int4_group, nullptr, st.vf);
           const int64_t entry = (j == 0 && sinks.index) ? sinks.index[b] : -1;
@@ -481,7 +486,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
             std::copy(sinks.k + from, sinks.k + from + count, st.kf);
             std::copy(sinks.v + from, sinks.v + from + count, st.vf);
             if (offset)
-              for (int64_t i = 0; i < count; ++i) st.kf[i] += offset[i % D];
+              for (int64_t i = 0; i < count; ++i) st.kf[i] += static_cast<float>(offset[i % D]);
           }
           float_fn(st.kf, st.vf, nullptr, nullptr, n, sh, st);
           continue;
@@ -553,7 +558,7 @@ int64_t auto_splits(int64_t pairs, int64_t longest, int64_t block_size) {
 // int32 or int64; out [B, heads * dim] of q's dtype (written, not read). splits 0: automatic.
 // sink_k / sink_v float32 [kv_heads, entries, tokens, dim] and sink_index [B] int64 (int4 caches
 // only; all three or none): sequence b reads its first tokens from entry sink_index[b] (-1: none).
-// key_offsets float32 [kv_heads, rows, dim] (int4 caches only): row j added to block j's keys.
+// key_offsets float16 [kv_heads, rows, dim] (int4 caches only): row j added to block j's keys.
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
                            const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale,
@@ -612,10 +617,10 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   }
   if (key_offsets) {
     TORCH_CHECK(int4, "key offsets are kept for int4 caches only");
-    TORCH_CHECK(key_offsets->scalar_type() == torch::kFloat && key_offsets->is_contiguous() && key_offsets->dim() == 3 &&
+    TORCH_CHECK(key_offsets->scalar_type() == torch::kHalf && key_offsets->is_contiguous() && key_offsets->dim() == 3 &&
                 key_offsets->size(0) == kv_heads && key_offsets->size(2) == dim,
-                "key offsets must be contiguous float32 [kv_heads, blocks, head_dim]");
-    sinks.offsets = key_offsets->data_ptr<float>();
+                "key offsets must be contiguous float16 [kv_heads, blocks, head_dim]");
+    sinks.offsets = key_offsets->data_ptr<c10::Half>();
     sinks.offset_rows = key_offsets->size(1);
   }
   const torch::Tensor tables64 = tables.to(torch::kLong).contiguous(), lens64 = lens.to(torch::kLong).contiguous();

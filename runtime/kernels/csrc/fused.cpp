@@ -346,7 +346,7 @@ void quantize_token_head(const float* x, int64_t D, KvKind kind, int64_t group, 
 }
 
 // k / v [T, kv_heads, D] float32 (last dimension contiguous; any row strides), keys less their
-// block's offset when given (k_offsets float32 [kv_heads, blocks, D], token t's row key_blocks[t]
+// block's offset when given (k_offsets float16 [kv_heads, blocks, D], token t's row key_blocks[t]
 // int64 [T]), quantized into the caches at `slots` [T] (int64):
 // int8 caches (int8, float32 scales [kv_heads, slots]), float8 e4m3 as bytes (uint8, float32
 // scales [kv_heads, slots]) or packed int4 (uint8 [kv_heads, slots, D / 2], float16 pairs
@@ -374,8 +374,9 @@ void store_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tenso
   check(k_offsets.has_value() == key_blocks.has_value(), "k_offsets and key_blocks come together");
   const int64_t offset_rows = k_offsets ? k_offsets->size(1) : 0;
   if (k_offsets) {
-    check(is_f32_contiguous(*k_offsets) && k_offsets->dim() == 3 && k_offsets->size(0) == H && k_offsets->size(2) == D,
-          "k_offsets must be float32 [kv_heads, blocks, head_dim]");
+    check(k_offsets->scalar_type() == torch::kHalf && k_offsets->is_contiguous() && k_offsets->device().is_cpu() &&
+              k_offsets->dim() == 3 && k_offsets->size(0) == H && k_offsets->size(2) == D,
+          "k_offsets must be contiguous float16 [kv_heads, blocks, head_dim]");
     check(key_blocks->scalar_type() == torch::kLong && key_blocks->is_contiguous() && key_blocks->numel() == T,
           "key_blocks must be int64 [tokens]");
     const int64_t* rows = key_blocks->data_ptr<int64_t>();
@@ -384,7 +385,7 @@ void store_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tenso
   }
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  const float* off = k_offsets ? k_offsets->data_ptr<float>() : nullptr;
+  const c10::Half* off = k_offsets ? k_offsets->data_ptr<c10::Half>() : nullptr;
   const int64_t* key_rows = key_blocks ? key_blocks->data_ptr<int64_t>() : nullptr;
   const int64_t* sl = slots.data_ptr<int64_t>();
   auto* kc = static_cast<uint8_t*>(k_cache.data_ptr());
@@ -403,8 +404,8 @@ void store_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tenso
       }
       const float* key = kp + t * k.stride(0) + h * k.stride(1);
       if (off) {
-        const float* row = off + (h * offset_rows + key_rows[t]) * D;
-        for (int64_t d = 0; d < D; ++d) centred[d] = key[d] - row[d];
+        const c10::Half* row = off + (h * offset_rows + key_rows[t]) * D;
+        for (int64_t d = 0; d < D; ++d) centred[d] = key[d] - static_cast<float>(row[d]);
         key = centred;
       }
       const int64_t at = h * capacity + slot;
