@@ -9,6 +9,7 @@ The methods here are the plain-torch composites; a backend overrides what it run
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -250,8 +251,12 @@ class Backend:
             reference.restore_keys(kc, vc, sink_context(cache, index, sink), cache.offsets_of(index), bs)
             return kc[0, :, :ctx], vc[0, :, :ctx]
 
-        lens = meta.context_lens.tolist() if meta.num_decodes else []
-        decode_sinks = meta.decode_sinks.tolist() if meta.num_decodes and meta.decode_sinks is not None else [-1] * len(lens)
+        lists = meta.derived.get("masked_lists")  # host copies, once per forward for every layer
+        if lists is None:
+            lens = meta.context_lens.tolist() if meta.num_decodes else []
+            entries = meta.decode_sinks.tolist() if meta.num_decodes and meta.decode_sinks is not None else [-1] * len(lens)
+            lists = meta.derived["masked_lists"] = (lens, entries)
+        lens, decode_sinks = lists
         for b, ctx in enumerate(lens):
             rows = reference.block_rows(meta.block_tables[b, :-(-ctx // bs)], kv_heads, cache.num_blocks)
             kc, vc = context(rows, ctx, decode_sinks[b])
@@ -286,7 +291,13 @@ def sink_context(cache: KVCache, index: int, entry: int) -> tuple[torch.Tensor, 
     sinks = cache.sinks_of(index)
     if sinks is None or entry < 0:
         return None
-    return (*sinks, torch.tensor([entry], device=sinks[0].device))
+    return (*sinks, _entry_index(entry, sinks[0].device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _entry_index(entry: int, device: torch.device) -> torch.Tensor:
+    """``[entry]`` int64 on ``device``, made once (every layer of every chunk asks for it)."""
+    return torch.tensor([entry], device=device)
 
 
 def decode_groups(meta: AttentionMetadata, cache: KVCache, dtype: torch.dtype) -> list[tuple]:
