@@ -356,6 +356,10 @@ def markdown(report: dict) -> str:
                 + f" ({' / '.join(TEXTS.values())})."), ""]
     lines += [(f"The int4 cache's sinks add one float32 token per sequence ({s['kv_bytes_per_token']['auto']:,} bytes here), "
                "in a store of max_num_seqs + 16 entries shared by sequences with the same first token."), ""]
+    # key offsets: one float16 key per layer and KV head per block of 16 positions = the float32 cache's K+V bytes / 64
+    lines += [(f"Its key offsets add {s['kv_bytes_per_token']['auto'] // 64:,} bytes per position of the longest sequence "
+               "(one float16 key per layer and KV head for each block of 16 positions, up to the model length or the "
+               "cache's size), one table shared by every sequence."), ""]
     lines += [(f"Target (issue 46): int4 KV cache with rotation adds a mean KLD ≤ {INT4_TARGET} "
                f"({' / '.join(TEXTS.values())}): " + "; ".join(
                    f"{kind} {' / '.join(f'{k:.4f}' for k in values)} — {'met' if max(values) <= INT4_TARGET else 'missed'}"
