@@ -77,7 +77,7 @@ class KVCache:
         self.k_offsets: list[torch.Tensor | None] = [None] * arch.num_layers  # [kv_heads, blocks, head_dim] float16
         self.key_scale: list[torch.Tensor | None] = [None] * arch.num_layers  # [kv_heads, head_dim] float32
         self._basis_stats: list[dict] | None = None  # per layer while calibrating, see _record
-        self._rope_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_blocks: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer while calibrating
         self._factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (key_scale, _basis_factors)
         block = block_for(arch.head_dim) if kv_quant.is_int4(kv_cache_dtype) else None
         if block is not None:
@@ -206,12 +206,12 @@ class KVCache:
         """Layer ``index``'s sink store (K, V), None when the cache keeps none."""
         return None if self.sinks is None else (self.sink_k[index], self.sink_v[index])
 
-    def begin_basis_calibration(self, rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def begin_basis_calibration(self, rope_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """Collect per layer and KV head the statistics of the key scales and offsets (key means,
         variances and RoPE-block moments, query mean squares) over the following
         :meth:`to_cache_basis` calls, which must run one sequence's positions 0, 1, ... in order
-        (scales and offsets off meanwhile). ``rope_tables``: the model's cos and signed sin rows
-        ``[positions, head_dim]`` (``runtime.rope``) that keys are turned by; without them,
+        (scales and offsets off meanwhile). ``rope_tables``: per layer, the cos and signed sin
+        rows ``[positions, head_dim]`` (``runtime.rope``) its keys are turned by; without them,
         offsets are plain mean keys."""
         self.k_offsets = [None] * len(self.k)
         self.key_scale = [None] * len(self.k)
@@ -219,7 +219,13 @@ class KVCache:
             self.sinks.clear()
         self._rope_blocks = None
         if rope_tables is not None:
-            self._rope_blocks = tuple(block_means(t, self.block_size).double() for t in rope_tables)
+            if len(rope_tables) != len(self.k):
+                raise ValueError(f"{len(rope_tables)} RoPE tables for a cache of {len(self.k)} layers")
+            averaged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layers sharing a table share its averages
+            for cos, sin in rope_tables:
+                if id(cos) not in averaged:
+                    averaged[id(cos)] = block_means(cos, self.block_size).double(), block_means(sin, self.block_size).double()
+            self._rope_blocks = [averaged[id(cos)] for cos, _ in rope_tables]
         self._basis_stats = [{"count": 0} for _ in self.k]
 
     def _record(self, index: int, q: torch.Tensor, k: torch.Tensor) -> None:
@@ -230,7 +236,7 @@ class KVCache:
         sums = {"key": keys.sum(0), "key_squares": keys.square().sum(0), "query_squares": queries.square().mean(2).sum(0)}
         if self._rope_blocks is not None:
             blocks = torch.arange(first, first + k.shape[0], device=k.device) // self.block_size
-            cos, sin = (t.to(k.device)[blocks] for t in self._rope_blocks)  # [tokens, head_dim]
+            cos, sin = (t.to(k.device)[blocks] for t in self._rope_blocks[index])  # [tokens, head_dim]
             sums.update(cos_key=(keys * cos[:, None]).sum(0), sin_key=(keys * sin[:, None]).sum(0),
                         cos2=cos.square().sum(0), sin2=sin.square().sum(0), cos_sin=(cos * sin).sum(0))
         for name, value in sums.items():
@@ -257,13 +263,13 @@ class KVCache:
             scale = scale / scale.log().mean(-1, keepdim=True).exp()
             self.key_scale[index] = scale.to(torch.float32)
             if offsets:
-                rows = self.rotate(self._offset_rows(stats, mean, scale) * scale[:, None])
+                rows = self.rotate(self._offset_rows(index, stats, mean, scale) * scale[:, None])
                 # float16 halves the table; written and read alike, so its rounding costs only centring
                 self.k_offsets[index] = rows.clamp(-FLOAT16_LIMIT, FLOAT16_LIMIT).to(torch.float16)
         self._rope_blocks = None
 
-    def _offset_rows(self, stats: dict, mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Key offsets ``[kv_heads, blocks, head_dim]`` in the original basis (float64): per KV
+    def _offset_rows(self, index: int, stats: dict, mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Layer ``index``'s key offsets ``[kv_heads, blocks, head_dim]`` in the original basis (float64): per KV
         head, the least-squares fit of the keys by ``mu`` turned by each key's block-average
         RoPE rotation (``A_b mu``: each pair of ``mu`` rotated and shrunk as the block's rows
         average), or the mean key in every block where that leaves less key energy (weighted
@@ -271,7 +277,7 @@ class KVCache:
         so the fit is one division per channel."""
         if self._rope_blocks is None:
             return mean[:, None, :].expand(-1, self.num_blocks, -1)
-        cos, sin = (t[:self.num_blocks] for t in self._rope_blocks)  # [blocks, head_dim]: no sequence spans more
+        cos, sin = (t[:self.num_blocks] for t in self._rope_blocks[index])  # [blocks, head_dim]: no sequence spans more
         half = mean.shape[-1] // 2
 
         def partner(x: torch.Tensor) -> torch.Tensor:  # each channel's RoPE pair partner

@@ -24,6 +24,17 @@ def basis_calibration_ids(tokenizer, count: int) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)[:count]
 
 
+def layer_rope_tables(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the cos and signed sin rows its keys are turned by: the runner's RoPE, or the
+    layer's own where the model has one (``layer_rope``, Gemma 3's sliding layers)."""
+    own = getattr(runner.model, "layer_rope", None)
+    tables = []
+    for index in range(runner.arch.num_layers):
+        rope = (own(index) if own is not None else None) or runner.rope
+        tables.append((rope.cos, rope.sin))
+    return tables
+
+
 @torch.inference_mode()
 def calibrate_cache_basis(runner: ModelRunner, tokenizer, num_blocks: int, block_size: int, chunk: int, max_len: int,
                           offsets: bool = True) -> int:
@@ -36,7 +47,7 @@ def calibrate_cache_basis(runner: ModelRunner, tokenizer, num_blocks: int, block
     blocks = BlockManager(num_blocks, block_size, False)
     blocks.allocate(seq, len(ids))
     cache = runner.cache
-    cache.begin_basis_calibration((runner.rope.cos, runner.rope.sin))
+    cache.begin_basis_calibration(layer_rope_tables(runner))
     try:
         while seq.num_computed < len(ids):
             n = min(chunk, len(ids) - seq.num_computed)

@@ -100,7 +100,7 @@ def test_calibration_sets_key_scales_and_offsets_from_the_queries_and_keys_seen(
     dim, block, tokens = 16, 4, 30
     cos, sin = rope_rows(40, dim)
     cache = KVCache(arch(dim, layers=1), 12, block, torch.float64, "int4")
-    cache.begin_basis_calibration((cos, sin))
+    cache.begin_basis_calibration([(cos, sin)])
     torch.manual_seed(0)
     mu = torch.randn(dim, dtype=torch.float64) * 3
     keys = torch.randn(tokens, 2, dim, dtype=torch.float64) * torch.linspace(0.5, 2, dim, dtype=torch.float64)
@@ -129,7 +129,7 @@ def test_calibration_sets_key_scales_and_offsets_from_the_queries_and_keys_seen(
     torch.testing.assert_close(offsets[1], cache.rotate(keys[:, 1].mean(0) * scale[1]).expand(10, dim), rtol=1e-3, atol=1e-3)
     # a cache of 6 blocks holds no sequence longer than 24 positions: its offsets stop there
     small = KVCache(arch(dim, layers=1), 6, block, torch.float64, "int4")
-    small.begin_basis_calibration((cos, sin))
+    small.begin_basis_calibration([(cos, sin)])
     small.to_cache_basis(queries, keys, values, 0)
     small.end_basis_calibration()
     assert small.k_offsets[0].shape == (2, 6, dim)
@@ -253,3 +253,20 @@ def test_rotated_basis_and_key_offsets_are_exact_on_every_attention_path(kind, t
     rotated = forced_logits(engine, ids, 6)
     assert rotated.shape == plain.shape == (30, engine.arch.vocab_size)
     torch.testing.assert_close(rotated, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_calibration_turns_each_layers_keys_by_its_own_rope(tmp_path):
+    """Gemma 3's sliding layers turn keys by their own RoPE base: the offsets' fit uses it there."""
+    import test_runtime_architectures as native
+    from llmopt.runtime.kv_calibration import layer_rope_tables
+
+    engine = LLMEngine(save_model(native.tiny("gemma3"), tmp_path / "gemma3"), kernels="reference", kv_cache_dtype="int4",
+                       block_size=4, max_num_seqs=1)
+    model, runner = engine.runner.model, engine.runner
+    assert model.local_rope is not None and not torch.equal(model.local_rope.cos, runner.rope.cos)
+    tables = layer_rope_tables(runner)
+    assert len(tables) == engine.arch.num_layers and any(model.sliding) and not all(model.sliding)
+    for (cos, sin), sliding in zip(tables, model.sliding):
+        rope = model.local_rope if sliding else runner.rope
+        assert cos is rope.cos and sin is rope.sin
+    assert all(o is not None for o in engine.cache.k_offsets)

@@ -50,6 +50,11 @@ class GemmaModel:
             self.local_rope = RotaryEmbedding(dataclasses.replace(arch, hf_config=cfg), max_model_len, dtype)
         self.act_mul = backend.gelu_mul if arch.activation == "gelu_tanh" else backend.silu_mul
 
+    def layer_rope(self, index: int) -> RotaryEmbedding | None:
+        """The RoPE table layer ``index`` turns its queries and keys by when it is not the
+        runner's (Gemma 3's sliding layers); None: the runner's."""
+        return self.local_rope if self.sliding[index] else None
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         w, be, eps, arch = self.w, self.backend, self.eps, self.arch
