@@ -407,7 +407,7 @@ template <typename T, typename Q>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
          const torch::Tensor& tables, const torch::Tensor& lens, const Shape& sh, double scale,
-         bool vector_path, int64_t splits, const Int4Extras& sinks, torch::Tensor& out) {
+         bool vector_path, int64_t splits, const Int4Extras& extras, torch::Tensor& out) {
   using BlockFn = void (*)(const T*, const T*, const float*, const float*, int64_t, const Shape&, State&);
   using FloatFn = void (*)(const float*, const float*, const float*, const float*, int64_t, const Shape&, State&);
   using Int4RowsFn = void (*)(const Int4Pair*, const c10::Half*, int64_t, int64_t, int64_t, const c10::Half*, float*);
@@ -477,16 +477,15 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
           if (vs) prefetch(vs + next_slot * per_token, bs * per_token * 4);
         }
         if constexpr (int4) {  // dequantized, sinks read in, offsets added back
-          const c10::Half* offset = sinks.offsets ? sinks.offsets + (h * sinks.offset_rows + j) * D : nullptr;
+          const c10::Half* offset = extras.offsets ? extras.offsets + (h * extras.offset_rows + j) * D : nullptr;
           int4_rows_fn(k + slot * row, int4_pairs(ks + slot * per_token), n, D, sh.int4_group, offset, st.kf);
           int4_rows_fn(v + slot * row, int4_pairs(vs + slot * per_token), n, D, sh.int4_group, nullptr, st.vf);
-          const int64_t entry = (j == 0 && sinks.index) ? sinks.index[b] : -1;
+          const int64_t entry = (j == 0 && extras.index) ? extras.index[b] : -1;
           if (entry >= 0) {  // the block of the first positions: its sinks replace their codes
-            const int64_t from = (h * sinks.entries + entry) * sinks.tokens * D, count = std::min(n, sinks.tokens) * D;
-            std::copy(sinks.k + from, sinks.k + from + count, st.kf);
-            std::copy(sinks.v + from, sinks.v + from + count, st.vf);
-            if (offset)
-              for (int64_t i = 0; i < count; ++i) st.kf[i] += static_cast<float>(offset[i % D]);
+            const int64_t from = (h * extras.entries + entry) * extras.tokens * D, count = std::min(n, extras.tokens) * D;
+            std::copy(extras.k + from, extras.k + from + count, st.kf);
+            std::copy(extras.v + from, extras.v + from + count, st.vf);
+            for (int64_t i = 0; offset && i < count; ++i) st.kf[i] += static_cast<float>(offset[i % D]);  // rows of D
           }
           float_fn(st.kf, st.vf, nullptr, nullptr, n, sh, st);
           continue;
@@ -532,11 +531,11 @@ template <typename T>
 void run_for_query(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
                    const torch::Tensor& tables, const torch::Tensor& lens, const Shape& sh, double scale,
-                   bool vector_path, int64_t splits, const Int4Extras& sinks, torch::Tensor& out) {
+                   bool vector_path, int64_t splits, const Int4Extras& extras, torch::Tensor& out) {
   switch (q.scalar_type()) {
-    case torch::kFloat: return run<T, float>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, sinks, out);
-    case torch::kBFloat16: return run<T, c10::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, sinks, out);
-    case torch::kHalf: return run<T, c10::Half>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, sinks, out);
+    case torch::kFloat: return run<T, float>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, extras, out);
+    case torch::kBFloat16: return run<T, c10::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, extras, out);
+    case torch::kHalf: return run<T, c10::Half>(q, k_cache, v_cache, k_scale, v_scale, tables, lens, sh, scale, vector_path, splits, extras, out);
     default: TORCH_CHECK(false, "queries must be float32, bfloat16 or float16, not ", q.scalar_type());
   }
 }
@@ -592,7 +591,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
                   "scales must be contiguous float32 [kv_heads, slots] (int4 uint8 caches: float16 [kv_heads, slots, groups, 2])");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == B && out.size(1) == heads * dim && out.stride(1) == 1 && out.scalar_type() == q.scalar_type(),
               "out must be [batch, heads * dim] of q's dtype");
-  Int4Extras sinks;
+  Int4Extras extras;
   torch::Tensor index64;
   TORCH_CHECK(sink_k.has_value() == sink_v.has_value() && sink_k.has_value() == sink_index.has_value(),
               "sink_k, sink_v and sink_index come together");
@@ -609,27 +608,27 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
       const int64_t e = index64.data_ptr<int64_t>()[b];
       TORCH_CHECK(e >= -1 && e < entries, "sink entry ", e, " of sequence ", b, " is outside the store (", entries, " entries)");
     }
-    sinks.k = sink_k->data_ptr<float>();
-    sinks.v = sink_v->data_ptr<float>();
-    sinks.index = index64.data_ptr<int64_t>();
-    sinks.entries = entries;
-    sinks.tokens = sink_k->size(2);
+    extras.k = sink_k->data_ptr<float>();
+    extras.v = sink_v->data_ptr<float>();
+    extras.index = index64.data_ptr<int64_t>();
+    extras.entries = entries;
+    extras.tokens = sink_k->size(2);
   }
   if (key_offsets) {
     TORCH_CHECK(int4, "key offsets are kept for int4 caches only");
     TORCH_CHECK(key_offsets->scalar_type() == torch::kHalf && key_offsets->is_contiguous() && key_offsets->dim() == 3 &&
                 key_offsets->size(0) == kv_heads && key_offsets->size(2) == dim,
                 "key offsets must be contiguous float16 [kv_heads, blocks, head_dim]");
-    sinks.offsets = key_offsets->data_ptr<c10::Half>();
-    sinks.offset_rows = key_offsets->size(1);
+    extras.offsets = key_offsets->data_ptr<c10::Half>();
+    extras.offset_rows = key_offsets->size(1);
   }
   const torch::Tensor tables64 = tables.to(torch::kLong).contiguous(), lens64 = lens.to(torch::kLong).contiguous();
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = lens64.data_ptr<int64_t>()[b];
     TORCH_CHECK(n >= 1 && n <= tables.size(1) * block_size, "context length ", n, " of sequence ", b, " does not fit its block table");
-    TORCH_CHECK(!key_offsets || n <= sinks.offset_rows * block_size, "context length ", n, " of sequence ", b,
-                " is longer than the key offsets cover (", sinks.offset_rows, " blocks)");
+    TORCH_CHECK(!key_offsets || n <= extras.offset_rows * block_size, "context length ", n, " of sequence ", b,
+                " is longer than the key offsets cover (", extras.offset_rows, " blocks)");
     longest = std::max(longest, n);
   }
   if (B == 0) return out;
@@ -637,16 +636,16 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   if (splits <= 0) splits = auto_splits(B * kv_heads, longest, block_size);
   const bool vector_path = !portable && cpu_has_avx2() && dim % 8 == 0 && (!int4 || int4_group % 8 == 0);
   switch (k_cache.scalar_type()) {
-    case torch::kFloat: run_for_query<float>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, sinks, out); break;
-    case torch::kBFloat16: run_for_query<c10::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, sinks, out); break;
-    case torch::kHalf: run_for_query<c10::Half>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, sinks, out); break;
-    case torch::kChar: run_for_query<int8_t>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, sinks, out); break;
+    case torch::kFloat: run_for_query<float>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, extras, out); break;
+    case torch::kBFloat16: run_for_query<c10::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, extras, out); break;
+    case torch::kHalf: run_for_query<c10::Half>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, extras, out); break;
+    case torch::kChar: run_for_query<int8_t>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, extras, out); break;
     case torch::kByte:
       if (int4) {
-        run_for_query<Int4Pair>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, sinks, out);
+        run_for_query<Int4Pair>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, extras, out);
         break;
       }
-      run_for_query<uint8_t>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, sinks, out); break;
+      run_for_query<uint8_t>(q, k_cache, v_cache, k_scale, v_scale, tables64, lens64, sh, scale, vector_path, splits, extras, out); break;
     default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
   return out;
