@@ -189,3 +189,15 @@ def test_tuning_that_never_beats_the_untuned_scales_is_not_kept(tuned_pair):
     _, _, sane = tune_scales(student, model, weights, ids, TuneSettings(2 * CHECK_EVERY, 5e-3))
     assert sane.kept and sane.best_step in (CHECK_EVERY, 2 * CHECK_EVERY)
     assert sane.kld_after < sane.kld_before
+
+
+def test_default_step_shrinks_with_the_starting_kld(tuned_pair, tmp_path):
+    """Without --tune-lr, Adam's step is 1e-3 from a calibration KLD of 0.01 and proportionally
+    smaller below it (a tenth at most); the record says which step ran."""
+    from llmopt.quant.scale_tuning import DEFAULT_LR, default_lr
+
+    assert default_lr(0.05) == DEFAULT_LR == default_lr(0.01)
+    assert default_lr(0.005) == pytest.approx(DEFAULT_LR / 2) and default_lr(1e-5) == pytest.approx(DEFAULT_LR / 10)
+    _, src, _, _, _ = tuned_pair
+    record = _quantize(src, tmp_path / "q", method="rtn", tune_steps=2)["scale_tuning"]
+    assert record["settings"]["lr"] == pytest.approx(default_lr(record["kld_before"]))

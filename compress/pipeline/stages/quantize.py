@@ -134,7 +134,9 @@ class QuantizeConfig:
     tune_steps: int = option(0, "After quantizing, tune multipliers on every quantized weight's scales "
                              "(codes fixed) end to end against the float model's next-token distributions on the "
                              "calibration windows, one window per step (0: off; e.g. 128; about 3 forward passes per step).", min=0)
-    tune_lr: float = option(1e-3, "Scale tuning: Adam's peak step on the log-multipliers (needs --tune-steps).")
+    tune_lr: float | None = option(None, "Scale tuning: Adam's peak step on the log-multipliers (needs --tune-steps). "
+                                   "Default 1e-3, scaled down (to 1e-4 at least) for a checkpoint whose calibration KLD "
+                                   "starts under 0.01 (near-float checkpoints need finer steps).")
     tune_per: str = option("group", "Scale tuning: one multiplier per scale (group; per super-block where scales are "
                            "k·d multiples, IQ4_XS / Q6_K) or one per output row (row).", choices=("group", "row"))
     alpha: float = option(0.5, "SmoothQuant migration strength.", aliases=("smooth_alpha",))
@@ -296,12 +298,12 @@ class QuantizeConfig:
             raise LlmoptError("--tune-steps does not run online Hadamards", "use --online-hadamard off with --tune-steps")
 
     def _check_tuning(self) -> None:
-        for flag, given in (("--tune-lr", self.tune_lr != 1e-3), ("--tune-per", self.tune_per != "group")):
+        for flag, given in (("--tune-lr", self.tune_lr is not None), ("--tune-per", self.tune_per != "group")):
             if given and self.tune_steps == 0:
                 raise LlmoptError(f"{flag} applies only with --tune-steps", f"add --tune-steps N, or drop {flag}")
         if self.tune_steps == 0:
             return
-        if not self.tune_lr > 0:
+        if self.tune_lr is not None and not self.tune_lr > 0:
             raise LlmoptError("--tune-lr must be positive", "e.g. --tune-lr 1e-3")
         scheme = self.parse_scheme()
         if scheme is None or scheme.activations is not None:
