@@ -112,6 +112,40 @@ def kld(bin_dir: Path, model: Path, base: Path, label: str) -> dict:
             "ppl": stat(r"Mean PPL\(Q\)")}
 
 
+def float_activation_kld(checkpoint: Path, chunks: int) -> dict[str, float]:
+    """Mean KLD of llmopt's checkpoint against the float demo model in Python — the same weights as
+    its GGUF file, with float activations — on the texts llama-perplexity scores: the first
+    ``chunks`` windows of ``CTX`` tokens (transformers' tokenization), the second half of each
+    window scored as llama-perplexity does. Cached in the checkpoint's folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmopt.checkpoints.models import resolve_model
+    from llmopt.formats.compressed import load_dequantized
+
+    cache = checkpoint / f"float-activation-kld-{chunks}x{CTX}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    source = resolve_model("demo")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    teacher = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32).eval()
+    student = load_dequantized(checkpoint, torch.float32).eval()
+    out = {}
+    with torch.inference_mode():
+        for name, corpus in TEXTS.items():
+            ids = tokenizer(text_file(corpus).read_text(), return_tensors="pt").input_ids[0]
+            total, count = 0.0, 0
+            for i in range(min(chunks, len(ids) // CTX)):
+                window = ids[i * CTX:(i + 1) * CTX][None]
+                p = teacher(window).logits[0, CTX // 2:].float().log_softmax(-1)
+                q = student(window).logits[0, CTX // 2:].float().log_softmax(-1)
+                total += float((p.exp() * (p - q)).sum(-1).sum())
+                count += p.shape[0]
+            out[name] = total / count
+    cache.write_text(json.dumps(out))
+    return out
+
+
 def demo_parameters() -> int:
     """The demo model's parameter count (each stored tensor once: a tied head is the embedding)."""
     from safetensors import safe_open
@@ -236,6 +270,9 @@ def main() -> None:
             row["variants"][label] = {"bytes": path.stat().st_size,
                                       **{text: kld(bins, path, bases[text], f"{path.stem}-{text}")
                                          for text in TEXTS}}
+        checkpoint = files["llmopt"].with_suffix("")
+        if checkpoint.is_dir():  # how much of llama.cpp's KLD of our file its weights bring: the same weights in Python
+            row["llmopt_float_activations"] = float_activation_kld(checkpoint, args.chunks)
         ours_v, plain, imat = (row["variants"][k] for k in ("llmopt", "llama.cpp", "llama.cpp + imatrix"))
         row["size_ratio"] = ours_v["bytes"] / plain["bytes"]
         for text in TEXTS:
@@ -293,6 +330,15 @@ def write(rows: list[dict], args: argparse.Namespace, started: float) -> None:
                          f"{r['auto_kld_vs_imatrix_heldout']:.2f}× | {'yes' if r['auto_target_met'] else 'no'} |")
         lines += ["", f"Target (issue 46, for Q3_K_M): size ≤ {TARGETS['size_ratio']}× llama.cpp's file, mean KLD ≤ {AUTO_TARGET}× "
                   "its file with an importance matrix, on both texts."]
+    split = [r for r in rows if r.get("llmopt_float_activations")]
+    if split:
+        lines += ["", "llmopt's weights alone: its checkpoint's mean KLD in Python with float activations, on the same "
+                  "windows (transformers' tokenization, second halves scored as llama-perplexity does); the rest of "
+                  "llama.cpp's KLD of its file is llama.cpp's arithmetic (8-bit activation blocks): " + "; ".join(
+                      f"{r['mixture']}: {r['llmopt_float_activations']['wikitext2']:.4f} / "
+                      f"{r['llmopt_float_activations']['heldout']:.4f} (wiki / held-out), against "
+                      f"{r['variants']['llmopt']['wikitext2']['kld_mean']:.4f} / {r['variants']['llmopt']['heldout']['kld_mean']:.4f} "
+                      "in llama.cpp" for r in split)]
     tuned_rows = [r for r in rows if r.get("scale_tuning")]
     if tuned_rows:
         lines += ["", "Scale tuning, by its own check on 4 held-out calibration windows (KLD in Python, no activation "
