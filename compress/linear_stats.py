@@ -38,6 +38,9 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+SAMPLE_CAP = 1024  # input rows kept per distinct input when sampling (``sample_every``)
+
+
 @dataclass
 class InputStats:
     """Running sums over the input tokens of one Linear (shared by Linears with the same input)."""
@@ -50,6 +53,8 @@ class InputStats:
     names: list[str] = field(default_factory=list)
     drift: torch.Tensor | None = None  # float64 Σ (x_float − x̃) x̃ᵀ: the float model's inputs against these (FloatReference)
     drift_lost: bool = False  # some token had no float input: no drift term
+    samples: list[torch.Tensor] = field(default_factory=list)  # float32 rows of x kept as they were (``sample_every``)
+    sampled: int = 0
 
     def add_drift(self, x_float: torch.Tensor | None, x: torch.Tensor) -> None:
         """Add ``Σ (x_float − x̃) x̃ᵀ`` for one batch (in float32: the difference is small, and
@@ -68,10 +73,15 @@ class InputStats:
             self.drift.add_(product)
 
     def add(
-        self, x: torch.Tensor, hessian: bool, channel: bool, matmul_dtype: torch.dtype = torch.float32
+        self, x: torch.Tensor, hessian: bool, channel: bool, matmul_dtype: torch.dtype = torch.float32,
+        sample_every: int = 0,
     ) -> None:
         x = x.reshape(-1, x.shape[-1])
         self.n_tokens += x.shape[0]
+        if sample_every and self.sampled < SAMPLE_CAP:  # every k-th token, up to SAMPLE_CAP of them
+            rows = x[::sample_every][: SAMPLE_CAP - self.sampled].float().cpu()
+            self.samples.append(rows)
+            self.sampled += rows.shape[0]
         if hessian:
             # straight to the product's dtype (the same values as through float32, without a
             # float32 copy of a large input such as the down projection's)
@@ -105,6 +115,7 @@ class InputStats:
             self.xtx = self.xtx / s64.unsqueeze(0) / s64.unsqueeze(1)
         if self.drift is not None:  # W x = (W s)(x / s): the float inputs are divided by s too
             self.drift = self.drift / s64.unsqueeze(0) / s64.unsqueeze(1)
+        self.samples = [rows / s.float().cpu() for rows in self.samples]
         if self.abs_sum is not None:
             self.abs_sum = self.abs_sum / s64
             self.sq_sum = self.sq_sum / s64.pow(2)
@@ -134,8 +145,10 @@ class LinearStats:
         stop_early: bool = True,
         hessian_dtype: torch.dtype = torch.float32,
         reference: FloatReference | None = None,
+        sample_every: int = 0,
     ) -> None:
         self.modules = dict(modules)
+        self.sample_every = sample_every
         self.reference = reference
         self.hessian_dtype = hessian_dtype
         self.hessian_enabled = hessian
@@ -178,7 +191,7 @@ class LinearStats:
             self._stats[name] = stats
             self._order.append(name)
         if not (last is not None and last[0] is x and last[1] is stats):
-            stats.add(x, self.hessian_enabled, self.channel_enabled, self.hessian_dtype)
+            stats.add(x, self.hessian_enabled, self.channel_enabled, self.hessian_dtype, self.sample_every)
             if self.reference is not None and self.hessian_enabled:
                 stats.add_drift(self.reference.input_of(self.modules[name]), x)
         self._last[context] = (x, stats)
@@ -231,6 +244,11 @@ class LinearStats:
         if s.xtx is None:
             raise ValueError(f"no Hessian left for {name}: LinearStats was created with hessian=False, or it was taken")
         return s.xtx
+
+    def samples(self, name: str) -> torch.Tensor | None:
+        """The input rows kept of ``name`` (``sample_every``; ``[tokens, in]`` float32), None without."""
+        rows = self._stats[name].samples
+        return torch.cat(rows) if rows else None
 
     def abs_mean(self, name: str) -> torch.Tensor:
         s = self.stats(name)

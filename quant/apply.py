@@ -248,7 +248,8 @@ def _quantize_calibrated(model: nn.Module, calibration: torch.Tensor, targets: d
         sequential = method.one_pass and transform is not None and weight_only and not experts
         with LinearStats(observed, hessian=method.needs_hessian, channel=transform is not None,
                          hessian_dtype=hessian_dtype, stop_early=not experts,
-                         reference=None if sequential else reference) as stats:
+                         reference=None if sequential else reference,
+                         sample_every=getattr(transform, "sample_every", 0)) as stats:
             run_layer()
         starved = _starved_experts(mods, stats) if experts else {}
         calibrated = {n: m for n, m in mods.items() if n not in starved}

@@ -7,6 +7,12 @@ input Hessian, ``tr(E H Eᵀ)``, so every calibration token counts at the cost o
 product. The chosen ``s`` is folded into the model (which stays an ordinary float model), the
 calibration statistics are rescaled accordingly, and optionally the weight ranges are clipped
 (AWQ's auto-clip). Quantization itself is left to RTN or GPTQ.
+
+For llama.cpp (``llama_activations``: a mixture by name, ``--for llama.cpp``) the loss also counts
+the rounding llama.cpp applies to every quantized matmul's input — int8 blocks of the weight
+type's block size (Q8_0 / Q8_1 per 32, Q8_K per 256), step ``max|x/s| / 127`` — which the scaling
+``s`` itself changes: a channel of large activations widens its whole block's step. It is
+simulated on a sample of the calibration inputs (every ``SAMPLE_EVERY``-th token).
 """
 
 from __future__ import annotations
@@ -16,12 +22,48 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from gguf import GGML_QUANT_SIZES
 from llmopt.linear_stats import LinearStats
 
 from llmopt.quant.clipping import clamp_to_ratio, search_clip_ratio
 from llmopt.formats.schemes import QuantScheme, compute_qparams, fake_quantize
 from llmopt.quant.mappings import ScaleMapping
 from llmopt.quant.method import GroupSizes, ScaleTransform, Schemes
+
+
+ACTIVATION_LEVELS = 127  # llama.cpp's int8 activation blocks: step = the block's largest |x| / 127
+SAMPLE_EVERY = 61  # calibration tokens between the input rows kept for the simulation
+
+
+def activation_block(scheme: QuantScheme, in_features: int, group_size: int | None) -> int | None:
+    """The block size llama.cpp rounds this weight's inputs in (its GGUF block type's), or None
+    when the weight would be written as a float tensor (whose inputs stay float)."""
+    from llmopt.formats.registry import format_for
+
+    try:
+        carrier = format_for(scheme).gguf_carrier(in_features, group_size)
+    except ValueError:
+        return None
+    return None if carrier is None else GGML_QUANT_SIZES[carrier.qtype][0]
+
+
+def rounded_to_int8_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` ``[tokens, in]`` as llama.cpp's Q8 blocks hold it: per ``block`` values, int8 codes
+    with step the block's largest magnitude / 127."""
+    blocks = x.reshape(x.shape[0], -1, block)
+    step = (blocks.abs().amax(-1, keepdim=True) / ACTIVATION_LEVELS).clamp(min=1e-30)
+    return (torch.round(blocks / step) * step).reshape(x.shape)
+
+
+def activation_rounding_error(w: torch.Tensor, x: torch.Tensor, block: int, s: torch.Tensor | None = None) -> float:
+    """``2 · mean‖(W s)(r(x/s) − x/s)‖²`` over the sampled inputs ``x`` (the scale of
+    :func:`quantization_output_error`), ``r`` the rounding to int8 blocks of ``block`` values."""
+    if x.shape[1] % block:
+        return 0.0
+    ws = w.float() if s is None else w.float() * s.float().unsqueeze(0)
+    xs = x if s is None else x / s.float().unsqueeze(0)
+    noise = rounded_to_int8_blocks(xs, block) - xs
+    return 2 * float((noise @ ws.T).pow(2).sum(1).mean())
 
 
 @dataclass
@@ -64,11 +106,14 @@ def awq_search_scale(
     targets: set[str],
     n_grid: int = 20,
     schemes: Mapping[str, QuantScheme] | None = None,
+    llama_activations: bool = False,
 ) -> tuple[torch.Tensor, AwqMappingResult]:
     """Best producer-channel scale for ``mapping`` over ``α = i/(n_grid-1)``, i = 0…n_grid-1.
 
     Only consumers in ``targets`` (the Linears that will be quantized) enter the loss, each with
-    its own scheme from ``schemes`` (a mixed-precision plan) or else ``scheme``.
+    its own scheme from ``schemes`` (a mixed-precision plan) or else ``scheme``;
+    ``llama_activations`` adds llama.cpp's rounding of their inputs (:func:`activation_rounding_error`,
+    on the inputs ``stats`` sampled).
     """
     schemes = schemes or {}
     names = [n for n in mapping.linears if n in targets and stats.has(n)]
@@ -80,11 +125,18 @@ def awq_search_scale(
     parts = []
     for (_, part_scheme, gs), group in by_input.items():
         w = torch.cat([mapping.linears[n].weight.detach().float() for n in group], dim=0)
-        parts.append((w, stats.hessian(group[0]).float(), part_scheme, gs))
+        block = activation_block(part_scheme, w.shape[1], gs) if llama_activations else None
+        sample = stats.samples(group[0]) if block is not None else None
+        parts.append((w, stats.hessian(group[0]).float(), part_scheme, gs, block, sample))
 
     def loss(s: torch.Tensor | None) -> float:
         se = None if s is None else mapping.expand(s)
-        return sum(quantization_output_error(w, h, part_scheme, gs, se) for w, h, part_scheme, gs in parts)
+        total = 0.0
+        for w, h, part_scheme, gs, block, sample in parts:
+            total += quantization_output_error(w, h, part_scheme, gs, se)
+            if sample is not None:
+                total += activation_rounding_error(w, sample, block, se)
+        return total
 
     base = loss(None)
     best_loss, best_alpha = base, 0.0
@@ -107,13 +159,14 @@ def awq_apply_layer(
     targets: set[str],
     n_grid: int = 20,
     schemes: Mapping[str, QuantScheme] | None = None,
+    llama_activations: bool = False,
 ) -> list[AwqMappingResult]:
     """Search and fold the scales of each mapping in turn, keeping ``stats`` consistent."""
     results = []
     for mapping in mappings:
         if not any(n in targets and stats.has(n) for n in mapping.linears):
             continue  # nothing calibrated behind it (an expert no token was routed to)
-        s, res = awq_search_scale(mapping, stats, scheme, group_sizes, targets, n_grid, schemes)
+        s, res = awq_search_scale(mapping, stats, scheme, group_sizes, targets, n_grid, schemes, llama_activations)
         if res.alpha > 0:
             mapping.fold(s)
             stats.scale_inputs(mapping.consumers, mapping.expand(s))
@@ -152,13 +205,20 @@ def awq_clip_layer(
 class Awq(ScaleTransform):
     """AWQ's activation-aware scale search for weight-only schemes; ``grid``: α points in [0, 1];
     ``clip``: AWQ's auto-clip after the scales (off: the output-weighted clip search at
-    quantization did better on the demo model)."""
+    quantization did better on the demo model); ``llama_activations``: count llama.cpp's int8
+    rounding of the inputs too (set for llama.cpp mixtures and ``--for llama.cpp``)."""
 
     name: ClassVar[str] = "awq"
     needs_hessian: ClassVar[bool] = True
 
     grid: int = 20
     clip: bool = False
+    llama_activations: bool = False
+
+    @property
+    def sample_every(self) -> int:
+        """Calibration tokens between the input rows the statistics keep (0: none)."""
+        return SAMPLE_EVERY if self.llama_activations else 0
 
     def check(self, scheme: QuantScheme) -> None:
         if scheme.is_fp4:
@@ -171,7 +231,8 @@ class Awq(ScaleTransform):
 
     def apply(self, mappings: list[ScaleMapping], stats: LinearStats, scheme: QuantScheme, schemes: Schemes,
               group_sizes: GroupSizes, calibrated: Mapping[str, torch.nn.Linear]) -> list[AwqMappingResult]:
-        found = awq_apply_layer(mappings, stats, scheme, group_sizes, set(calibrated), self.grid, schemes)
+        found = awq_apply_layer(mappings, stats, scheme, group_sizes, set(calibrated), self.grid, schemes,
+                                self.llama_activations)
         if self.clip:
             awq_clip_layer(calibrated, stats, scheme, group_sizes, schemes=schemes)
         return found

@@ -156,9 +156,12 @@ class QuantizeConfig:
         if self.imatrix is not None and self.clip_search is None:
             given["clip_search"] = True  # the importance matrix weighs the range search
         try:
-            return build_method(self.method, given)
+            method = build_method(self.method, given)
         except ValueError as exc:
             raise LlmoptError(str(exc), "check --method and its options: llmopt quantize --help") from exc
+        if hasattr(method.transform, "llama_activations") and (self.is_mixture or self.for_consumer == "llama.cpp"):
+            method = replace(method, transform=replace(method.transform, llama_activations=True))  # AWQ counts llama.cpp's int8 inputs
+        return method
 
     @property
     def needs_calibration(self) -> bool:
