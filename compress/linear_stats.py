@@ -54,7 +54,6 @@ class InputStats:
     drift: torch.Tensor | None = None  # float64 Σ (x_float − x̃) x̃ᵀ: the float model's inputs against these (FloatReference)
     drift_lost: bool = False  # some token had no float input: no drift term
     samples: list[torch.Tensor] = field(default_factory=list)  # float32 rows of x kept as they were (``sample_every``)
-    sampled: int = 0
 
     def add_drift(self, x_float: torch.Tensor | None, x: torch.Tensor) -> None:
         """Add ``Σ (x_float − x̃) x̃ᵀ`` for one batch (in float32: the difference is small, and
@@ -78,10 +77,9 @@ class InputStats:
     ) -> None:
         x = x.reshape(-1, x.shape[-1])
         self.n_tokens += x.shape[0]
-        if sample_every and self.sampled < SAMPLE_CAP:  # every k-th token, up to SAMPLE_CAP of them
-            rows = x[::sample_every][: SAMPLE_CAP - self.sampled].float().cpu()
-            self.samples.append(rows)
-            self.sampled += rows.shape[0]
+        kept = sum(rows.shape[0] for rows in self.samples)
+        if sample_every and kept < SAMPLE_CAP:  # every k-th token, up to SAMPLE_CAP of them
+            self.samples.append(x[::sample_every][: SAMPLE_CAP - kept].float().cpu())
         if hessian:
             # straight to the product's dtype (the same values as through float32, without a
             # float32 copy of a large input such as the down projection's)

@@ -249,7 +249,7 @@ def _quantize_calibrated(model: nn.Module, calibration: torch.Tensor, targets: d
         with LinearStats(observed, hessian=method.needs_hessian, channel=transform is not None,
                          hessian_dtype=hessian_dtype, stop_early=not experts,
                          reference=None if sequential else reference,
-                         sample_every=getattr(transform, "sample_every", 0)) as stats:
+                         sample_every=0 if transform is None else transform.sample_every) as stats:
             run_layer()
         starved = _starved_experts(mods, stats) if experts else {}
         calibrated = {n: m for n, m in mods.items() if n not in starved}

@@ -18,7 +18,7 @@ simulated on a sample of the calibration inputs (every ``SAMPLE_EVERY``-th token
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -217,8 +217,10 @@ class Awq(ScaleTransform):
 
     @property
     def sample_every(self) -> int:
-        """Calibration tokens between the input rows the statistics keep (0: none)."""
         return SAMPLE_EVERY if self.llama_activations else 0
+
+    def for_llama_cpp(self) -> Awq:
+        return replace(self, llama_activations=True)
 
     def check(self, scheme: QuantScheme) -> None:
         if scheme.is_fp4:

@@ -76,6 +76,15 @@ class ScaleTransform:
     takes_plan: ClassVar[bool] = True  # works with a different scheme per Linear
     needs_hessian: ClassVar[bool] = False
 
+    @property
+    def sample_every(self) -> int:
+        """Calibration tokens between the input rows the statistics keep for :meth:`apply` (0: none)."""
+        return 0
+
+    def for_llama_cpp(self) -> ScaleTransform:
+        """This transform for a checkpoint llama.cpp will run (itself unless it models llama.cpp's arithmetic)."""
+        return self
+
     def check(self, scheme: QuantScheme) -> None:
         """Raise ``ValueError`` if this transform does not prepare ``scheme``."""
 

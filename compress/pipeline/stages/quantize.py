@@ -159,8 +159,8 @@ class QuantizeConfig:
             method = build_method(self.method, given)
         except ValueError as exc:
             raise LlmoptError(str(exc), "check --method and its options: llmopt quantize --help") from exc
-        if hasattr(method.transform, "llama_activations") and (self.is_mixture or self.for_consumer == "llama.cpp"):
-            method = replace(method, transform=replace(method.transform, llama_activations=True))  # AWQ counts llama.cpp's int8 inputs
+        if method.transform is not None and (self.is_mixture or self.for_consumer == "llama.cpp"):
+            method = replace(method, transform=method.transform.for_llama_cpp())
         return method
 
     @property
