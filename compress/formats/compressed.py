@@ -92,11 +92,16 @@ FP4_PRESETS = {"e4m3": "NVFP4A16", "e8m0": "MXFP4A16"}  # our FP4 scale formats 
 
 
 def loader_activation_rounding(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """``x`` rounded per token as compressed-tensors' own forward (transformers' loader) rounds
-    dynamic activations: int8 with the symmetric scale ``|x|max / 127.5`` (half its 255-code
-    range; vLLM's kernels and llmopt divide by 127), float8 as llmopt does."""
+    """``x`` rounded as compressed-tensors' own forward (transformers' loader) rounds dynamic
+    "per-token" activations: int8 with the symmetric scale ``|x|max / 127.5`` (half its 255-code
+    range; vLLM's kernels and llmopt divide by 127), float8 as llmopt does; a 2-D input
+    ``[tokens, features]`` (a MoE block's shared expert gets one) with a single scale for all its
+    tokens, as the library keeps dims 0 and 1 of whatever it is given."""
     from llmopt.formats.schemes import fake_quantize_activations
 
+    if x.dim() == 2:  # the library's per-token dims {0, 1} reduce over nothing: one scale for the tensor
+        flat = loader_activation_rounding(x.reshape(1, 1, -1), kind)
+        return flat.reshape(x.shape)
     if kind != "int8":
         return fake_quantize_activations(x, kind)
     xf = x.float()

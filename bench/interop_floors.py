@@ -1,0 +1,193 @@
+"""The reference's own arithmetic spread, and llama.cpp's arithmetic applied to the reference.
+
+A consumer that computes the same model in another valid float order is no further from the
+reference than the reference is from itself under such orders. Formats that round activations at run
+time (W8A8, W4A8, FP8_DYNAMIC) make that distance large: an input summed in another order lands on
+the neighbouring code, and the flip travels through every later layer. The spread is measured, not
+assumed: the reference is scored again with every Linear's product summed in two parts split at a
+seeded column (a genuine reordering of the float32 sums), ``ORDERS`` (19) times, in the precision the
+consumer computes in (float32; bfloat16 for vLLM; bfloat16 quantized products for bitsandbytes).
+
+llama.cpp multiplies every quantized weight with its input rounded to 8-bit blocks (the weight
+type's ``vec_dot_type``: Q8_0 / Q8_1 per 32 values with a float16 step, Q8_K per 256 with a float32
+step) and float16 weights with float16 inputs. :func:`round_like_llama_cpp` hooks that rounding into
+the reference, each Linear by its own tensor's type in the GGUF file, so llama.cpp's distributions
+can be compared with the model it actually computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# reorderings measured per spread: a consumer exchangeable with them lands beyond all of them with
+# probability 1 / (ORDERS + 1), so 19 makes "beyond them all" a rank test at the 5% level
+ORDERS = 19
+# ggml's vec_dot_type of each weight type: the block format a matmul's input is rounded to
+Q8_0_INPUTS = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}
+Q8_K_INPUTS = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S",
+               "IQ1_M"}
+
+
+def _split_sums(model: torch.nn.Module, seed: int) -> list:
+    """Forward hooks recomputing every Linear's output as two partial products summed (split at a
+    seeded multiple of 8 in the middle half of its inputs): the same value in another float order."""
+    generator = torch.Generator().manual_seed(seed)
+    handles = []
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) or module.in_features < 16:
+            continue
+        n = module.in_features
+        cut = 8 * int(torch.randint(n // 32, max(n // 32 + 1, 3 * n // 32), (1,), generator=generator))
+
+        def hook(m, args, _out, cut=cut):
+            x = args[0]
+            y = F.linear(x[..., :cut], m.weight[:, :cut]) + F.linear(x[..., cut:], m.weight[:, cut:])
+            return y if m.bias is None else y + m.bias
+
+        handles.append(module.register_forward_hook(hook))
+    return handles
+
+
+def _bf16_products(model: torch.nn.Module, names: set[str], seed: int) -> list:
+    """Forward hooks computing the named Linears' products as bitsandbytes' CPU kernel does — the
+    input rounded to bfloat16, the output in bfloat16 (here two partial sums, split at a seeded
+    column, each rounded to bfloat16 and added in it: a bfloat16 order) — the rest of the model left
+    in float32."""
+    generator = torch.Generator().manual_seed(seed)
+    handles = []
+    for name, module in model.named_modules():
+        if name in names and isinstance(module, torch.nn.Linear):
+            n = module.in_features
+            cut = 8 * int(torch.randint(n // 32, max(n // 32 + 1, 3 * n // 32), (1,), generator=generator))
+
+            def hook(m, args, _out, cut=cut):
+                x = args[0].bfloat16().to(args[0].dtype)
+                y = F.linear(x[..., :cut], m.weight[:, :cut]).bfloat16() + F.linear(x[..., cut:], m.weight[:, cut:]).bfloat16()
+                y = y.to(args[0].dtype)
+                return y if m.bias is None else y + m.bias
+            handles.append(module.register_forward_hook(hook))
+    return handles
+
+
+LARGER_IS_WORSE = ("max_dlogp", "kld_mean")
+
+
+def spread(reference: torch.nn.Module, score: Callable[[torch.nn.Module], object],
+           distance: Callable[[object, object], dict], precision: str, quantized: frozenset[str] = frozenset()) -> dict:
+    """The largest distance of the reference from itself over ``ORDERS`` float orders in
+    ``precision`` ("float32"; "bfloat16": the whole model; "bf16-products": the ``quantized``
+    Linears' products): each of ``distance``'s figures at its worst (the largest |Δlogp| or KLD,
+    the lowest agreement)."""
+    base = score(reference)
+    model = reference.to(torch.bfloat16) if precision == "bfloat16" else reference
+    worst: dict = {}
+    for seed in range(ORDERS):
+        handles = _split_sums(model, seed)
+        if precision == "bf16-products":  # registered after the split sums, so their outputs are the ones kept
+            handles += _bf16_products(model, quantized, seed)
+        try:
+            got = distance(base, score(model))
+        finally:
+            for handle in handles:
+                handle.remove()
+        for key, value in got.items():
+            if isinstance(value, (int, float)) and key not in ("positions", "greedy_of"):
+                pick = max if key in LARGER_IS_WORSE else min
+                worst[key] = value if key not in worst else pick(worst[key], value)
+    return {**worst, "orders": ORDERS, "precision": precision}
+
+
+def kld_distance(tokens, bos: int | None) -> tuple[Callable, Callable]:
+    """(score, distance) for :func:`spread` on llama.cpp's own token windows: log-probabilities of
+    each window's second half, KL(first ‖ second) as :func:`llama_cpp_kld.compare_with` takes it."""
+    import numpy as np
+    from llama_cpp_kld import compare_with
+
+    def score(model):
+        rows = []
+        for row in tokens:
+            ids = torch.tensor(row, dtype=torch.long)[None].clone()
+            if bos is not None:
+                ids[0, 0] = bos
+            with torch.inference_mode():
+                rows.append(model(ids).logits[0].float()[tokens.shape[1] // 2:tokens.shape[1] - 1].log_softmax(-1).numpy())
+        return np.stack(rows)
+
+    def distance(base, got):
+        return compare_with(lambda ids, i=iter(range(len(tokens))): torch.from_numpy(_padded(got[next(i)], tokens.shape[1])),
+                            tokens, base, bos)
+
+    return score, distance
+
+
+def _padded(second_half, n_ctx: int):
+    """Log-probabilities of a window's second half placed at their positions in an ``n_ctx`` window."""
+    import numpy as np
+
+    out = np.zeros((n_ctx, second_half.shape[1]), dtype=np.float32)
+    out[n_ctx // 2:n_ctx - 1] = second_half
+    return out
+
+
+def _round_q8(x: torch.Tensor, block: int, half_step: bool) -> torch.Tensor:
+    """``x`` as llama.cpp's int8 activation blocks hold it (step: the block's largest |x| / 127,
+    kept in float16 for Q8_0 / Q8_1)."""
+    xf = x.float()
+    blocks = xf.reshape(*xf.shape[:-1], -1, block)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    codes = torch.round(blocks * inverse).clamp(-127, 127)
+    kept = step.half().float() if half_step else step
+    return (codes * kept).reshape(xf.shape).to(x.dtype)
+
+
+def input_rounding(ggml_type: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How llama.cpp rounds the input of a matmul with a weight of ``ggml_type`` (None: kept float32)."""
+    if ggml_type in Q8_0_INPUTS:
+        return lambda x: _round_q8(x, 32, half_step=True)
+    if ggml_type in Q8_K_INPUTS:
+        return lambda x: _round_q8(x, 256, half_step=False)
+    if ggml_type == "F16":
+        return lambda x: x.half().to(x.dtype)
+    if ggml_type == "BF16":
+        return lambda x: x.bfloat16().to(x.dtype)
+    return None
+
+
+def gguf_types(gguf_path: Path) -> dict[str, str]:
+    """GGUF tensor name → its ggml type name."""
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(str(gguf_path)).tensors}
+
+
+def round_like_llama_cpp(model: torch.nn.Module, gguf_path: Path) -> int:
+    """Hook llama.cpp's input rounding into every Linear of ``model`` (a dequantized checkpoint in
+    its Hugging Face layout) by the type of its tensor in ``gguf_path``; returns how many were
+    hooked. A tied head takes the embedding's type, as llama.cpp multiplies with ``token_embd``."""
+    import gguf
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    arch_name = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    names = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
+    types = gguf_types(gguf_path)
+    hooked = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        key = names.get_name(f"{name}.weight", try_suffixes=(".weight",))
+        if key not in types and name == "lm_head":
+            key = "token_embd.weight"
+        if key not in types:
+            raise RuntimeError(f"{name}: no tensor {key} in {gguf_path.name}")
+        rounding = input_rounding(types[key])
+        if rounding is not None:
+            module.register_forward_pre_hook(lambda _m, args, r=rounding: (r(args[0]), *args[1:]))
+            hooked += 1
+    return hooked
