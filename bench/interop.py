@@ -368,9 +368,18 @@ def _round_expert_inputs(model, activations: dict[str, str | None], fake_quantiz
         experts.forward = forward
 
 
+class ExactLinear(torch.nn.Linear):
+    """A Linear holding and computing in float64, its output in its input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.double(), self.weight).to(x.dtype)
+
+
 def _online_hadamard(modules: dict, group: dict) -> None:
-    """Hooks multiplying the inputs of a transform group's online targets by its block-diagonal
-    Hadamard matrix, built by compressed-tensors' own function (the format's reference)."""
+    """Give the inputs of a transform group's online targets its block-diagonal Hadamard matrix,
+    built by compressed-tensors' own function (the format's reference), as a Linear of each target
+    computing in float64 (``online_rotation``, applied by a pre-hook: a Linear like the rest, so
+    the spread's float orders reach it too)."""
     from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
 
     assert group["type"] == "hadamard" and not group.get("randomize"), group
@@ -383,7 +392,11 @@ def _online_hadamard(modules: dict, group: dict) -> None:
         hit = [m for name, m in modules.items() if isinstance(m, torch.nn.Linear) and pattern.match(name)]
         assert hit, args
         for module in hit:
-            module.register_forward_pre_hook(lambda _m, a: ((a[0].double().unflatten(-1, (-1, block)) @ h).flatten(-2).to(a[0].dtype),))
+            rotation = ExactLinear(block, block, bias=False, dtype=torch.float64)
+            rotation.weight.data = h.T.contiguous()  # x @ h
+            module.add_module("online_rotation", rotation)
+            module.register_forward_pre_hook(
+                lambda m, a: (m.online_rotation(a[0].unflatten(-1, (-1, block))).flatten(-2), *a[1:]))
 
 
 EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")

@@ -44,8 +44,8 @@ def _split_sums(model: torch.nn.Module, seed: int) -> list:
         cut = 8 * int(torch.randint(n // 32, max(n // 32 + 1, 3 * n // 32), (1,), generator=generator))
 
         def hook(m, args, _out, cut=cut):
-            x = args[0]
-            y = F.linear(x[..., :cut], m.weight[:, :cut]) + F.linear(x[..., cut:], m.weight[:, cut:])
+            x, w = args[0], m.weight.to(args[0].dtype)  # in the input's precision (the float64 Hadamard too)
+            y = F.linear(x[..., :cut], w[:, :cut]) + F.linear(x[..., cut:], w[:, cut:])
             return y if m.bias is None else y + m.bias
 
         handles.append(module.register_forward_hook(hook))
