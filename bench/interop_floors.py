@@ -8,11 +8,10 @@ assumed: the reference is scored again with every Linear's product summed in two
 seeded column (a genuine reordering of the float32 sums), ``ORDERS`` (19) times, in the precision the
 consumer computes in (float32; bfloat16 for vLLM; bfloat16 quantized products for bitsandbytes).
 
-llama.cpp multiplies every quantized weight with its input rounded to 8-bit blocks (the weight
-type's ``vec_dot_type``: Q8_0 / Q8_1 per 32 values with a float16 step, Q8_K per 256 with a float32
-step) and float16 weights with float16 inputs. :func:`round_like_llama_cpp` hooks that rounding into
-the reference, each Linear by its own tensor's type in the GGUF file, so llama.cpp's distributions
-can be compared with the model it actually computes.
+llama.cpp multiplies every quantized weight with its input rounded to 8-bit blocks
+(:mod:`llmopt.formats.llama_cpp_inputs`); :func:`round_like_llama_cpp` hooks that rounding into the
+reference, each Linear by its own tensor's type in the GGUF file, so llama.cpp's distributions can
+be compared with the model it actually computes.
 """
 
 from __future__ import annotations
@@ -26,10 +25,6 @@ import torch.nn.functional as F
 # reorderings measured per spread: a consumer exchangeable with them lands beyond all of them with
 # probability 1 / (ORDERS + 1), so 19 makes "beyond them all" a rank test at the 5% level
 ORDERS = 19
-# ggml's vec_dot_type of each weight type: the block format a matmul's input is rounded to
-Q8_0_INPUTS = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}
-Q8_K_INPUTS = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S",
-               "IQ1_M"}
 
 
 def _split_sums(model: torch.nn.Module, seed: int) -> list:
@@ -133,31 +128,6 @@ def _padded(second_half, n_ctx: int):
     return out
 
 
-def _round_q8(x: torch.Tensor, block: int, half_step: bool) -> torch.Tensor:
-    """``x`` as llama.cpp's int8 activation blocks hold it (step: the block's largest |x| / 127,
-    kept in float16 for Q8_0 / Q8_1)."""
-    xf = x.float()
-    blocks = xf.reshape(*xf.shape[:-1], -1, block)
-    step = blocks.abs().amax(-1, keepdim=True) / 127
-    inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
-    codes = torch.round(blocks * inverse).clamp(-127, 127)
-    kept = step.half().float() if half_step else step
-    return (codes * kept).reshape(xf.shape).to(x.dtype)
-
-
-def input_rounding(ggml_type: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """How llama.cpp rounds the input of a matmul with a weight of ``ggml_type`` (None: kept float32)."""
-    if ggml_type in Q8_0_INPUTS:
-        return lambda x: _round_q8(x, 32, half_step=True)
-    if ggml_type in Q8_K_INPUTS:
-        return lambda x: _round_q8(x, 256, half_step=False)
-    if ggml_type == "F16":
-        return lambda x: x.half().to(x.dtype)
-    if ggml_type == "BF16":
-        return lambda x: x.bfloat16().to(x.dtype)
-    return None
-
-
 def gguf_types(gguf_path: Path) -> dict[str, str]:
     """GGUF tensor name → its ggml type name."""
     from gguf import GGUFReader
@@ -171,6 +141,8 @@ def round_like_llama_cpp(model: torch.nn.Module, gguf_path: Path) -> int:
     hooked. A tied head takes the embedding's type, as llama.cpp multiplies with ``token_embd``."""
     import gguf
     from gguf import GGUFReader
+
+    from llmopt.formats.llama_cpp_inputs import input_rounding
 
     reader = GGUFReader(str(gguf_path))
     arch_name = bytes(reader.fields["general.architecture"].parts[-1]).decode()

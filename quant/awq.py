@@ -26,12 +26,12 @@ from gguf import GGML_QUANT_SIZES
 from llmopt.linear_stats import LinearStats
 
 from llmopt.quant.clipping import clamp_to_ratio, search_clip_ratio
+from llmopt.formats.llama_cpp_inputs import rounded_to_int8_blocks
 from llmopt.formats.schemes import QuantScheme, compute_qparams, fake_quantize
 from llmopt.quant.mappings import ScaleMapping
 from llmopt.quant.method import GroupSizes, ScaleTransform, Schemes
 
 
-ACTIVATION_LEVELS = 127  # llama.cpp's int8 activation blocks: step = the block's largest |x| / 127
 SAMPLE_EVERY = 61  # calibration tokens between the input rows kept for the simulation
 
 
@@ -45,14 +45,6 @@ def activation_block(scheme: QuantScheme, in_features: int, group_size: int | No
     except ValueError:
         return None
     return None if carrier is None else GGML_QUANT_SIZES[carrier.qtype][0]
-
-
-def rounded_to_int8_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """``x`` ``[tokens, in]`` as llama.cpp's Q8 blocks hold it: per ``block`` values, int8 codes
-    with step the block's largest magnitude / 127."""
-    blocks = x.reshape(x.shape[0], -1, block)
-    step = (blocks.abs().amax(-1, keepdim=True) / ACTIVATION_LEVELS).clamp(min=1e-30)
-    return (torch.round(blocks / step) * step).reshape(x.shape)
 
 
 def activation_rounding_error(w: torch.Tensor, x: torch.Tensor, block: int, s: torch.Tensor | None = None) -> float:
