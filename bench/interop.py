@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 WORK = ROOT / "out" / "interop"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interop_floors import ORDERS  # noqa: E402 - the bench folder, put on the path above
+from interop_floors import ORDERS, VARIES  # noqa: E402 - the bench folder, put on the path above
 
 ROWS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "demo"]
 HF_OUTPUTS = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W8A8 rotated", "W4A8", "FP8_DYNAMIC", "NF4", "AUTO", "AUTO --for vllm",
@@ -585,7 +585,7 @@ def add_floors(cells: dict, output: str, source: Path, ckpt: Path, ids: list[int
     from llmopt.formats.compressed import loader_activation_rounding
 
     for consumer, cell in cells.items():
-        if consumer == "llmopt eval" or "max_dlogp" not in cell or cell.get("floor", {}).get("orders") == ORDERS:
+        if consumer == "llmopt eval" or "max_dlogp" not in cell or cell.get("floor", {}).get("varies") == VARIES:
             continue
         if judged({k: v for k, v in cell.items() if k != "floor"}, output, consumer)["status"] == "pass":
             continue
@@ -675,7 +675,8 @@ def write_md(data: dict) -> None:
              "every later layer (on the demo model's 30 layers, by whole tenths of a log-probability); bfloat16 (vLLM, "
              "bitsandbytes' NF4 kernel) moves unlikely tokens' log-probabilities and near-tied MoE routes. Where a cell is "
              f"outside its tolerance, the reference is scored again {ORDERS} times with every Linear's sum split at a seeded "
-             "column (another float order), in the consumer's precision; the consumer passes if it is no further from the "
+             "column and every decoder layer's input moved by about one unit in the last place at seeded entries (another "
+             "float order), in the consumer's precision; the consumer passes if it is no further from the "
              f"reference than the furthest of them (a rank test at the {100 / (ORDERS + 1):.0f}% level: a consumer computing the same "
              "model lands beyond all of them that rarely). The spread is listed under each table. llama.cpp multiplies "
              "quantized weights with inputs rounded to 8-bit blocks (Q8_0 / Q8_K, float16 steps for Q8_0): where its KLD "

@@ -5,8 +5,10 @@ reference than the reference is from itself under such orders. Formats that roun
 time (W8A8, W4A8, FP8_DYNAMIC) make that distance large: an input summed in another order lands on
 the neighbouring code, and the flip travels through every later layer. The spread is measured, not
 assumed: the reference is scored again with every Linear's product summed in two parts split at a
-seeded column (a genuine reordering of the float32 sums), ``ORDERS`` (19) times, in the precision the
-consumer computes in (float32; bfloat16 for vLLM; bfloat16 quantized products for bitsandbytes).
+seeded column (a genuine reordering of the float32 sums) and every decoder layer's input moved by
+about one unit in the last place at seeded entries (what another order of the norms, attention and
+residual sums leaves), ``ORDERS`` (19) times, in the precision the consumer computes in (float32;
+bfloat16 for vLLM; bfloat16 quantized products for bitsandbytes).
 
 llama.cpp multiplies every quantized weight with its input rounded to 8-bit blocks
 (:mod:`llmopt.formats.llama_cpp_inputs`); :func:`round_like_llama_cpp` hooks that rounding into the
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 # reorderings measured per spread: a consumer exchangeable with them lands beyond all of them with
 # probability 1 / (ORDERS + 1), so 19 makes "beyond them all" a rank test at the 5% level
 ORDERS = 19
+VARIES = "Linear sums split, hidden states' last bits"  # what each order changes (a spread of another kind is measured again)
 
 
 def _split_sums(model: torch.nn.Module, seed: int) -> list:
@@ -68,6 +71,25 @@ def _bf16_products(model: torch.nn.Module, names: set[str], seed: int) -> list:
     return handles
 
 
+def _last_bits(model: torch.nn.Module, seed: int) -> list:
+    """Pre-hooks moving half the entries of every decoder layer's input hidden state (seeded) by
+    about one unit in the last place, up or down: what computing the norms, attention and residual
+    sums in another order does to them."""
+    generator = torch.Generator().manual_seed(10_000 + seed)
+
+    def nudge(h: torch.Tensor) -> torch.Tensor:
+        sign = torch.randint(-1, 2, h.shape, generator=generator).to(h.dtype)
+        return h * (1 + sign * torch.finfo(h.dtype).eps)
+
+    def hook(_m, args, kwargs):
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": nudge(kwargs["hidden_states"])}
+        return (nudge(args[0]), *args[1:]), kwargs
+
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    return [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
+
+
 LARGER_IS_WORSE = ("max_dlogp", "kld_mean")
 
 
@@ -81,7 +103,7 @@ def spread(reference: torch.nn.Module, score: Callable[[torch.nn.Module], object
     model = reference.to(torch.bfloat16) if precision == "bfloat16" else reference
     worst: dict = {}
     for seed in range(ORDERS):
-        handles = _split_sums(model, seed)
+        handles = _split_sums(model, seed) + _last_bits(model, seed)
         if precision == "bf16-products":  # registered after the split sums, so their outputs are the ones kept
             handles += _bf16_products(model, quantized, seed)
         try:
@@ -93,7 +115,7 @@ def spread(reference: torch.nn.Module, score: Callable[[torch.nn.Module], object
             if isinstance(value, (int, float)) and key not in ("positions", "greedy_of"):
                 pick = max if key in LARGER_IS_WORSE else min
                 worst[key] = value if key not in worst else pick(worst[key], value)
-    return {**worst, "orders": ORDERS, "precision": precision}
+    return {**worst, "orders": ORDERS, "precision": precision, "varies": VARIES}
 
 
 def kld_distance(tokens, bos: int | None) -> tuple[Callable, Callable]:
