@@ -490,3 +490,39 @@ def test_nf4_transformers_load(nf4):
     nf4_effect = (want - logits(model, ids)).abs().max()
     assert (got - want).abs().max() < max(0.25 * nf4_effect, 1e-5)
     assert (got - want).abs().max() <= 2**-6 * want.abs().max()
+
+
+def test_nf4_keeps_moe_routers_float_and_transformers_runs_it(tmp_path):
+    """Routers stay in float with every method, NF4 included: a Qwen2-MoE's one-row shared-expert
+    gate quantized made bitsandbytes' CPU kernel fail in transformers (interop bench, measured)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                         shared_expert_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    model = Qwen2MoeForCausalLM(cfg).eval()
+    out = tmp_path / "nf4"
+    save_nf4(model, tiny_tokenizer(), out, [], {"method": "nf4"})
+    state = nf4_dequantized_state(out)
+    quantized = {k.removesuffix(".absmax") for k in state_keys(out) if k.endswith(".absmax")}
+    assert "model.layers.0.self_attn.q_proj.weight" in quantized
+    assert not {k for k in quantized if k.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))}
+    loaded = AutoModelForCausalLM.from_pretrained(out, device_map="cpu").eval()
+    reference = Qwen2MoeForCausalLM(cfg).eval()
+    reference.load_state_dict(model.state_dict())  # fused experts and routers as they were (float)
+    params = dict(reference.named_parameters())
+    with torch.no_grad():
+        for key in quantized:  # the quantized Linears dequantized
+            params[key].copy_(state[key])
+    ids = random_ids()
+    got, want = logits(loaded, ids), logits(reference, ids)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert (got - want).abs().max() <= 2**-6 * want.abs().max()  # bitsandbytes' bfloat16 products at most
+
+
+def state_keys(path: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return set(f.keys())

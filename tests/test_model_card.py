@@ -63,6 +63,33 @@ def test_cards_name_what_a_consumer_cannot_load():
     assert embedded["transformers"].startswith("cannot load a quantized embedding")
     assert "no quantized embedding / head" in embedded["vLLM"]
     assert consumers({})["vLLM"] == "loads"
+    # integer zero points in one group size: compressed-tensors 0.20 cannot load them either (interop: W4A16_ASYM)
+    assert consumers(config(4, ["Linear"], symmetric=False))["transformers"].startswith("cannot load integer zero points")
+
+
+def test_cards_of_moe_checkpoints_follow_what_the_interop_bench_measured():
+    """bench/results/interop.md, MoE rows: transformers 5.25 cannot convert experts with int8 activations
+    into its fused experts; vLLM's CPU build has no MoE kernel for FP8, W4A8 or asymmetric int4 experts
+    but serves W4A16 and W8A8 ones; its CPU build has no bitsandbytes."""
+    def config(weights, activations=None, experts=4):
+        group = {"targets": ["Linear"], "weights": {"type": "int", "symmetric": True, "group_size": None, **weights}}
+        if activations:
+            group["input_activations"] = {"num_bits": 8, "type": activations, "strategy": "token", "dynamic": True}
+        return {"num_local_experts": experts, "quantization_config": {"quant_method": "compressed-tensors",
+                                                                      "config_groups": {"g": group}}}
+
+    w8a8 = consumers(config({"num_bits": 8}, "int"))
+    assert w8a8["transformers"].startswith("cannot load it: transformers 5.25 fails to convert") and w8a8["vLLM"] == "loads"
+    w4a8 = consumers(config({"num_bits": 4, "group_size": 128}, "int"))
+    assert w4a8["transformers"].startswith("cannot load") and "no MoE kernel for these experts" in w4a8["vLLM"]
+    fp8 = consumers(config({"num_bits": 8, "type": "float"}, "float"))
+    assert fp8["transformers"] == "loads" and "no MoE kernel for these experts" in fp8["vLLM"]
+    w4a16 = consumers(config({"num_bits": 4, "group_size": 128}))
+    assert w4a16["transformers"] == "loads" and w4a16["vLLM"] == "loads"
+    dense_w4a8 = consumers({**config({"num_bits": 4, "group_size": 128}, "int"), "num_local_experts": None})
+    assert dense_w4a8["transformers"] == "loads" and dense_w4a8["vLLM"] == "loads"
+    nf4 = consumers({"quantization_config": {"quant_method": "bitsandbytes"}})
+    assert "CPU build (0.32) has no bitsandbytes" in nf4["vLLM"]
 
 
 def test_cards_of_float_zero_points():
@@ -77,4 +104,4 @@ def test_cards_of_float_zero_points():
     assert "no loader for float zero points" in found["vLLM"] and "6-bit" in found["vLLM"]
     groups["a"]["weights"].pop("zp_dtype")  # integer zero points in groups of two sizes: compressed-tensors' bug
     assert consumers({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": groups}})[
-        "transformers"].startswith("cannot load asymmetric groups")
+        "transformers"].startswith("cannot load integer zero points")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 CARD = "README.md"
 VLLM_BITS = {4, 8}  # integer widths vLLM's compressed-tensors kernels take (W4A16 / W8A16 / W8A8)
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # config.json keys of mixture-of-experts models
 
 
 def _front_matter(text: str) -> dict[str, str]:
@@ -38,7 +39,9 @@ def consumers(config: dict) -> dict[str, str]:
     if not qc:
         return {"transformers": "loads", "vLLM": "loads", "llama.cpp": "after `llmopt export --type …` (GGUF)", "llmopt": "loads"}
     if qc.get("quant_method") == "bitsandbytes":
-        return {"transformers": "loads (bitsandbytes)", "vLLM": "loads (bitsandbytes in-flight)",
+        return {"transformers": "loads (bitsandbytes)",
+                "vLLM": "loads on GPUs (bitsandbytes; not measured by llmopt); its CPU build (0.32) has no bitsandbytes "
+                        "method (measured)",
                 "llama.cpp": "no GGUF type holds NF4: `llmopt export` writes it dequantized", "llmopt": "loads"}
     groups = (qc.get("config_groups") or {}).values()
     weights = [g.get("weights") or {} for g in groups]
@@ -50,18 +53,29 @@ def consumers(config: dict) -> dict[str, str]:
     floats = [str(w.get("zp_dtype", "")).startswith("torch.float") for w in weights]
     float_zero = any(floats)
     asym = any(w.get("symmetric") is False and not f for w, f in zip(weights, floats))
-    grouped = len({w.get("group_size") for w in weights}) > 1
+    activations = {(g.get("input_activations") or {}).get("type") for g in groups} - {None}
+    moe = any(config.get(key) for key in MOE_KEYS)
+    dense_copy = "`llmopt export --format hf` writes a dense copy"
     out = {"llmopt": "loads (`llmopt eval`, `llmopt serve`)"}
-    out["transformers"] = ("cannot load a quantized embedding (compressed-tensors); `llmopt export --format hf` writes a dense copy"
-                           if embedding else "cannot load asymmetric groups of several sizes (compressed-tensors 0.20); "
-                           "`llmopt export --format hf` writes a dense copy" if asym and grouped else "loads")
+    out["transformers"] = (
+        f"cannot load a quantized embedding (compressed-tensors); {dense_copy}" if embedding
+        else f"cannot load integer zero points (compressed-tensors 0.20 builds them in another shape than it stores them, "
+             f"measured); {dense_copy}" if asym
+        else f"cannot load it: transformers 5.25 fails to convert experts with int8 activations into its fused experts "
+             f"(measured); {dense_copy}" if moe and "int" in activations
+        else "loads")
     problems = ([f"no kernel for {', '.join(odd)} codes"] if odd else []) + (["no quantized embedding / head"] if embedding or head else [])
     # vLLM 0.32 takes naive-quantized integer weights only beside quantized activations (an assertion on load, measured)
     problems += ["no loader for float zero points (llama.cpp's mins, naive-quantized)"] if float_zero else []
     weight_only_8 = any((g.get("weights") or {}).get("num_bits") == 8 and (g.get("weights") or {}).get("type") == "int"
                         and not g.get("input_activations") for g in groups)
+    # experts its CPU build (0.32) has no MoE kernel for (measured): FP8, int4 with int8 activations, asymmetric int4
+    cpu_moe_gap = moe and ("float" in activations or asym or any(
+        (g.get("weights") or {}).get("num_bits") == 4 and (g.get("input_activations") or {}).get("type") == "int" for g in groups))
     out["vLLM"] = ("cannot serve it: " + "; ".join(problems) + " (quantize with `--for vllm`)" if problems
-                   else "loads on GPUs; its CPU build has no 8-bit weight-only kernel" if weight_only_8 else "loads")
+                   else "loads on GPUs; its CPU build has no 8-bit weight-only kernel" if weight_only_8
+                   else "loads on GPUs (not measured by llmopt); its CPU build (0.32) has no MoE kernel for these experts "
+                        "(measured)" if cpu_moe_gap else "loads")
     out["llama.cpp"] = "after `llmopt export --type auto` (codes carried into GGUF blocks where a type holds them)"
     fp4_groups = [w for w in weights if w.get("type") == "float" and w.get("num_bits") == 4]
     if fp4_groups:  # NVFP4A16 (groups of 16) / MXFP4A16 (groups of 32)
@@ -73,7 +87,8 @@ def consumers(config: dict) -> dict[str, str]:
             w.get("group_size") == 32 for w in fp4_groups) else "after `llmopt export --type auto`, in F16 (GGUF has no NVFP4 type)")
     if any(a.get("location") == "input" for g in ((qc.get("transform_config") or {}).get("config_groups") or {}).values()
            for a in g.get("apply") or []):  # R4: its consumers must transform those inputs at run time
-        out["transformers"] = ("loads but ignores the online Hadamard in transform_config (transformers 5.25, measured): "
+        out["transformers"] = out["transformers"] if not out["transformers"].startswith("loads") else (
+                               "loads but ignores the online Hadamard in transform_config (transformers 5.25, measured): "
                                "wrong outputs; use `llmopt.load_model`, or `llmopt export --format hf` for a dense copy")
         out["vLLM"] = ("its CPU build (0.32) cannot: no hadacore_transform op (measured); its GPU builds run "
                        "compressed-tensors' online Hadamards (not measured by llmopt)")

@@ -625,13 +625,14 @@ def add_activation_quantization(model: Any, weights: dict[str, QuantizedWeight])
 
 
 def _nf4_skip_names(model: Any, ignore: list[str]) -> list[str]:
-    """Linear modules left in float: the output embedding plus those matched by ``ignore``."""
+    """Linear modules left in float: the output embedding, MoE routers (float with every method;
+    bitsandbytes' CPU kernel also fails on a one-row gate) and those matched by ``ignore``."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
-        if module is head or any(ignore_matches(name, pattern) for pattern in ignore):
+        if module is head or is_router(name) or any(ignore_matches(name, pattern) for pattern in ignore):
             names.append(name)
     return names
 
