@@ -86,6 +86,11 @@ def test_cards_of_moe_checkpoints_follow_what_the_interop_bench_measured():
     assert fp8["transformers"] == "loads" and "no MoE kernel for these experts" in fp8["vLLM"]
     w4a16 = consumers(config({"num_bits": 4, "group_size": 128}))
     assert w4a16["transformers"] == "loads" and w4a16["vLLM"] == "loads"
+    planned = config({"num_bits": 4, "group_size": 64})  # a mixed plan names each layer's experts
+    planned["quantization_config"]["config_groups"]["g"]["targets"] = ["model.layers.0.block_sparse_moe.experts.0.w1"]
+    assert consumers(planned)["transformers"].startswith("cannot load it: transformers 5.25 fails to convert")
+    planned["quantization_config"]["config_groups"]["g"]["targets"] = ["model.layers.0.mlp.experts.0.gate_proj"]
+    assert consumers(planned)["transformers"] == "loads"  # Qwen-MoE's names are transformers' own: they load
     dense_w4a8 = consumers({**config({"num_bits": 4, "group_size": 128}, "int"), "num_local_experts": None})
     assert dense_w4a8["transformers"] == "loads" and dense_w4a8["vLLM"] == "loads"
     nf4 = consumers({"quantization_config": {"quant_method": "bitsandbytes"}})

@@ -14,6 +14,7 @@ from pathlib import Path
 CARD = "README.md"
 VLLM_BITS = {4, 8}  # integer widths vLLM's compressed-tensors kernels take (W4A16 / W8A16 / W8A8)
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # config.json keys of mixture-of-experts models
+MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]$")  # names transformers renames on load
 
 
 def _front_matter(text: str) -> dict[str, str]:
@@ -61,8 +62,9 @@ def consumers(config: dict) -> dict[str, str]:
         f"cannot load a quantized embedding (compressed-tensors); {dense_copy}" if embedding
         else f"cannot load integer zero points (compressed-tensors 0.20 builds them in another shape than it stores them, "
              f"measured); {dense_copy}" if asym
-        else f"cannot load it: transformers 5.25 fails to convert experts with int8 activations into its fused experts "
-             f"(measured); {dense_copy}" if moe and "int" in activations
+        else f"cannot load it: transformers 5.25 fails to convert these experts (int8 activations, or formats named by "
+             f"Mixtral's on-disk names) into its fused experts (measured); {dense_copy}"
+        if moe and ("int" in activations or any(MIXTRAL_EXPERT.search(t) for t in targets))
         else "loads")
     problems = ([f"no kernel for {', '.join(odd)} codes"] if odd else []) + (["no quantized embedding / head"] if embedding or head else [])
     # vLLM 0.32 takes naive-quantized integer weights only beside quantized activations (an assertion on load, measured)
