@@ -505,6 +505,7 @@ def limitation(exc: BaseException) -> dict:
 def measure_hf(row: str, output: str, source: Path, folder: Path, args, cells: dict) -> None:
     from transformers import AutoModelForCausalLM
 
+    from llmopt.checkpoints.model_card import consumers
     from llmopt.checkpoints.models import load_model
     from llmopt.formats.compressed import loader_activation_rounding
 
@@ -560,6 +561,29 @@ def measure_hf(row: str, output: str, source: Path, folder: Path, args, cells: d
         except Exception as exc:  # noqa: BLE001
             cells["vLLM"] = {"status": "limitation", "detail": str(exc)[:300]}
     add_floors(cells, output, source, ckpt, ids)
+    claims = consumers(json.loads((ckpt / "config.json").read_text()))
+    for consumer in ("transformers", "vLLM"):
+        if consumer in cells:
+            cells[consumer]["card"] = claims[consumer]
+
+
+def card_runs_it(card: str, consumer: str) -> bool:
+    """Whether a model card's line says the consumer, as measured here (vLLM's CPU build), runs the output."""
+    return card.startswith("loads") and "its CPU build" not in card and "wrong outputs" not in card
+
+
+def card_disagreements(rows: dict) -> list[str]:
+    """Cells whose measured outcome (runs: pass or fail; does not: a limitation) the output's model card contradicts."""
+    found = []
+    for row, outputs in rows.items():
+        for output, cells in outputs.items():
+            for consumer, cell in cells.items():
+                if "card" in cell and cell["status"] != "not made":
+                    runs = cell["status"] != "limitation"
+                    if card_runs_it(cell["card"], consumer) != runs:
+                        found.append(f"- {row} × {output} × {consumer}: the card says \"{cell['card']}\", measured: "
+                                     f"{'runs' if runs else cell.get('detail', 'does not run')[:120]}")
+    return found
 
 
 def floor_precision(output: str, consumer: str) -> str:
@@ -724,6 +748,12 @@ def write_md(data: dict) -> None:
             for consumer, cell in cells.items():
                 status = judged(cell, output, consumer)["status"]
                 counts[status] = counts.get(status, 0) + 1
+    disagree = card_disagreements(rows)
+    with_card = sum("card" in cell for row in rows.values() for cells in row.values() for cell in cells.values())
+    lines += ["## Model cards", "", f"Each output's model card (README.md, `llmopt inspect`) says per consumer whether it runs it; "
+              f"against the {with_card} transformers / vLLM cells measured with a card: "
+              + (f"{len(disagree)} disagree:" if disagree else "every card agrees with its cells."), "", *disagree,
+              *([""] if disagree else [])]
     lines += ["## Totals", "", ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))]
     (RESULTS / "interop.md").write_text("\n".join(lines) + "\n")
 
