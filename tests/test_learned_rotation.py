@@ -59,18 +59,22 @@ def kld_on(model, weights, r, windows) -> float:
 
 
 def test_learning_keeps_the_matrix_orthogonal_and_lowers_the_objective():
+    """One window per step makes the path noisy (a start can end where it began after 24 steps), so
+    the objective is compared over four Hadamard starts: 0.93× of theirs on average, measured."""
     model, windows = model_and_windows(2)
     scheme = get_scheme("W4A16", 16)
-    start = rotation(64, "hadamard", torch.Generator().manual_seed(0))[0]
-    steps = []
-    learned, record = learn_residual_rotation(model, start, windows, scheme, 16, 24, 1.0, progress=lambda s, k: steps.append(s))
-    assert steps == list(range(1, 25))
-    assert learned.dtype == torch.float64 and learned.shape == (64, 64)
-    torch.testing.assert_close(learned @ learned.T, torch.eye(64, dtype=torch.float64), atol=1e-12, rtol=0)
-    assert (learned - start).abs().max() > 1e-3  # it moved
     weights = _RotatedWeights(model, scheme, 16, ())
-    before, after = kld_on(model, weights, start, windows), kld_on(model, weights, learned, windows)
-    assert after < 0.97 * before, (before, after)  # 6% lower here after 24 steps
+    ratios = []
+    for seed in range(4):
+        start = rotation(64, "hadamard", torch.Generator().manual_seed(seed))[0]
+        steps = []
+        learned, record = learn_residual_rotation(model, start, windows, scheme, 16, 24, 0.5, progress=lambda s, k: steps.append(s))
+        assert steps == list(range(1, 25))
+        assert learned.dtype == torch.float64 and learned.shape == (64, 64)
+        torch.testing.assert_close(learned @ learned.T, torch.eye(64, dtype=torch.float64), atol=1e-12, rtol=0)
+        assert (learned - start).abs().max() > 1e-3  # it moved
+        ratios.append(kld_on(model, weights, learned, windows) / kld_on(model, weights, start, windows))
+    assert sum(ratios) / len(ratios) < 0.97, ratios
     assert record["steps"] == 24 and record["windows"] == 6 and record["seq_len"] == 24
     assert all(p.requires_grad is False for p in model.parameters())
 
