@@ -30,6 +30,20 @@ ORDERS = 19
 VARIES = "Linear sums split, hidden states' last bits"  # what each order changes (a spread of another kind is measured again)
 
 
+def _cut(n: int, generator: torch.Generator) -> int:
+    """A seeded split point for ``n`` inputs: a multiple of 8 in their middle half."""
+    return 8 * int(torch.randint(n // 32, max(n // 32 + 1, 3 * n // 32), (1,), generator=generator))
+
+
+def _split_linear(x: torch.Tensor, w: torch.Tensor, cut: int, parts_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ w.T`` as two partial products split at input ``cut`` and added (each rounded to
+    ``parts_dtype`` first when given, the sum then in it)."""
+    first, second = F.linear(x[..., :cut], w[:, :cut]), F.linear(x[..., cut:], w[:, cut:])
+    if parts_dtype is not None:
+        first, second = first.to(parts_dtype), second.to(parts_dtype)
+    return first + second
+
+
 def _split_sums(model: torch.nn.Module, seed: int) -> list:
     """Forward hooks recomputing every Linear's output as two partial products summed (split at a
     seeded multiple of 8 in the middle half of its inputs): the same value in another float order."""
@@ -38,12 +52,10 @@ def _split_sums(model: torch.nn.Module, seed: int) -> list:
     for module in model.modules():
         if not isinstance(module, torch.nn.Linear) or module.in_features < 16:
             continue
-        n = module.in_features
-        cut = 8 * int(torch.randint(n // 32, max(n // 32 + 1, 3 * n // 32), (1,), generator=generator))
 
-        def hook(m, args, _out, cut=cut):
-            x, w = args[0], m.weight.to(args[0].dtype)  # in the input's precision (the float64 Hadamard too)
-            y = F.linear(x[..., :cut], w[:, :cut]) + F.linear(x[..., cut:], w[:, cut:])
+        def hook(m, args, _out, cut=_cut(module.in_features, generator)):
+            x = args[0]
+            y = _split_linear(x, m.weight.to(x.dtype), cut)  # in the input's precision (the float64 Hadamard too)
             return y if m.bias is None else y + m.bias
 
         handles.append(module.register_forward_hook(hook))
@@ -59,22 +71,18 @@ def _bf16_products(model: torch.nn.Module, names: set[str], seed: int) -> list:
     handles = []
     for name, module in model.named_modules():
         if name in names and isinstance(module, torch.nn.Linear):
-            n = module.in_features
-            cut = 8 * int(torch.randint(n // 32, max(n // 32 + 1, 3 * n // 32), (1,), generator=generator))
-
-            def hook(m, args, _out, cut=cut):
+            def hook(m, args, _out, cut=_cut(module.in_features, generator)):
                 x = args[0].bfloat16().to(args[0].dtype)
-                y = F.linear(x[..., :cut], m.weight[:, :cut]).bfloat16() + F.linear(x[..., cut:], m.weight[:, cut:]).bfloat16()
-                y = y.to(args[0].dtype)
+                y = _split_linear(x, m.weight, cut, torch.bfloat16).to(args[0].dtype)
                 return y if m.bias is None else y + m.bias
             handles.append(module.register_forward_hook(hook))
     return handles
 
 
 def _last_bits(model: torch.nn.Module, seed: int) -> list:
-    """Pre-hooks moving half the entries of every decoder layer's input hidden state (seeded) by
-    about one unit in the last place, up or down: what computing the norms, attention and residual
-    sums in another order does to them."""
+    """Pre-hooks moving two thirds of the entries of every decoder layer's input hidden state
+    (seeded) by about one unit in the last place, up or down: what computing the norms, attention
+    and residual sums in another order does to them."""
     generator = torch.Generator().manual_seed(10_000 + seed)
 
     def nudge(h: torch.Tensor) -> torch.Tensor:
