@@ -295,19 +295,20 @@ def compare(ref: dict, got: dict, consumer: str) -> dict:
             "greedy_of": len(ref["greedy"])}
 
 
-def independent_reference(source: Path, ckpt: Path, round_activations=None):
+def independent_reference(source: Path, ckpt: Path, rule: str = "llmopt"):
     """The source model with the checkpoint's dequantized weights put in place (read with
     ``read_compressed`` / the NF4 reader, not the eval loader), activations fake-quantized where
-    the checkpoint quantizes them (by ``round_activations(x, kind)``, default llmopt's own rule;
-    given compressed-tensors' rule, fused experts' inputs stay float, as that library only hooks
-    Linears)."""
+    the checkpoint quantizes them by ``rule``: "llmopt" (llmopt's and vLLM's rounding, fused
+    experts' inputs included) or "compressed-tensors" (transformers' loader: its own rounding,
+    fused experts' inputs left float, as that library only hooks Linears)."""
     from transformers import AutoModelForCausalLM
 
     from llmopt.checkpoints.lazy import read_tensors
     from llmopt.formats.compressed import loader_activation_rounding, nf4_dequantized_state, read_compressed
     from llmopt.formats.schemes import fake_quantize_activations
 
-    fake_quantize_activations = round_activations or fake_quantize_activations
+    by_library = rule == "compressed-tensors"
+    round_inputs = loader_activation_rounding if by_library else fake_quantize_activations
     stored = json.loads((ckpt / "config.json").read_text())
     tie = {"tie_word_embeddings": False} if stored.get("tie_word_embeddings") is False else {}  # a rotation unties the head
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **tie).eval()
@@ -327,9 +328,9 @@ def independent_reference(source: Path, ckpt: Path, round_activations=None):
     for name, qw in weights.items():
         kind = qw.scheme.activations
         if kind and name in modules:
-            modules[name].register_forward_pre_hook(lambda _m, args, kind=kind: (fake_quantize_activations(args[0], kind),))
-    if round_activations is not loader_activation_rounding:
-        _round_expert_inputs(model, {name: qw.scheme.activations for name, qw in weights.items()}, fake_quantize_activations)
+            modules[name].register_forward_pre_hook(lambda _m, args, kind=kind: (round_inputs(args[0], kind),))
+    if not by_library:
+        _round_expert_inputs(model, {name: qw.scheme.activations for name, qw in weights.items()}, round_inputs)
     model.tie_weights()
     return model
 
@@ -507,7 +508,6 @@ def measure_hf(row: str, output: str, source: Path, folder: Path, args, cells: d
 
     from llmopt.checkpoints.model_card import consumers
     from llmopt.checkpoints.models import load_model
-    from llmopt.formats.compressed import loader_activation_rounding
 
     try:
         ckpt = make_output(output, source, folder)
@@ -536,7 +536,7 @@ def measure_hf(row: str, output: str, source: Path, folder: Path, args, cells: d
             if output in ACTIVATION_OUTPUTS and cells["transformers"]["max_dlogp"] > TOLERANCE["transformers"]:
                 ours = cells["transformers"]
                 cells["transformers"] = {
-                    **compare(scored(independent_reference(source, ckpt, loader_activation_rounding), ids), theirs_scores,
+                    **compare(scored(independent_reference(source, ckpt, "compressed-tensors"), ids), theirs_scores,
                               "transformers"),
                     "plain_dlogp": ours["max_dlogp"],
                     "note": "compared with the reference rounding activations by compressed-tensors' rule (above; "
@@ -606,8 +606,6 @@ def add_floors(cells: dict, output: str, source: Path, ckpt: Path, ids: list[int
     the consumer's precision (``interop_floors.spread``), against which it is judged too."""
     from interop_floors import spread
 
-    from llmopt.formats.compressed import loader_activation_rounding
-
     for consumer, cell in cells.items():
         if consumer == "llmopt eval" or "max_dlogp" not in cell or cell.get("floor", {}).get("varies") == VARIES:
             continue
@@ -615,7 +613,7 @@ def add_floors(cells: dict, output: str, source: Path, ckpt: Path, ids: list[int
             continue
         precision = floor_precision(output, consumer)
         by_loader_rule = consumer == "transformers" and "plain_dlogp" in cell and output in ACTIVATION_OUTPUTS
-        reference = independent_reference(source, ckpt, loader_activation_rounding if by_loader_rule else None)
+        reference = independent_reference(source, ckpt, "compressed-tensors" if by_loader_rule else "llmopt")
         quantized = quantized_linears(ckpt) if precision == "bf16-products" else frozenset()
         cell["floor"] = spread(reference, lambda m: scored(m, ids), lambda a, b: compare(a, b, consumer), precision, quantized)
 

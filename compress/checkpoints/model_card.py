@@ -89,9 +89,9 @@ def consumers(config: dict) -> dict[str, str]:
             w.get("group_size") == 32 for w in fp4_groups) else "after `llmopt export --type auto`, in F16 (GGUF has no NVFP4 type)")
     if any(a.get("location") == "input" for g in ((qc.get("transform_config") or {}).get("config_groups") or {}).values()
            for a in g.get("apply") or []):  # R4: its consumers must transform those inputs at run time
-        out["transformers"] = out["transformers"] if not out["transformers"].startswith("loads") else (
-                               "loads but ignores the online Hadamard in transform_config (transformers 5.25, measured): "
-                               "wrong outputs; use `llmopt.load_model`, or `llmopt export --format hf` for a dense copy")
+        if out["transformers"].startswith("loads"):  # a checkpoint it cannot load says so first
+            out["transformers"] = ("loads but ignores the online Hadamard in transform_config (transformers 5.25, measured): "
+                                   "wrong outputs; use `llmopt.load_model`, or `llmopt export --format hf` for a dense copy")
         out["vLLM"] = ("its CPU build (0.32) cannot: no hadacore_transform op (measured); its GPU builds run "
                        "compressed-tensors' online Hadamards (not measured by llmopt)")
         out["llama.cpp"] = "no: GGUF cannot carry the online Hadamard; `llmopt export --format hf` writes a dense copy"
