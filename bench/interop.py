@@ -597,11 +597,15 @@ def floor_precision(output: str, consumer: str) -> str:
     return "bf16-products" if (output, consumer) == ("NF4", "transformers") else "float32"
 
 
-def quantized_linears(ckpt: Path) -> frozenset[str]:
-    """Names of the Linears a bitsandbytes checkpoint stores quantized (those with a quant state)."""
+def quantized_linears(ckpt: Path) -> dict[str, int]:
+    """The Linears a bitsandbytes checkpoint stores quantized (those with a quant state) → their
+    block size (values per stored absmax)."""
     from llmopt.checkpoints.lazy import read_tensors
 
-    return frozenset(k.partition(".weight.")[0] for k in read_tensors(ckpt) if ".weight.quant_state." in k)
+    tensors = read_tensors(ckpt)
+    names = {k.partition(".weight.")[0] for k in tensors if ".weight.quant_state." in k}
+    # the packed weight holds two 4-bit codes per byte
+    return {n: 2 * tensors[f"{n}.weight"].numel() // tensors[f"{n}.weight.absmax"].numel() for n in sorted(names)}
 
 
 def add_floors(cells: dict, output: str, source: Path, ckpt: Path, ids: list[int]) -> None:
@@ -617,7 +621,7 @@ def add_floors(cells: dict, output: str, source: Path, ckpt: Path, ids: list[int
         precision = floor_precision(output, consumer)
         by_loader_rule = consumer == "transformers" and "plain_dlogp" in cell and output in ACTIVATION_OUTPUTS
         reference = independent_reference(source, ckpt, "compressed-tensors" if by_loader_rule else "llmopt")
-        quantized = quantized_linears(ckpt) if precision == "bf16-products" else frozenset()
+        quantized = quantized_linears(ckpt) if precision == "bf16-products" else {}
         cell["floor"] = spread(reference, lambda m: scored(m, ids), lambda a, b: compare(a, b, consumer), precision, quantized)
 
 
@@ -682,7 +686,7 @@ def measure_gguf(row: str, output: str, source: Path, folder: Path, args, cells:
 
 def floor_note(floor: dict) -> str:
     precision = {"float32": "float32", "bfloat16": "bfloat16, as vLLM computes",
-                 "bf16-products": "bfloat16 products of the quantized Linears, as bitsandbytes computes"}[floor["precision"]]
+                 "bf16-products": "bfloat16 products of the quantized Linears, their NF4 blocks' absmax in bfloat16, as bitsandbytes' CPU path computes"}[floor["precision"]]
     return (f"the reference's own spread over {floor['orders']} float orders ({precision}): max |Δlogp| "
             f"{floor['max_dlogp']:.1e}, top-1 ≥ {100 * floor['top1']:.0f}%, greedy ≥ {floor['greedy_agree']}/{GREEDY_TOKENS}")
 

@@ -8,7 +8,8 @@ assumed: the reference is scored again with every Linear's product summed in two
 seeded column (a genuine reordering of the float32 sums) and every decoder layer's input moved by
 about one unit in the last place at seeded entries (what another order of the norms, attention and
 residual sums leaves), ``ORDERS`` (19) times, in the precision the consumer computes in (float32;
-bfloat16 for vLLM; bfloat16 quantized products for bitsandbytes).
+bfloat16 for vLLM; for bitsandbytes, bfloat16 quantized products with each NF4 block's absmax in
+bfloat16, as its CPU path casts it).
 
 llama.cpp multiplies every quantized weight with its input rounded to 8-bit blocks
 (:mod:`llmopt.formats.llama_cpp_inputs`); :func:`round_like_llama_cpp` hooks that rounding into the
@@ -62,18 +63,28 @@ def _split_sums(model: torch.nn.Module, seed: int) -> list:
     return handles
 
 
-def _bf16_products(model: torch.nn.Module, names: set[str], seed: int) -> list:
+def absmax_in_bf16(w: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """An NF4 weight (each block of ``blocksize`` values, row-major, is its codes times the block's
+    largest |value|) with each block's absmax rounded to bfloat16, as bitsandbytes' CPU path casts it."""
+    blocks = w.reshape(-1, blocksize)
+    absmax = blocks.abs().amax(1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)
+    return (blocks / absmax * absmax.bfloat16().to(w.dtype)).reshape(w.shape)
+
+
+def _bf16_products(model: torch.nn.Module, names: dict[str, int], seed: int) -> list:
     """Forward hooks computing the named Linears' products as bitsandbytes' CPU kernel does — the
-    input rounded to bfloat16, the output in bfloat16 (here two partial sums, split at a seeded
-    column, each rounded to bfloat16 and added in it: a bfloat16 order) — the rest of the model left
-    in float32."""
+    input and each NF4 block's absmax (``names``: Linear → its block size) rounded to bfloat16, the
+    output in bfloat16 (here two partial sums, split at a seeded column, each rounded to bfloat16
+    and added in it: a bfloat16 order) — the rest of the model left in float32."""
     generator = torch.Generator().manual_seed(seed)
     handles = []
     for name, module in model.named_modules():
         if name in names and isinstance(module, torch.nn.Linear):
-            def hook(m, args, _out, cut=_cut(module.in_features, generator)):
+            weight = absmax_in_bf16(module.weight.detach(), names[name])
+
+            def hook(m, args, _out, cut=_cut(module.in_features, generator), w=weight):
                 x = args[0].bfloat16().to(args[0].dtype)
-                y = _split_linear(x, m.weight, cut, torch.bfloat16).to(args[0].dtype)
+                y = _split_linear(x, w.to(x.dtype), cut, torch.bfloat16).to(args[0].dtype)
                 return y if m.bias is None else y + m.bias
             handles.append(module.register_forward_hook(hook))
     return handles
@@ -102,10 +113,10 @@ LARGER_IS_WORSE = ("max_dlogp", "kld_mean")
 
 
 def spread(reference: torch.nn.Module, score: Callable[[torch.nn.Module], object],
-           distance: Callable[[object, object], dict], precision: str, quantized: frozenset[str] = frozenset()) -> dict:
+           distance: Callable[[object, object], dict], precision: str, quantized: dict[str, int] | None = None) -> dict:
     """The largest distance of the reference from itself over ``ORDERS`` float orders in
     ``precision`` ("float32"; "bfloat16": the whole model; "bf16-products": the ``quantized``
-    Linears' products): each of ``distance``'s figures at its worst (the largest |Δlogp| or KLD,
+    Linears' products, by name with their NF4 block size): each of ``distance``'s figures at its worst (the largest |Δlogp| or KLD,
     the lowest agreement)."""
     base = score(reference)
     model = reference.to(torch.bfloat16) if precision == "bfloat16" else reference
@@ -113,7 +124,7 @@ def spread(reference: torch.nn.Module, score: Callable[[torch.nn.Module], object
     for seed in range(ORDERS):
         handles = _split_sums(model, seed) + _last_bits(model, seed)
         if precision == "bf16-products":  # registered after the split sums, so their outputs are the ones kept
-            handles += _bf16_products(model, quantized, seed)
+            handles += _bf16_products(model, quantized or {}, seed)
         try:
             got = distance(base, score(model))
         finally:
