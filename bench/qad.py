@@ -43,6 +43,8 @@ BASES = {
 # name → (starting checkpoint, distill options on top of --teacher demo --student BASE --quantized --data gutenberg)
 QAD = {
     f"{W4} + QAD (end to end, 150 steps)": (W4, ["--steps", "150", "--lr", "1e-3", "--code-lr", "1e-2"]),
+    f"{W4} + QAD (end to end, 150 steps, codes started at the teacher)": (W4, ["--steps", "150", "--lr", "1e-3", "--code-lr", "1e-2",
+                                                                             "--code-start", "teacher"]),
     f"{W4} + QAD (block 40 + end to end 150 steps)": (W4, ["--block-steps", "40", "--steps", "150", "--lr", "2e-3", "--code-lr", "2e-2"]),
     f"{Q3} + QAD (block 40 + end to end 150 steps)": (Q3, ["--block-steps", "40", "--steps", "150", "--lr", "2e-3", "--code-lr", "2e-2"]),
 }
@@ -106,6 +108,8 @@ def main() -> None:
             result["options"] = options
             result["training"] = {k: qad[k] for k in ("steps", "tokens", "train_seconds", "codes_changed", "codes", "seq_len")}
             result["training"]["batch_size"] = qad["settings"]["batch_size"]
+            if qad["student"].get("code_start") == "teacher":  # how many weights the teacher's values could start
+                result["training"]["started_near_teacher"] = f"{qad['student']['weights_started_near_teacher']} of {qad['student']['quantized_weights']}"
             result["training"]["final_loss"] = qad["loss_curve"][-1]["loss"] if qad["loss_curve"] else None
             if "block_phase" in qad:
                 result["training"]["block_seconds"] = qad["block_phase"].get("seconds")

@@ -78,7 +78,7 @@ def _student(request: DistillRequest, teacher, tokenizer, state, bf16: bool) -> 
     if request.student.quantized:  # every process loads the same checkpoint
         from llmopt.distillation.quantized import quantized_student
 
-        return quantized_student(request.student.student, teacher, tokenizer)
+        return quantized_student(request.student.student, teacher, tokenizer, request.student.code_start)
     if state.num_processes == 1:
         return build_student(request.student, teacher, tokenizer, request.teacher, bf16)
     shared = [None]

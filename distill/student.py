@@ -43,6 +43,7 @@ class StudentRequest:
     seed: int = 0
     drop_indices: list[int] | None = None  # drop these blocks instead of ranking them
     quantized: bool = False  # the student is a quantized checkpoint whose codes and scales train
+    code_start: str = "stored"  # quantized: latent codes start on the stored codes, or near the teacher's weights
 
     def validate(self) -> None:
         """Refuse incomplete or contradictory requests before anything is loaded."""

@@ -69,6 +69,22 @@ class FakeQuantWeight(nn.Module):
         return w if self.offset is None else w - self.offset
 
     @torch.no_grad()
+    def start_near(self, w: torch.Tensor, margin: float = 0.49) -> int:
+        """Move each latent code towards ``w`` (a float weight of this shape, in code units through
+        the current scales), at most ``margin`` of a step from its stored code: the rounded weight is
+        unchanged, but a code the float weight sits near the edge of flips after a small step, not
+        half a step. Returns how many latents moved."""
+        unit = self.scales.weight_scale(self.scale)
+        shifted = w.to(unit) if self.offset is None else w.to(unit) + self.offset
+        target = shifted / torch.where(unit == 0, torch.ones_like(unit), unit)
+        if self.zero is not None:
+            target = target + self.zero
+        stored = round_codes(self.latent, self.scales.original).float()
+        step = torch.where(unit == 0, torch.zeros_like(target), (target - stored).clamp(-margin, margin))
+        self.latent.copy_(stored + step)
+        return int((step != 0).sum())
+
+    @torch.no_grad()
     def clamp_(self) -> None:
         """Keep the latent codes within half a step of the grid's ends (beyond, they get no gradient back)."""
         self.latent.clamp_(self.low - 0.5, self.high + 0.5)

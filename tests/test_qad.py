@@ -20,7 +20,7 @@ from llmopt.formats.compressed import read_compressed
 from llmopt.formats.gguf_export import export_gguf
 from llmopt.formats.schemes import QuantizedWeight, get_scheme, superblock_scales
 from llmopt.pipeline.stages.quantize import QuantizeConfig, run_quantize
-from llmopt.quant.fake_quant import FakeQuantWeight, attach
+from llmopt.quant.fake_quant import FakeQuantWeight, attach, round_codes
 from tests.conftest import CORPORA, randomize, save_model, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,6 +45,49 @@ def test_fake_quant_starts_on_the_stored_weight_and_round_trips(scheme, group):
     assert back.codes.dtype == qw.codes.dtype and torch.equal(back.codes.float(), qw.codes.float())
     assert torch.allclose(back.scale, qw.scale, rtol=1e-2)  # stored scales: rounded as written
     assert torch.equal(back.dequantize(), FakeQuantWeight(back)().detach())
+
+
+@pytest.mark.parametrize("scheme, group", [("W4A16", 32), ("W4A16_ASYM", 32), ("Q4_K_M", 32)])
+def test_start_near_the_float_weight_keeps_the_checkpoint_and_puts_latents_at_its_value(scheme, group):
+    """RTN codes lie within half a step of the float weight: started near it, every latent sits at
+    the float value in code units (those within 0.49 of their code) or 0.49 from its code, and the
+    rounded weight is the stored one; one small step towards the edge then flips the codes that were
+    near it, which a start on the stored codes would not."""
+    from llmopt.quant.rtn import rtn_quantize_weight as rtn_quantize
+
+    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(4)) * 0.05
+    if scheme == "Q4_K_M":
+        from llmopt.formats.registry import FORMATS
+        qw = rtn_quantize(w, FORMATS["int4km"].scheme(group), group)
+    else:
+        qw = rtn_quantize(w, get_scheme(scheme, group), group)
+    fake, stored = FakeQuantWeight(qw), FakeQuantWeight(qw)
+    moved = fake.start_near(w)
+    assert fake.latent.shape == qw.codes.shape and 0 < moved <= qw.codes.numel()
+    codes = stored.latent.detach()
+    assert torch.equal(round_codes(fake.latent, qw).float(), codes) and torch.equal(fake().detach(), stored().detach())
+    offset = (fake.latent.detach() - codes).abs()
+    assert offset.max() <= 0.49 + 1e-6 and offset.mean() > 0.1
+    unit = fake.scales.weight_scale(fake.scale).detach()
+    back = fake.latent.detach() - (0 if fake.zero is None else fake.zero)
+    inside = offset < 0.489
+    expected = (w if fake.offset is None else w + fake.offset) / unit
+    assert torch.allclose((back * 1.0)[inside], expected[inside], atol=1e-4)
+    nudged = [f.latent.detach() + 0.02 * torch.sign(f.latent.detach() - codes) for f in (fake, stored)]
+    flips = [int((round_codes(n, qw).float() != codes).sum()) for n in nudged]
+    assert flips[0] > 0 and flips[1] == 0
+
+
+def test_teacher_in_student_basis_finds_the_folded_channel_scalings():
+    from llmopt.distillation.quantized import teacher_in_student_basis
+
+    g = torch.Generator().manual_seed(6)
+    teacher = torch.randn(48, 64, generator=g)
+    rows, cols = torch.rand(48, 1, generator=g) + 0.5, torch.rand(1, 64, generator=g) * 3 + 0.2
+    student = rows * teacher * cols + 1e-3 * torch.randn(48, 64, generator=g)
+    fitted = teacher_in_student_basis(teacher, student)
+    assert fitted.shape == student.shape
+    assert (fitted - student).abs().max() < 0.02 and (teacher - student).abs().max() > 1.0
 
 
 def test_straight_through_gradients_follow_the_scales():
@@ -186,6 +229,21 @@ def test_block_phase_lowers_every_layers_error_then_end_to_end_goes_further(qad_
     assert first["kl"] < 0.9 * start["kl"] and last["kl"] < first["kl"]
 
 
+def test_codes_start_near_the_teacher_where_it_maps_onto_them(qad_setup, tmp_path):
+    """The RTN student is the teacher's own weights rounded: every quantized weight starts near the
+    teacher (its fit is exact), and the run trains and saves as usual; with a zero step the saved
+    codes are the stored ones."""
+    root, teacher, quantized = qad_setup
+    result = _distill(qad_setup, tmp_path / "near", "--steps", "2", "--code-start", "teacher", "--code-lr", "1e-9", "--lr", "1e-9")
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "near" / "llmopt.json").read_text())["quantization_aware_distillation"]
+    student = record["student"]
+    assert student["code_start"] == "teacher"
+    assert student["weights_started_near_teacher"] == student["quantized_weights"] and student["latents_moved"] > 0
+    before, after = read_compressed(quantized)[0], read_compressed(tmp_path / "near")[0]
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k].codes, after[k].codes) for k in before)
+
+
 def test_ctrl_c_and_resume_give_the_uninterrupted_codes_block_phase_included(qad_setup, tmp_path):
     from llmopt.distillation.run import run_distill
     from llmopt.pipeline.stages.distill import DistillConfig
@@ -217,6 +275,7 @@ def test_ctrl_c_and_resume_give_the_uninterrupted_codes_block_phase_included(qad
 @pytest.mark.parametrize("args, message", [
     (["--code-lr", "1e-2"], "--code-lr applies only with --quantized"),
     (["--block-steps", "5"], "--block-steps applies only with --quantized"),
+    (["--code-start", "teacher"], "--code-start applies only with --quantized"),
     (["--quantized", "--student-from", "T", "--drop-layers", "1"], "--quantized trains a quantized checkpoint's codes"),
 ])
 def test_options_that_do_not_apply_are_refused(qad_setup, tmp_path, args, message):

@@ -32,6 +32,8 @@ REFUSALS = (
     *((name, _given, f"{name}= trains a quantized checkpoint's codes, read from disk",
        "distil the checkpoint by path: llmopt.distill(teacher_path, student=quantized_path, quantized=True, ...)")
       for name in ("quantized", "code_lr", "block_steps")),
+    ("code_start", lambda v: v not in (None, "stored"), "code_start= starts a quantized checkpoint's codes, read from disk",
+     "distil the checkpoint by path: llmopt.distill(teacher_path, student=quantized_path, quantized=True, code_start='teacher')"),
     ("data", lambda v: str(v).startswith("generated:"), "generated data is written by the runtime from a teacher checkpoint",
      "pass a corpus or texts, or distil checkpoints by path"),
 )

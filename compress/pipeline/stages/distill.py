@@ -50,6 +50,9 @@ class DistillConfig:
                              "(latent, on the format's grid, straight-through) and scales train against the teacher, and it is "
                              "saved in the same format (--lr: the scale multipliers' step).")
     code_lr: float | None = option(None, "With --quantized: Adam's step on the latent codes, in code units [default: 5e-3].")
+    code_start: str = option("stored", "With --quantized: where the latent codes start — on the stored codes, or near the teacher's "
+                                       "weights in code units (within half a step: the same checkpoint at step 0, codes near a rounding "
+                                       "edge move first).", choices=("stored", "teacher"))
     block_steps: int = option(0, "With --quantized: first train each decoder layer alone for N steps against the teacher's layer "
                                  "output (block-wise phase), then end to end.", metavar="N")
     block_windows: int = option(32, "With --block-steps: training windows the block-wise phase reads.", metavar="N")
@@ -77,7 +80,7 @@ class DistillConfig:
             teacher=self.teacher, output=Path(self.output),
             student=StudentRequest(student=self.student, student_from=self.student_from, drop_layers=self.drop_layers,
                                    width=self.width, layer_method=self.layer_method, calib=self.calib, seed=self.seed,
-                                   quantized=self.quantized),
+                                   quantized=self.quantized, code_start=self.code_start),
             settings=settings, data=self.data, validation=None if self.validation.lower() == "none" else self.validation,
             seq_len=self.seq_len, resume=self.resume, overwrite=self.overwrite,
             checkpoint_dir=Path(self.checkpoint_dir) if self.checkpoint_dir else None, show_progress=show_progress,
@@ -87,7 +90,7 @@ class DistillConfig:
         """The codes' step of a quantized student (0 otherwise); the quantized-only options are
         refused without ``--quantized``."""
         defaults = {f.name: f.default for f in fields(self)}
-        for name in ("code_lr", "block_steps", "block_windows"):
+        for name in ("code_lr", "code_start", "block_steps", "block_windows"):
             if getattr(self, name) != defaults[name] and not self.quantized:
                 flag = "--" + name.replace("_", "-")
                 raise LlmoptError(f"{flag} applies only with --quantized", f"add --quantized (and a quantized --student), or drop {flag}")
