@@ -45,6 +45,8 @@ QAD = {
     f"{W4} + QAD (end to end, 150 steps)": (W4, ["--steps", "150", "--lr", "1e-3", "--code-lr", "1e-2"]),
     f"{W4} + QAD (end to end, 150 steps, codes started at the teacher)": (W4, ["--steps", "150", "--lr", "1e-3", "--code-lr", "1e-2",
                                                                              "--code-start", "teacher"]),
+    f"{W4} + QAD (end to end, 150 steps, codes started at the teacher, code step 1e-3)": (
+        W4, ["--steps", "150", "--lr", "1e-3", "--code-lr", "1e-3", "--code-start", "teacher"]),
     f"{W4} + QAD (block 40 + end to end 150 steps)": (W4, ["--block-steps", "40", "--steps", "150", "--lr", "2e-3", "--code-lr", "2e-2"]),
     f"{Q3} + QAD (block 40 + end to end 150 steps)": (Q3, ["--block-steps", "40", "--steps", "150", "--lr", "2e-3", "--code-lr", "2e-2"]),
 }
