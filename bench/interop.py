@@ -570,7 +570,7 @@ def measure_hf(row: str, output: str, source: Path, folder: Path, args, cells: d
             cells[consumer]["card"] = claims[consumer]
 
 
-def card_runs_it(card: str, consumer: str) -> bool:
+def card_runs_it(card: str) -> bool:
     """Whether a model card's line says the consumer, as measured here (vLLM's CPU build), runs the output."""
     return card.startswith("loads") and "its CPU build" not in card and "wrong outputs" not in card
 
@@ -583,7 +583,7 @@ def card_disagreements(rows: dict) -> list[str]:
             for consumer, cell in cells.items():
                 if "card" in cell and cell["status"] != "not made":
                     runs = cell["status"] != "limitation"
-                    if card_runs_it(cell["card"], consumer) != runs:
+                    if card_runs_it(cell["card"]) != runs:
                         found.append(f"- {row} × {output} × {consumer}: the card says \"{cell['card']}\", measured: "
                                      f"{'runs' if runs else cell.get('detail', 'does not run')[:120]}")
     return found

@@ -71,18 +71,17 @@ def absmax_in_bf16(w: torch.Tensor, blocksize: int) -> torch.Tensor:
     return (blocks / absmax * absmax.bfloat16().to(w.dtype)).reshape(w.shape)
 
 
-def _bf16_products(model: torch.nn.Module, names: dict[str, int], seed: int) -> list:
-    """Forward hooks computing the named Linears' products as bitsandbytes' CPU kernel does — the
-    input and each NF4 block's absmax (``names``: Linear → its block size) rounded to bfloat16, the
-    output in bfloat16 (here two partial sums, split at a seeded column, each rounded to bfloat16
-    and added in it: a bfloat16 order) — the rest of the model left in float32."""
+def _bf16_products(model: torch.nn.Module, weights: dict[str, torch.Tensor], seed: int) -> list:
+    """Forward hooks computing the named Linears' products as bitsandbytes' CPU kernel does — with
+    ``weights`` (Linear → its weight, each NF4 block's absmax in bfloat16: :func:`absmax_in_bf16`),
+    the input rounded to bfloat16, the output in bfloat16 (here two partial sums, split at a seeded
+    column, each rounded to bfloat16 and added in it: a bfloat16 order) — the rest of the model left
+    in float32."""
     generator = torch.Generator().manual_seed(seed)
     handles = []
     for name, module in model.named_modules():
-        if name in names and isinstance(module, torch.nn.Linear):
-            weight = absmax_in_bf16(module.weight.detach(), names[name])
-
-            def hook(m, args, _out, cut=_cut(module.in_features, generator), w=weight):
+        if name in weights and isinstance(module, torch.nn.Linear):
+            def hook(m, args, _out, cut=_cut(module.in_features, generator), w=weights[name]):
                 x = args[0].bfloat16().to(args[0].dtype)
                 y = _split_linear(x, w.to(x.dtype), cut, torch.bfloat16).to(args[0].dtype)
                 return y if m.bias is None else y + m.bias
@@ -120,11 +119,14 @@ def spread(reference: torch.nn.Module, score: Callable[[torch.nn.Module], object
     the lowest agreement)."""
     base = score(reference)
     model = reference.to(torch.bfloat16) if precision == "bfloat16" else reference
+    modules = dict(model.named_modules())
+    bnb_weights = {name: absmax_in_bf16(modules[name].weight.detach(), block) for name, block in (quantized or {}).items()
+                   if isinstance(modules.get(name), torch.nn.Linear)}
     worst: dict = {}
     for seed in range(ORDERS):
         handles = _split_sums(model, seed) + _last_bits(model, seed)
         if precision == "bf16-products":  # registered after the split sums, so their outputs are the ones kept
-            handles += _bf16_products(model, quantized or {}, seed)
+            handles += _bf16_products(model, bnb_weights, seed)
         try:
             got = distance(base, score(model))
         finally:

@@ -28,9 +28,6 @@ from llmopt.quant.fake_quant import FakeQuantModel, attach
 from llmopt.distillation.student import Student, check_vocab
 
 
-CODE_STARTS = ("stored", "teacher")
-
-
 def teacher_in_student_basis(teacher_w: torch.Tensor, student_w: torch.Tensor, rounds: int = 10) -> torch.Tensor:
     """The teacher's weight with its rows and columns rescaled to best match the student's
     (least squares, alternating): the per-channel scalings AWQ / SmoothQuant folded into the
