@@ -119,6 +119,16 @@ class InputStats:
             self.sq_sum = self.sq_sum / s64.pow(2)
             self.abs_max = self.abs_max / s.float()
 
+    def permute_inputs(self, perm: torch.Tensor) -> None:
+        """Account for input channels reordered as ``x[perm]``."""
+        if self.xtx is not None:
+            self.xtx = self.xtx[perm][:, perm]
+        if self.drift is not None:
+            self.drift = self.drift[perm][:, perm]
+        self.samples = [rows[:, perm.cpu()] for rows in self.samples]
+        if self.abs_sum is not None:
+            self.abs_sum, self.sq_sum, self.abs_max = self.abs_sum[perm], self.sq_sum[perm], self.abs_max[perm]
+
 
 class LinearStats:
     """Collects input statistics of Linears through forward pre-hooks (a context manager).
@@ -296,11 +306,21 @@ class LinearStats:
                 seen.append(self._stats[name])
         return [list(s.names) for s in seen]
 
-    def scale_inputs(self, names: list[str], s: torch.Tensor) -> None:
-        """Inputs of ``names`` became ``x / s``; rescale each distinct accumulator once."""
-        done: list[InputStats] = []
+    def _accumulators(self, names: list[str]) -> list[InputStats]:
+        """The distinct accumulators behind ``names`` (each once)."""
+        found: list[InputStats] = []
         for name in names:
             st = self._stats.get(name)
-            if st is not None and all(st is not d for d in done):
-                st.scale_inputs(s)
-                done.append(st)
+            if st is not None and all(st is not f for f in found):
+                found.append(st)
+        return found
+
+    def scale_inputs(self, names: list[str], s: torch.Tensor) -> None:
+        """Inputs of ``names`` became ``x / s``; rescale each distinct accumulator once."""
+        for st in self._accumulators(names):
+            st.scale_inputs(s)
+
+    def permute_inputs(self, names: list[str], perm: torch.Tensor) -> None:
+        """Input channels of ``names`` were reordered as ``x[perm]``; reorder each distinct accumulator once."""
+        for st in self._accumulators(names):
+            st.permute_inputs(perm if st.xtx is None else perm.to(st.xtx.device))

@@ -7,7 +7,7 @@ import torch
 from llmopt.formats.registry import FORMATS
 from llmopt.pipeline.stages.quantize import QuantizeConfig
 from llmopt.formats.llama_cpp_inputs import rounded_to_int8_blocks
-from llmopt.quant.awq import activation_block, activation_rounding_error
+from llmopt.quant.channel_order import activation_block, activation_rounding_error
 
 
 def test_int8_blocks_round_as_llama_cpp_q8():
@@ -41,11 +41,15 @@ def test_scaling_a_large_channel_down_lowers_the_rounding_error():
 
 def test_blocks_follow_the_gguf_type_and_only_llama_requests_count_them():
     """K-quant weights round their inputs per 256 (Q8_K), 32-blocks per 32; the option is on (and
-    the statistics keep input rows) for a llama.cpp mixture or --for llama.cpp with AWQ only."""
+    the statistics keep input rows) for a llama.cpp mixture or --for llama.cpp only; GPTQ alone
+    gets the channel order (:mod:`llmopt.quant.channel_order`) there, uncalibrated RTN nothing."""
     assert activation_block(FORMATS["int4km"].scheme(32), 512, 32) == 256
     assert activation_block(FORMATS["int5m"].scheme(32), 576, 32) == 32
     mixture = QuantizeConfig(model="demo", output="x", scheme="Q5_K_M", method="awq+gptq").build_method()
     assert mixture.transform.llama_activations and mixture.transform.sample_every > 0
     plain = QuantizeConfig(model="demo", output="x", scheme="W4A16", method="awq+gptq").build_method()
     assert not plain.transform.llama_activations and plain.transform.sample_every == 0
-    assert QuantizeConfig(model="demo", output="x", scheme="Q5_K_M", method="gptq").build_method().transform is None
+    ordered = QuantizeConfig(model="demo", output="x", scheme="Q5_K_M", method="gptq").build_method()
+    assert ordered.name == "order+gptq" and ordered.transform.sample_every > 0  # the channel order first
+    assert QuantizeConfig(model="demo", output="x", scheme="W4A16", method="gptq").build_method().transform is None
+    assert QuantizeConfig(model="demo", output="x", scheme="Q5_K_M", method="rtn").build_method().transform is None

@@ -148,8 +148,11 @@ def test_q4_k_m_gptq_checkpoint_exports_exactly(float_dir, tmp_path):
     result = runner.invoke(main, ["quantize", str(float_dir), "--scheme", "Q4_K_M", "--method", "gptq", "--calib-samples", "4",
                                   "--calib-seq-len", "32", "-o", str(out)])
     assert result.exit_code == 0, result.output
-    planned = json.loads((out / "llmopt.json").read_text())["llama_mixture"]
+    record = json.loads((out / "llmopt.json").read_text())
+    planned = record["llama_mixture"]
     assert planned["mixture"] == "Q4_K_M" and len(planned["types"]) == 8 * 7 + 2
+    # GPTQ for llama.cpp orders each MLP's channels first: every layer's order is recorded
+    assert record["method_run"] == "order+gptq" and sum(record["mlp_channel_orders"].values()) == 8
     gguf = tmp_path / "q4km.gguf"
     result = runner.invoke(main, ["export", str(out), "--type", "Q4_K_M", "-o", str(gguf), "--json"])
     assert result.exit_code == 0, result.output

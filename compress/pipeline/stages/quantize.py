@@ -26,6 +26,7 @@ from llmopt.formats.schemes import PRESETS, QuantScheme
 from llmopt.pipeline.stages.base import device_option, eval_option, option, overwrite_option
 from llmopt.pipeline.stages.evaluate import evaluate_output
 from llmopt.quant.apply import QuantizeResult
+from llmopt.quant.channel_order import for_llama_cpp
 from llmopt.quant.head_fisher import FISHER_ROWS
 from llmopt.quant.method import QuantMethod
 from llmopt.quant.outer import OUTER_CHOICES
@@ -159,8 +160,8 @@ class QuantizeConfig:
             method = build_method(self.method, given)
         except ValueError as exc:
             raise LlmoptError(str(exc), "check --method and its options: llmopt quantize --help") from exc
-        if method.transform is not None and (self.is_mixture or self.for_consumer == "llama.cpp"):
-            method = replace(method, transform=method.transform.for_llama_cpp())
+        if self.is_mixture or self.for_consumer == "llama.cpp":
+            method = for_llama_cpp(method)
         return method
 
     @property
@@ -582,9 +583,20 @@ def result_record(result: QuantizeResult, method: QuantMethod) -> dict:
         "notices": result.notices,
         "options": {**_flat_options(method), "head_fisher_rows": FISHER_ROWS,
                     "gptq_after_awq": "sequential" if method.one_pass and method.transform is not None else None},
+        "method_run": method.name,  # with what a consumer adds (llama.cpp: AWQ counting its rounding, or the channel order)
+        **({"mlp_channel_orders": orders} if (orders := _channel_orders(result)) else {}),
         "quantize_seconds": round(result.seconds, 2),
         "engine_seconds": result.timings.to_dict(),
     }
+
+
+def _channel_orders(result: QuantizeResult) -> dict[str, int]:
+    """How many MLPs kept their stored channel order and how many were sorted, by which statistic."""
+    from collections import Counter
+
+    from llmopt.quant.channel_order import ChannelOrderResult
+
+    return dict(Counter(r.order for r in result.mappings if isinstance(r, ChannelOrderResult)))
 
 
 def _scale_dtype(source: Path) -> str:
