@@ -270,12 +270,8 @@ class LinearStats:
         return name in self._stats
 
     def _distinct(self, names: list[str]) -> list[InputStats]:
-        found: list[InputStats] = []
-        for name in names:
-            st = self._stats.get(name)
-            if st is not None and st.n_tokens and all(st is not f for f in found):
-                found.append(st)
-        return found
+        """The distinct accumulators behind ``names`` that saw tokens."""
+        return [st for st in self._accumulators(names) if st.n_tokens]
 
     def pooled_abs_mean(self, names: list[str]) -> torch.Tensor | None:
         """Mean |x| per channel over every token any of ``names`` saw (the experts behind one

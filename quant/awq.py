@@ -26,9 +26,9 @@ from typing import ClassVar
 import torch
 from llmopt.linear_stats import LinearStats
 
-from llmopt.quant.channel_order import SAMPLE_EVERY, activation_block, activation_rounding_error
+from llmopt.quant.channel_order import SAMPLE_EVERY, activation_block, activation_rounding_error, weight_rounding_error
 from llmopt.quant.clipping import clamp_to_ratio, search_clip_ratio
-from llmopt.formats.schemes import QuantScheme, compute_qparams, fake_quantize
+from llmopt.formats.schemes import QuantScheme
 from llmopt.quant.mappings import ScaleMapping
 from llmopt.quant.method import GroupSizes, ScaleTransform, Schemes
 
@@ -41,28 +41,6 @@ class AwqMappingResult:
     alpha: float
     loss_unscaled: float  # α = 0, i.e. no scaling
     loss: float  # at the chosen α (never above loss_unscaled)
-
-
-def quantization_output_error(
-    w: torch.Tensor,
-    hessian: torch.Tensor,
-    scheme: QuantScheme,
-    group_size: int | None,
-    s: torch.Tensor | None = None,
-) -> float:
-    """``tr(E H Eᵀ)`` with ``E = W − Q(W·s)/s`` (min-max qparams): with ``H = 2/n Σ x xᵀ`` this is
-    twice the mean squared output error of quantizing ``W`` with input scaling ``s``."""
-    wf = w.float()
-    if s is None:
-        ws = wf
-    else:
-        ws = wf * s.float().unsqueeze(0)
-    scale, zp = compute_qparams(ws, scheme, group_size, grid_tries=0)  # grids: a quick scale (the search ranks scalings)
-    wq = fake_quantize(ws, scale, zp, scheme, group_size)
-    if s is not None:
-        wq = wq / s.float().unsqueeze(0)
-    e = wf - wq
-    return float(((e @ hessian.float()) * e).sum())
 
 
 def awq_search_scale(
@@ -100,7 +78,7 @@ def awq_search_scale(
         se = None if s is None else mapping.expand(s)
         total = 0.0
         for w, h, part_scheme, gs, block, sample in parts:
-            total += quantization_output_error(w, h, part_scheme, gs, se)
+            total += weight_rounding_error(w, h, part_scheme, gs, se, grid_tries=0)  # a quick range: the search ranks scalings
             if sample is not None:
                 total += activation_rounding_error(w, sample, block, se)
         return total

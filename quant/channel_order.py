@@ -56,12 +56,19 @@ def activation_rounding_error(w: torch.Tensor, x: torch.Tensor, block: int, s: t
     return 2 * float((noise @ ws.T).pow(2).sum(1).mean())
 
 
-def weight_rounding_error(w: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, group_size: int | None) -> float:
-    """``tr(E H Eᵀ)`` of round-to-nearest in ``scheme`` (its own range search)."""
+def weight_rounding_error(w: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, group_size: int | None,
+                          s: torch.Tensor | None = None, grid_tries: int | None = None) -> float:
+    """``tr(E H Eᵀ)`` with ``E = W − Q(W·s)/s``, round-to-nearest in ``scheme`` (``grid_tries``: its range
+    search, None its default): with ``H = 2/n Σ x xᵀ`` twice the mean squared output error of
+    quantizing ``W`` with input scaling ``s``, computed in ``hessian``'s dtype."""
     wf = w.float()
-    scale, zero = compute_qparams(wf, scheme, group_size)
-    e = (wf - fake_quantize(wf, scale, zero, scheme, group_size)).double()
-    return float(((e @ hessian.double()) * e).sum())
+    ws = wf if s is None else wf * s.float().unsqueeze(0)
+    scale, zero = compute_qparams(ws, scheme, group_size, grid_tries=grid_tries)
+    wq = fake_quantize(ws, scale, zero, scheme, group_size)
+    if s is not None:
+        wq = wq / s.float().unsqueeze(0)
+    e = (wf - wq).to(hessian.dtype)
+    return float(((e @ hessian) * e).sum())
 
 
 @dataclass
@@ -102,7 +109,7 @@ def choose_order(w: torch.Tensor, hessian: torch.Tensor, samples: torch.Tensor, 
     ``(label, permutation or None for the stored order, cost of the stored order, cost)``."""
     def cost(perm: torch.Tensor | None) -> float:
         ws, h, x = (w, hessian, samples) if perm is None else (w[:, perm], hessian[perm][:, perm], samples[:, perm])
-        return activation_rounding_error(ws, x, block) + weight_rounding_error(ws, h, scheme, group_size)
+        return activation_rounding_error(ws, x, block) + weight_rounding_error(ws, h.double(), scheme, group_size)
 
     stored = best = cost(None)
     label, chosen = STORED, None

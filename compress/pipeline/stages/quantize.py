@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from llmopt.formats.schemes import PRESETS, QuantScheme
 from llmopt.pipeline.stages.base import device_option, eval_option, option, overwrite_option
 from llmopt.pipeline.stages.evaluate import evaluate_output
 from llmopt.quant.apply import QuantizeResult
-from llmopt.quant.channel_order import for_llama_cpp
+from llmopt.quant.channel_order import ChannelOrderResult, for_llama_cpp
 from llmopt.quant.head_fisher import FISHER_ROWS
 from llmopt.quant.method import QuantMethod
 from llmopt.quant.outer import OUTER_CHOICES
@@ -592,10 +593,6 @@ def result_record(result: QuantizeResult, method: QuantMethod) -> dict:
 
 def _channel_orders(result: QuantizeResult) -> dict[str, int]:
     """How many MLPs kept their stored channel order and how many were sorted, by which statistic."""
-    from collections import Counter
-
-    from llmopt.quant.channel_order import ChannelOrderResult
-
     return dict(Counter(r.order for r in result.mappings if isinstance(r, ChannelOrderResult)))
 
 
