@@ -96,20 +96,11 @@ def mlp_triples(linears: Mapping[str, nn.Linear]) -> list[tuple[str, str, str]]:
     return found
 
 
-def candidate_orders(hessian: torch.Tensor, samples: torch.Tensor, group_size: int | None = None) -> dict[str, torch.Tensor]:
+def candidate_orders(hessian: torch.Tensor, samples: torch.Tensor) -> dict[str, torch.Tensor]:
     """Channel orders to price: by mean square input (the Hessian's diagonal) and by largest sampled
-    input, largest first (GPTQ's activation order then follows the stored order); with a weight
-    ``group_size`` that divides the width, also whole groups in those orders (a group's key its
-    largest channel's), which moves the input blocks' contents but keeps every weight group's members."""
-    keys = {"mean square": hessian.diagonal().float(), "largest": samples.abs().amax(0).float()}
-    orders = {name: torch.argsort(key, descending=True, stable=True) for name, key in keys.items()}
-    width = hessian.shape[0]
-    if group_size and group_size < width and width % group_size == 0:
-        offsets = torch.arange(group_size)
-        for name, key in keys.items():
-            groups = torch.argsort(key.reshape(-1, group_size).amax(1), descending=True, stable=True)
-            orders[f"{name}, whole groups"] = (groups[:, None] * group_size + offsets[None, :]).reshape(-1)
-    return orders
+    input, largest first (GPTQ's activation order then follows the stored order)."""
+    return {"mean square": torch.argsort(hessian.diagonal(), descending=True, stable=True),
+            "largest": torch.argsort(samples.abs().amax(0), descending=True, stable=True)}
 
 
 def choose_order(w: torch.Tensor, hessian: torch.Tensor, samples: torch.Tensor, scheme: QuantScheme,
@@ -122,7 +113,7 @@ def choose_order(w: torch.Tensor, hessian: torch.Tensor, samples: torch.Tensor, 
 
     stored = best = cost(None)
     label, chosen = STORED, None
-    for name, perm in candidate_orders(hessian, samples, group_size).items():
+    for name, perm in candidate_orders(hessian, samples).items():
         value = cost(perm)
         if value < best:
             label, chosen, best = name, perm, value

@@ -53,33 +53,6 @@ def test_sorting_spread_spikes_into_one_block_lowers_the_cost():
     assert abs(best - expected) <= 1e-6 * expected
 
 
-def test_whole_groups_move_the_spikes_without_touching_weight_groups():
-    """A weight already on a 4-bit grid per group of 32 (as a model shipped quantized is) loses that
-    fit under any order that mixes its groups; moving whole groups keeps every group's members, so
-    its rounding error stays, while the groups holding the spikes come to share one input block."""
-    x = spiky_inputs(600, 1024, [5, 300, 600, 900], seed=5)
-    g = torch.Generator().manual_seed(6)
-    w = torch.randn(64, 1024, generator=g) / 32
-    lo, hi = w.reshape(64, 32, 32).aminmax(dim=-1)
-    step = ((hi - lo) / 15).unsqueeze(-1)
-    w = (lo.unsqueeze(-1) + torch.round((w.reshape(64, 32, 32) - lo.unsqueeze(-1)) / step) * step).reshape(64, 1024)
-    h = 2 * x.double().T @ x.double() / x.shape[0]
-    scheme = scheme_of(GGMLQuantizationType.Q5_K)
-    label, perm, stored, best = choose_order(w, h, x, scheme, 32, 256)
-    assert label.endswith("whole groups") and perm is not None and perm.shape == (1024,)
-    groups = perm.reshape(32, 32)
-    assert torch.equal(groups - groups[:, :1], torch.arange(32).expand(32, 32))  # each block of 32 one stored group
-    assert (groups[:, 0] % 32 == 0).all() and sorted((groups[:, 0] // 32).tolist()) == list(range(32))
-    assert set((groups[:8, 0] // 32).tolist()) >= {5 // 32, 300 // 32, 600 // 32, 900 // 32}
-    def weight_error(order: torch.Tensor) -> float:
-        return weight_rounding_error(w[:, order], h[order][:, order], scheme, 32)
-
-    stored_weight = weight_rounding_error(w, h, scheme, 32)  # only the super-blocks' shared scales change
-    assert weight_error(perm) <= 1.2 * stored_weight
-    assert weight_error(torch.argsort(x.abs().amax(0), descending=True)) >= 3 * stored_weight
-    assert best < 0.9 * stored
-
-
 def test_stored_order_is_kept_when_nothing_is_cheaper():
     """With the spikes already in one block, no candidate beats the stored order by the cost: it is kept."""
     x = spiky_inputs(600, 512, [0, 1, 2, 3], seed=2)
