@@ -12,11 +12,18 @@ texts, rotated W4A8 at most 1.3× the same rotated weights (R4 included) at W4A1
 SmoothQuant ≤ 0.01.
 Results: bench/results/rotations.{json,md}.
 
+With ``--llmcompressor-python`` (the python of a venv holding ``llmcompressor``, CPU), llm-compressor's
+QuIPModifier and SpinQuantModifier (R1 R2, and with R4) before its GPTQModifier, and its GPTQ alone, at
+the same W4A16 g128, on the same calibration windows and scored on the same evaluation windows
+(``bench/llmcompressor_rotations.py``, run under that python); the issue's target: rotated GPTQ at
+most llm-compressor's QuIP + GPTQ.
+
 With ``--speed``, the decode speed of the rotated W4A8 g128 checkpoint against the unrotated one in
 llmopt's runtime (``llmopt bench``: tg128, 2 threads, ``--rounds`` interleaved rounds of a median of
 5, the median over rounds); the issue's target: rotated at least 0.9× unrotated.
 
     python bench/rotations.py [--windows 4] [--calib-samples 128] [--force] [--only NAME] [--speed] [--report-only]
+                              [--llmcompressor-python /path/to/venv/bin/python]
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -65,6 +73,12 @@ TARGETS = [("W4A16 g128 GPTQ, rotated", "W4A16 g128 GPTQ", 0.6),
            ("W4A8 g128 GPTQ, rotated", "W4A16 g128 GPTQ, rotated + R4", 1.3)]  # the same rotations, weights alone
 W8A8_TARGET = 0.01  # mean KLD of W8A8 without SmoothQuant
 # decode speed: unrotated, rotated (the same formats; the rotated one has an untied float head)
+# llm-compressor's rows (bench/llmcompressor_rotations.py's recipe names), all W4A16 g128 as llmopt's
+ANCHORS = {f"llm-compressor {recipe} (W4A16 g128)": recipe
+           for recipe in ("GPTQ", "QuIP + GPTQ", "SpinQuant R1 R2 + GPTQ", "SpinQuant R1 R2 R4 + GPTQ")}
+# (llmopt's variant, llm-compressor's row it must not exceed in mean KLD)
+ANCHOR_TARGETS = [("W4A16 g128 GPTQ, rotated", "llm-compressor QuIP + GPTQ (W4A16 g128)"),
+                  ("W4A16 g128 GPTQ, rotated + R4", "llm-compressor QuIP + GPTQ (W4A16 g128)")]
 SPEED_PAIR = ("W4A8 g128 GPTQ", "W4A8 g128 GPTQ, rotated")
 SPEED_TARGET = 0.9
 
@@ -113,6 +127,7 @@ def main() -> None:
     parser.add_argument("--speed", action="store_true", help="measure decode speeds (rotated vs unrotated) only")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--report-only", action="store_true", help="rewrite rotations.md from rotations.json")
+    parser.add_argument("--llmcompressor-python", help="python of a venv holding llmcompressor: measure its rows only")
     args = parser.parse_args()
     torch.set_num_threads(2)
     path = RESULTS / "rotations.json"
@@ -122,6 +137,12 @@ def main() -> None:
         return
     if args.speed:
         data["speed"] = decode_speeds(args.rounds, args.calib_samples)
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        write_md(data)
+        return
+    if args.llmcompressor_python:
+        data.setdefault("anchors", {}).update(llmcompressor_rows(args.llmcompressor_python, args.windows, args.calib_samples,
+                                                                  args.only))
         path.write_text(json.dumps(data, indent=1) + "\n")
         write_md(data)
         return
@@ -153,6 +174,32 @@ def main() -> None:
 
     run_variants(list(VARIANTS), data["variants"], measure, kld_summary, save, args.only, args.force)
     save()
+
+
+def llmcompressor_rows(python: str, windows: int, calib_samples: int, only: list[str] | None) -> dict:
+    """llm-compressor's :data:`ANCHORS` rows, measured by ``bench/llmcompressor_rotations.py`` under ``python``
+    on llmopt's calibration windows (``austen``, seed 0, 512 tokens) and evaluation windows."""
+    from llmopt.accuracy import eval_data
+    from llmopt.checkpoints.models import load_model, resolve_model
+    from llmopt.core.data import calibration_ids
+
+    names = [name for name in ANCHORS if not only or any(o in name for o in only)]
+    demo = resolve_model("demo")
+    _, tok = load_model(demo)
+    calib, record = calibration_ids(tok, "austen", calib_samples, 512, 0)
+    WORK.mkdir(parents=True, exist_ok=True)
+    inputs, output = WORK / "llmcompressor-inputs.pt", WORK / "llmcompressor-scores.json"
+    torch.save({"model": str(demo), "calibration": calib, "variants": [ANCHORS[n] for n in names], "output": str(output),
+                "eval": {name: eval_data(tok, text, 2048, windows).windows for name, text in TEXTS.items()}}, inputs)
+    log(f"llm-compressor: {', '.join(names)} …")
+    done = subprocess.run([python, str(Path(__file__).with_name("llmcompressor_rotations.py")), str(inputs)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"llm-compressor's run failed:\n{done.stderr[-3000:]}")
+    measured = json.loads(output.read_text())
+    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return {name: {**measured["variants"][ANCHORS[name]], "versions": measured["versions"], "measured": when,
+                   "calibration": f"{record['name']}, {calib_samples} × 512 tokens, seed 0"} for name in names}
 
 
 def workdir(name: str) -> Path:
@@ -201,6 +248,32 @@ def write_md(data: dict) -> None:
             worst = max(rows[name][t]["kld_mean"] for t in TEXTS)
             lines.append(f"- {name} (no SmoothQuant): mean KLD at most {worst:.4f} (target ≤ {W8A8_TARGET}: "
                          f"{'met' if worst <= W8A8_TARGET else '**missed**'})")
+    anchors = data.get("anchors", {})
+    if anchors:
+        versions = next(iter(anchors.values()))["versions"]
+        lines += ["", f"llm-compressor {versions['llmcompressor']} (compressed-tensors {versions['compressed-tensors']}, "
+                  f"transformers {versions['transformers']}, its own venv, CPU), the same W4A16 g128 (groups of 64 where 128 "
+                  "does not divide the inputs, the head in float), calibration windows and evaluation windows; scored as "
+                  "its `oneshot` leaves the model (transforms fused, online ones as hooks; "
+                  "`bench/llmcompressor_rotations.py`):", "",
+                  "| llm-compressor recipe | KLD wiki (mean / p99) | top-1 wiki | KLD held-out (mean / p99) | top-1 held-out | "
+                  "seconds | measured |", "|---|---|---:|---|---:|---:|---|"]
+        for name, r in anchors.items():
+            w, h = r["wiki"], r["heldout"]
+            lines.append(f"| {name} | {w['kld_mean']:.4f} / {w['kld_p99']:.3f} | {100 * w['top1']:.1f}% | "
+                         f"{h['kld_mean']:.4f} / {h['kld_p99']:.3f} | {100 * h['top1']:.1f}% | {r['quantize_seconds']:.0f} | "
+                         f"{r['measured'][:10]} |")
+        lines.append("")
+        for name, anchor in ANCHOR_TARGETS:
+            if name in rows and anchor in anchors:
+                ratios = [rows[name][t]["kld_mean"] / anchors[anchor][t]["kld_mean"] for t in TEXTS]
+                lines.append(f"- {name} / {anchor}, mean KLD: " + ", ".join(f"{t} {r:.2f}×" for t, r in zip(TEXTS, ratios))
+                             + f" (target ≤ 1×: {'met' if max(ratios) <= 1 else '**missed**'})")
+        plain = "llm-compressor GPTQ (W4A16 g128)"
+        for name in anchors:
+            if name != plain and plain in anchors:
+                ratios = [anchors[name][t]["kld_mean"] / anchors[plain][t]["kld_mean"] for t in TEXTS]
+                lines.append(f"- {name} / {plain}, mean KLD: " + ", ".join(f"{t} {r:.2f}×" for t, r in zip(TEXTS, ratios)))
     speed = data.get("speed")
     if speed:
         (plain, rotated), m = SPEED_PAIR, speed["median_tok_s"]

@@ -1,0 +1,99 @@
+"""llm-compressor's rotations + GPTQ on given windows: run by ``bench/rotations.py --llmcompressor-python``
+under the python of a venv holding ``llmcompressor`` (its own venv: it pins its own transformers and
+compressed-tensors), never under llmopt's.
+
+Reads a ``torch.save`` file of ``{"model": float checkpoint dir, "calibration": [n, len] ids,
+"eval": {text: [windows, len] ids}, "variants": [names], "output": json path}``; for each variant
+runs ``oneshot`` with that recipe (W4A16 as llmopt's rows: int4 symmetric groups of 128, of 64
+where 128 does not divide the inputs, the head left float) and scores the quantized model as llm-compressor leaves it in memory — transforms
+fused into the weights, online ones as hooks — against the float model on the same windows: mean
+and p99 KLD and top-1, the formulas of ``bench/rotations.py``. Writes the scores as JSON.
+
+    /path/to/llmcompressor-venv/bin/python bench/llmcompressor_rotations.py INPUTS.pt
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from importlib.metadata import version
+
+import torch
+
+
+def int4_groups() -> dict:
+    """int4 symmetric weights in groups of 128 — of 64 where 128 does not divide the inputs (the
+    demo's 576), as llmopt's W4A16 g128 does — for every Linear but the head."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    def int4(group: int) -> QuantizationArgs:
+        return QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
+
+    return {"down": QuantizationScheme(targets=["re:.*down_proj$"], weights=int4(128)),
+            "rest": QuantizationScheme(targets=["re:.*(q|k|v|o|gate|up)_proj$"], weights=int4(64))}
+
+
+def recipe(name: str) -> list:
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from llmcompressor.modifiers.transform import QuIPModifier, SpinQuantModifier
+
+    gptq = GPTQModifier(config_groups=int4_groups(), ignore=["lm_head"])
+    rotations = {
+        # QuIP's input-side rotation of every Linear (its documented recommendation), randomized Hadamards
+        # (576 is not a power of two, which the plain "hadamard" type needs)
+        "QuIP + GPTQ": [QuIPModifier(rotations=["v"], transform_type="random-hadamard", ignore="lm_head")],
+        # SpinQuant's offline rotations: R1 on the residual stream, R2 per value head
+        "SpinQuant R1 R2 + GPTQ": [SpinQuantModifier(rotations=["R1", "R2"], transform_type="random-hadamard")],
+        "SpinQuant R1 R2 R4 + GPTQ": [SpinQuantModifier(rotations=["R1", "R2", "R4"], transform_type="random-hadamard")],
+        "GPTQ": [],
+    }
+    return rotations[name] + [gptq]
+
+
+@torch.inference_mode()
+def log_probs(model, windows: torch.Tensor) -> list[torch.Tensor]:
+    return [model(x[None]).logits[0].float().log_softmax(-1) for x in windows]
+
+
+@torch.inference_mode()
+def scores(model, eval_ids: dict, reference: dict) -> dict:
+    out = {}
+    for text, windows in eval_ids.items():
+        klds, same = [], []
+        for logp, base in zip(log_probs(model, windows), reference[text]):
+            klds.append((base.exp() * (base - logp)).sum(-1))
+            same.append(base.argmax(-1) == logp.argmax(-1))
+        kld = torch.cat(klds)
+        out[text] = {"kld_mean": kld.mean().item(), "kld_p99": kld.quantile(0.99).item(),
+                     "top1": torch.cat(same).float().mean().item(), "tokens": kld.numel()}
+    return out
+
+
+def main() -> None:
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
+    inputs = torch.load(sys.argv[1])
+    torch.set_num_threads(2)
+    calib = inputs["calibration"]
+    data = Dataset.from_dict({"input_ids": calib.tolist(), "attention_mask": torch.ones_like(calib).tolist()})
+    load = lambda: AutoModelForCausalLM.from_pretrained(inputs["model"], dtype=torch.float32).eval()  # noqa: E731
+    reference = {text: log_probs(load(), w) for text, w in inputs["eval"].items()}
+    results = {"versions": {p: version(p) for p in ("llmcompressor", "compressed-tensors", "transformers", "torch")},
+               "variants": {}}
+    for name in inputs["variants"]:
+        model = load()
+        start = time.perf_counter()
+        oneshot(model=model, dataset=data, recipe=recipe(name), max_seq_length=calib.shape[1],
+                num_calibration_samples=calib.shape[0])
+        seconds = time.perf_counter() - start
+        results["variants"][name] = {**scores(model.eval(), inputs["eval"], reference), "quantize_seconds": round(seconds, 1)}
+        print(name, json.dumps(results["variants"][name]), flush=True)
+        with open(inputs["output"], "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
