@@ -6,8 +6,8 @@ Reads a ``torch.save`` file of ``{"model": float checkpoint dir, "calibration": 
 "eval": {text: [windows, len] ids}, "variants": [names], "output": json path}``; for each variant
 runs ``oneshot`` with that recipe (W4A16 as llmopt's rows: int4 symmetric groups of 128, of 64
 where 128 does not divide the inputs, the head left float) and scores the quantized model as llm-compressor leaves it in memory — transforms
-fused into the weights, online ones as hooks — against the float model on the same windows: mean
-and p99 KLD and top-1, the formulas of ``bench/rotations.py``. Writes the scores as JSON.
+fused into the weights, online ones as hooks — against the float model on the same windows with
+``bench/rotations.py``'s ``scores`` (mean and p99 KLD, top-1). Writes the scores as JSON.
 
     /path/to/llmcompressor-venv/bin/python bench/llmcompressor_rotations.py INPUTS.pt
 """
@@ -18,8 +18,12 @@ import json
 import sys
 import time
 from importlib.metadata import version
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rotations import scores  # noqa: E402  (the same formulas as llmopt's rows; rotations.py imports no llmopt at load)
 
 
 def int4_groups() -> dict:
@@ -56,20 +60,6 @@ def log_probs(model, windows: torch.Tensor) -> list[torch.Tensor]:
     return [model(x[None]).logits[0].float().log_softmax(-1) for x in windows]
 
 
-@torch.inference_mode()
-def scores(model, eval_ids: dict, reference: dict) -> dict:
-    out = {}
-    for text, windows in eval_ids.items():
-        klds, same = [], []
-        for logp, base in zip(log_probs(model, windows), reference[text]):
-            klds.append((base.exp() * (base - logp)).sum(-1))
-            same.append(base.argmax(-1) == logp.argmax(-1))
-        kld = torch.cat(klds)
-        out[text] = {"kld_mean": kld.mean().item(), "kld_p99": kld.quantile(0.99).item(),
-                     "top1": torch.cat(same).float().mean().item(), "tokens": kld.numel()}
-    return out
-
-
 def main() -> None:
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -89,7 +79,9 @@ def main() -> None:
         oneshot(model=model, dataset=data, recipe=recipe(name), max_seq_length=calib.shape[1],
                 num_calibration_samples=calib.shape[0])
         seconds = time.perf_counter() - start
-        results["variants"][name] = {**scores(model.eval(), inputs["eval"], reference), "quantize_seconds": round(seconds, 1)}
+        with torch.inference_mode():
+            measured = scores(model.eval(), inputs["eval"], reference)
+        results["variants"][name] = {**measured, "quantize_seconds": round(seconds, 1)}
         print(name, json.dumps(results["variants"][name]), flush=True)
         with open(inputs["output"], "w") as f:
             json.dump(results, f, indent=1)
