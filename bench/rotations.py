@@ -72,7 +72,6 @@ TARGETS = [("W4A16 g128 GPTQ, rotated", "W4A16 g128 GPTQ", 0.6),
            ("W4A16 g128 GPTQ, learned rotation", "W4A16 g128 GPTQ", 0.6),
            ("W4A8 g128 GPTQ, rotated", "W4A16 g128 GPTQ, rotated + R4", 1.3)]  # the same rotations, weights alone
 W8A8_TARGET = 0.01  # mean KLD of W8A8 without SmoothQuant
-# decode speed: unrotated, rotated (the same formats; the rotated one has an untied float head)
 # llm-compressor's rows (bench/llmcompressor_rotations.py's recipe names), all W4A16 g128 as llmopt's
 ANCHORS = {f"llm-compressor {recipe} (W4A16 g128)": recipe
            for recipe in ("GPTQ", "QuIP + GPTQ", "SpinQuant R1 R2 + GPTQ", "SpinQuant R1 R2 R4 + GPTQ")}
@@ -82,6 +81,7 @@ ANCHOR_PAIRS = [("W4A16 g128 GPTQ, rotated", "llm-compressor QuIP + GPTQ (W4A16 
                 ("W4A16 g128 GPTQ", "llm-compressor GPTQ (W4A16 g128)", False),
                 ("W4A16 g128 GPTQ, rotated", "llm-compressor SpinQuant R1 R2 + GPTQ (W4A16 g128)", False),
                 ("W4A16 g128 GPTQ, rotated + R4", "llm-compressor SpinQuant R1 R2 R4 + GPTQ (W4A16 g128)", False)]
+# decode speed: unrotated, rotated (the same formats; the rotated one has an untied float head)
 SPEED_PAIR = ("W4A8 g128 GPTQ", "W4A8 g128 GPTQ, rotated")
 SPEED_TARGET = 0.9
 
