@@ -143,6 +143,8 @@ def main() -> None:
         path.write_text(json.dumps(data, indent=1) + "\n")
         write_md(data)
         return
+    if args.llmcompressor_python and not Path(args.llmcompressor_python).is_file():
+        parser.error(f"--llmcompressor-python {args.llmcompressor_python} is not a file: pass the python of the venv holding llmcompressor")
     if args.llmcompressor_python:
         data.setdefault("anchors", {}).update(llmcompressor_rows(args.llmcompressor_python, args.windows, args.calib_samples,
                                                                   args.only))

@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 from llmopt.linear_stats import LinearStats
 
-from llmopt.quant.channel_order import SAMPLE_EVERY, activation_block, activation_rounding_error, weight_rounding_error
+from llmopt.quant.rounding_cost import SAMPLE_EVERY, activation_block, activation_rounding_error, weight_rounding_error
 from llmopt.quant.clipping import clamp_to_ratio, search_clip_ratio
 from llmopt.formats.schemes import QuantScheme
 from llmopt.quant.mappings import ScaleMapping

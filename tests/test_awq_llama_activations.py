@@ -7,7 +7,7 @@ import torch
 from llmopt.formats.registry import FORMATS
 from llmopt.pipeline.stages.quantize import QuantizeConfig
 from llmopt.formats.llama_cpp_inputs import rounded_to_int8_blocks
-from llmopt.quant.channel_order import activation_block, activation_rounding_error
+from llmopt.quant.rounding_cost import activation_block, activation_rounding_error
 
 
 def test_int8_blocks_round_as_llama_cpp_q8():

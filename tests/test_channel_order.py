@@ -10,8 +10,8 @@ from llmopt.formats.llama_cpp_inputs import rounded_to_int8_blocks
 from llmopt.formats.registry import FORMATS
 from llmopt.linear_stats import LinearStats
 from llmopt.quant.llama_mixtures import scheme_of
-from llmopt.quant.channel_order import (STORED, activation_rounding_error, choose_order, mlp_triples,
-                                        order_mlp_channels, permute_mlp, weight_rounding_error)
+from llmopt.quant.channel_order import STORED, choose_order, mlp_triples, order_mlp_channels, permute_mlp
+from llmopt.quant.rounding_cost import activation_rounding_error, weight_rounding_error
 from tests.conftest import tiny_llama
 
 
