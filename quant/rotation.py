@@ -23,12 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from llmopt.core.errors import LlmoptError
-from llmopt.formats.hadamard import DOWN_PROJ_TARGET, OnlineHadamard, block_for, fuse_into_weight
+from llmopt.formats.hadamard import fuse_into_weight
 
 ROTATIONS = ("none", "hadamard", "orthogonal", "learned")
 READERS_ATTN = ("q_proj", "k_proj", "v_proj", "qkv_proj")
 READERS_MLP = ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "gate", "shared_expert_gate")
 WRITERS = ("o_proj", "down_proj", "w2")
+ROUTERS = ("gate", "shared_expert_gate")  # MoE routers: kept in float, so an online transform gains nothing
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
@@ -120,13 +121,11 @@ class Rotation:
     kv_heads: int
     head_dim: int
     record: dict
-    online: OnlineHadamard | None = None  # R4: a Hadamard on the dense MLPs' down_proj inputs, at run time
 
     @classmethod
-    def for_config(cls, config: dict, kind: str, seed: int = 0, online_down: bool = False,
+    def for_config(cls, config: dict, kind: str, seed: int = 0,
                    residual: tuple[torch.Tensor, dict] | None = None) -> Rotation:
-        """``online_down``: add R4 (for schemes that quantize activations) where the MLP width allows.
-        ``kind`` ``learned`` takes the residual rotation and its record from ``residual``
+        """``kind`` ``learned`` takes the residual rotation and its record from ``residual``
         (:func:`llmopt.quant.learned_rotation.learn_residual_rotation`); its heads get Hadamards."""
         check_rotatable(config)
         hidden = int(config["hidden_size"])
@@ -144,16 +143,7 @@ class Rotation:
                   "seed": seed}
         if kind == "learned":
             record["learned"] = residual[1]
-        online = None
-        if online_down:
-            width = int(config.get("intermediate_size") or 0)
-            block = block_for(width)
-            if block is None:
-                record["online"] = f"none: the MLP width {width} has no power-of-two factor of at least 16"
-            else:
-                online = OnlineHadamard((DOWN_PROJ_TARGET,), block)
-                record["online"] = online.record()
-        return cls(q, h, heads, kv_heads, head_dim, record, online)
+        return cls(q, h, heads, kv_heads, head_dim, record)
 
     def embedding(self, weight: torch.Tensor) -> torch.Tensor:
         return (weight.double() @ self.q).to(weight.dtype)
@@ -162,9 +152,11 @@ class Rotation:
         """The output head with the final norm's scale folded in, reading the rotated stream."""
         return ((weight.double() * final_norm.double()[None, :]) @ self.q).to(weight.dtype)
 
-    def layer_tensor(self, rest: str, part: str, tensor: torch.Tensor, norms: dict[str, torch.Tensor]) -> torch.Tensor:
+    def layer_tensor(self, rest: str, part: str, tensor: torch.Tensor, norms: dict[str, torch.Tensor],
+                     online_block: int | None = None) -> torch.Tensor:
         """One decoder-layer tensor (``rest``: its module path in the layer; ``part``: weight / bias);
-        ``norms``: the layer's input norms' scales by reader role (``reads-attn``, ``reads-mlp``)."""
+        ``norms``: the layer's input norms' scales by reader role (``reads-attn``, ``reads-mlp``);
+        ``online_block``: the order of an online Hadamard on this Linear's input, fused in as well."""
         if rest in ("input_layernorm", "post_attention_layernorm"):
             return torch.ones_like(tensor)
         role = _role(rest)
@@ -178,8 +170,8 @@ class Rotation:
             if leaf == "o_proj" and part == "weight":  # the value heads' rotation, undone on the inputs
                 x = (x.reshape(x.shape[0], self.heads, self.head_dim) @ self.h).reshape(x.shape)
             x = self.q.T @ x
-            if self.online is not None and part == "weight" and self.online.applies_to(rest):
-                x = fuse_into_weight(x, self.online.block)
+            if online_block is not None and part == "weight":
+                x = fuse_into_weight(x, online_block)
             return x.to(tensor.dtype)
         # a reader: the output rows of v (or of v inside a fused qkv) are rotated per head
         v_rows = _value_rows(leaf, x.shape[0], self.heads, self.kv_heads, self.head_dim)
@@ -189,7 +181,23 @@ class Rotation:
             x[v_rows] = (self.h.T @ v.reshape(self.kv_heads, self.head_dim, -1)).reshape(v.shape)
         if part == "weight":
             x = (x * norms[role][None, :]) @ self.q
+            if online_block is not None:
+                x = fuse_into_weight(x, online_block)
         return x.to(tensor.dtype)
+
+
+def transformable_linears(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """The decoder Linears an online input transform may go on, by their path in the layer
+    (``self_attn.q_proj`` …), with their input widths; ``shapes``: a layer's tensors by that path
+    and part (``self_attn.q_proj.weight``). MoE experts (fused into 3-D tensors in memory) and
+    routers are left out."""
+    found = {}
+    for key, shape in shapes.items():
+        rest, _, part = key.rpartition(".")
+        leaf = rest.rpartition(".")[2]
+        if part == "weight" and len(shape) == 2 and _role(rest) is not None and leaf not in ROUTERS and ".experts." not in f".{rest}.":
+            found[rest] = int(shape[1])
+    return found
 
 
 def _value_rows(leaf: str, rows: int, heads: int, kv_heads: int, head_dim: int) -> slice | None:

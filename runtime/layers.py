@@ -177,13 +177,17 @@ def _cat_bias(parts: list[Linear]) -> torch.Tensor | None:
 
 def merge_linears(parts: list[Linear]) -> Linear:
     """One linear computing ``cat([p(x) for p in parts], -1)``: weights concatenated along the
-    output dimension when the formats agree, a ``ConcatLinear`` otherwise."""
+    output dimension when the formats agree, a ``ConcatLinear`` otherwise. Linears reading the same
+    online transform of the input transform it once, before their merged product."""
     if len(parts) == 1:
         return parts[0]
+    first = parts[0]
+    if isinstance(first, TransformedLinear) and all(
+            isinstance(p, TransformedLinear) and (p.block, p.transform) == (first.block, first.transform) for p in parts):
+        return TransformedLinear(merge_linears([p.inner for p in parts]), first.block, first.transform)
     if all(isinstance(p, DenseLinear) for p in parts):
         return DenseLinear(torch.cat([p.full_weight() for p in parts]), _cat_bias(parts))
     if all(isinstance(p, QuantLinear) for p in parts):
-        first = parts[0]
         same = all(
             (p.group_size, p.activations, p.scheme_name, p.codes.dtype, p.zero_point is None, p.scale.shape[1], p.kernel)
             == (first.group_size, first.activations, first.scheme_name, first.codes.dtype, first.zero_point is None,

@@ -103,6 +103,7 @@ def test_notebook_flow_quantize_generate_save_reload(tmp_path, tok):
 @pytest.mark.parametrize("scheme, method, dtype, extra", [
     ("W4A16", "rtn", torch.float32, {}),
     ("W4A16", "gptq", torch.float32, {"group_size": 32}),
+    ("W4A16", "gptq", torch.float32, {"group_size": 32, "online_hadamard": "all"}),  # fused and hooked in memory
     ("W8A16", "gptq", torch.bfloat16, {"head": "int8"}),  # a bf16 model, its head by GPTQ (untied)
     ("W8A8", "smoothquant", torch.float32, {}),
 ])
@@ -293,7 +294,7 @@ def test_oneshot_with_a_yaml_recipe_that_prunes_distills_and_quantizes(tmp_path,
     (lambda m, t: llmopt.quantize(m, t, scheme="NF4"), "NF4 is written by bitsandbytes"),
     (lambda m, t: llmopt.quantize(m, t, scheme="W4A16", tune_steps=4), "rewrites a quantized checkpoint on disk"),
     (lambda m, t: llmopt.quantize(m, t, scheme="W8A8", rotate="hadamard"), "rotate rewrites the float checkpoint on disk"),
-    (lambda m, t: llmopt.quantize(m, t, scheme="W8A8", online_hadamard="on"), "online_hadamard goes with rotate"),
+    (lambda m, t: llmopt.quantize(m, t, scheme="W8A8", online_hadamard="on"), "online_hadamard on / off go with rotate"),
     (lambda m, t: llmopt.quantize(m, t, scheme="W4A16", method="gptq", calib="self"), "sampled from a checkpoint"),
     (lambda m, t: llmopt.quantize(m, t, scheme="W4A16", dataset=TEXTS), "method rtn takes no calibration data"),
     (lambda m, t: llmopt.quantize(m, None, scheme="W4A16", method="gptq", dataset=TEXTS), "needs the model's tokenizer"),

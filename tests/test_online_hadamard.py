@@ -25,6 +25,7 @@ from llmopt.formats.hadamard import (
     fuse_into_weight,
     hadamard_matrix,
     online_inputs,
+    transform_config,
     transform_inputs,
 )
 from llmopt.formats.schemes import fake_quantize_activations
@@ -80,7 +81,7 @@ def test_transform_config_is_compressed_tensors_r4():
     theirs.mlp = torch.nn.Module()
     theirs.mlp.down_proj = torch.nn.Linear(96, 8, bias=False)
     theirs.mlp.down_proj.weight.data.copy_(model.mlp.down_proj.weight.data)
-    apply_transform_config(theirs, TransformConfig.model_validate(transform.transform_config()))
+    apply_transform_config(theirs, TransformConfig.model_validate(transform_config([transform])))
     fused = fuse_into_weight(model.mlp.down_proj.weight.detach(), transform.block)
     torch.testing.assert_close(theirs.mlp.down_proj.weight.detach(), fused, rtol=0, atol=1e-6)
     model.mlp.down_proj.weight.data = fused
@@ -88,7 +89,7 @@ def test_transform_config_is_compressed_tensors_r4():
     with torch.no_grad():
         torch.testing.assert_close(model.mlp.down_proj(x), want, rtol=0, atol=1e-5)
         torch.testing.assert_close(theirs.mlp.down_proj(x), want, rtol=0, atol=1e-5)
-    assert online_inputs({"transform_config": transform.transform_config()}) == [transform]
+    assert online_inputs({"transform_config": transform_config([transform])}) == [transform]
 
 
 @pytest.mark.parametrize("group,why", [
@@ -141,11 +142,11 @@ def test_online_transform_keeps_the_function_and_helps_int8_activations(tmp_path
     kld = {}
     for online in (False, True):
         out = tmp_path / f"rot-{online}"
-        record = rotate_checkpoint(src, out, "hadamard", seed=1, online_down=online)
+        record = rotate_checkpoint(src, out, "hadamard", seed=1, online="down" if online else "off")
         rotated = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        transforms = [OnlineHadamard.from_record(record["online"])] if online else []
-        assert online == ("online" in record)
-        assert not online or record["online"]["block"] == block_for(model.config.intermediate_size)
+        transforms = OnlineHadamard.from_record(record.get("online"))
+        assert online == ("online" in record) and len(transforms) == int(online)
+        assert not online or transforms == [OnlineHadamard((DOWN_PROJ_TARGET,), block_for(model.config.intermediate_size))]
         add_input_hooks(rotated, transforms)
         with torch.no_grad():
             same = rotated(ids).logits.log_softmax(-1)
@@ -172,7 +173,7 @@ def test_rotated_w8a8_checkpoint_runs_everywhere_the_transform_is_known(tmp_path
     block = block_for(model.config.intermediate_size)
     assert transforms == [OnlineHadamard((DOWN_PROJ_TARGET,), block)]
     TransformConfig.model_validate(qconfig["transform_config"])
-    assert json.loads((out / "llmopt.json").read_text())["rotation"]["online"]["block"] == block
+    assert OnlineHadamard.of_provenance(json.loads((out / "llmopt.json").read_text())) == transforms
     card = (out / "README.md").read_text()
     assert "ignores the online Hadamard" in card and "GGUF cannot carry the online Hadamard" in card
 
@@ -212,7 +213,7 @@ def test_consumers_of_a_weight_only_rotation_are_unchanged():
     plain = consumers({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": groups}})
     assert consumers({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": groups,
                                               "transform_config": fused}}) == plain
-    online = {"config_groups": {"R4": OnlineHadamard((DOWN_PROJ_TARGET,), 64).transform_config()["config_groups"]["R4"]}}
+    online = transform_config([OnlineHadamard((DOWN_PROJ_TARGET,), 64)])
     got = consumers({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": groups, "transform_config": online}})
     assert sorted(got) == sorted(plain) and got["transformers"].startswith("loads but ignores") and got["llama.cpp"].startswith("no:")
 
@@ -226,7 +227,11 @@ def test_smoothquant_with_rotation_and_activations_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--scheme", "W8A8", "--online-hadamard", "on"], "--online-hadamard applies with --rotate"),
+    (["--scheme", "W8A8", "--online-hadamard", "on"], "--online-hadamard on applies with --rotate"),
+    (["--scheme", "W8A8", "--online-hadamard", "off"], "--online-hadamard off applies with --rotate"),
+    (["--scheme", "W4A16", "--method", "awq", "--online-hadamard", "all"], "--method awq cannot fold"),
+    (["--scheme", "Q4_K_M", "--online-hadamard", "all"], "plans formats per tensor"),
+    (["--scheme", "NF4", "--online-hadamard", "all"], "carry no online transforms"),
     (["--scheme", "W4A16", "--method", "awq", "--rotate", "hadamard", "--online-hadamard", "on"], "--method awq cannot fold"),
     (["--scheme", "Q4_K_M", "--rotate", "hadamard", "--online-hadamard", "on"], "plans formats per tensor"),
     (["--scheme", "W4A16", "--rotate", "hadamard", "--online-hadamard", "on", "--tune-steps", "4"], "--tune-steps does not run"),

@@ -162,7 +162,10 @@ def test_llmcompressor_recipe_mapping(tmp_path):
     for body, message in [("SpinQuantModifier: {rotations: [R1, R2, R3]}", "it has no R3"),
                           ("SpinQuantModifier: {learnable: true}", "no learned rotations"),
                           ("SpinQuantModifier: {transform_type: dct}", "transform_type 'dct'"),
-                          ("QuIPModifier: {rotations: [v, u]}", "'QuIPModifier' is not supported")]:
+                          ("QuIPModifier: {rotations: [v, u]}", "it has no output rotation u"),
+                          ("QuIPModifier: {transform_type: random-matrix}", "transform_type 'random-matrix'"),
+                          ("QuIPModifier: {transform_block_size: 64}", "transform_block_size: 64 is not supported"),
+                          ("QuIPModifier: {targets: [re:.*mlp.*]}", "llmopt transforms every decoder Linear's input")]:
         bad = write(tmp_path, f"""
             s_stage:
               s_modifiers:
@@ -171,6 +174,24 @@ def test_llmcompressor_recipe_mapping(tmp_path):
         """, "bad.yaml")
         with pytest.raises(LlmoptError, match=re.escape(message)):
             load_recipe(str(bad), ["model=demo"])
+    quip = write(tmp_path, """
+        s_stage:
+          s_modifiers:
+            QuIPModifier: {rotations: [v], transform_type: random-hadamard}
+            GPTQModifier: {scheme: W4A16, targets: Linear, ignore: [lm_head]}
+    """, "quip.yaml")
+    (stage,) = load_recipe(str(quip), ["model=demo"]).stages
+    assert (stage.options["scheme"], stage.options["method"], stage.options["online_hadamard"]) == ("W4A16", "gptq", "all")
+    assert "rotate" not in stage.options  # QuIP alone: no offline rotation
+    both = write(tmp_path, """
+        s_stage:
+          s_modifiers:
+            QuIPModifier: {}
+            SpinQuantModifier: {rotations: [R1, R2]}
+            GPTQModifier: {scheme: W4A16, targets: Linear, ignore: [lm_head]}
+    """, "both.yaml")
+    (stage,) = load_recipe(str(both), ["model=demo"]).stages
+    assert (stage.options["rotate"], stage.options["online_hadamard"]) == ("hadamard", "all")
     alone = write(tmp_path, """
         s_stage:
           s_modifiers:

@@ -23,7 +23,7 @@ from llmopt.checkpoints.in_memory import InMemoryModel
 from llmopt.checkpoints.streaming import StreamedModel
 from llmopt.checkpoints.writer import DEFAULT_SHARD_BYTES, ShardedWriter
 from llmopt.formats.compressed import final_quantization_config, quantized_tensors, sparsity_config, write_side_files
-from llmopt.formats.hadamard import OnlineHadamard
+from llmopt.formats.hadamard import OnlineHadamard, transform_config
 from llmopt.formats.schemes import QuantizedWeight
 
 
@@ -66,8 +66,8 @@ class QuantizedCheckpointWriter:
         if pruned:  # the source was pruned to an N:M pattern that quantization keeps (zeros stay code 0)
             qconfig["sparsity_config"] = sparsity_config(pruned["pattern"], pruned["overall"], qconfig["ignore"])
         online = OnlineHadamard.of_provenance(record)
-        if online is not None:  # an online Hadamard fused into the down projections: consumers apply it
-            qconfig["transform_config"] = online.transform_config()
+        if online:  # online Hadamards fused into the weights: consumers apply them to the inputs
+            qconfig["transform_config"] = transform_config(online)
         write_side_files(self.stream.model, tokenizer, self.out_dir, qconfig, record)
 
     def _stored_names(self, qconfig: dict) -> dict:

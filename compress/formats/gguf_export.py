@@ -592,8 +592,8 @@ def _refuse_online_transforms(source: Any, model: Any) -> None:
     except ValueError as exc:
         raise LlmoptError(f"{model}: {exc}") from exc
     if online:
-        raise LlmoptError(f"{model} applies an online Hadamard to its {', '.join(online[0].targets)} inputs "
-                          "(transform_config), which GGUF cannot carry",
+        raise LlmoptError(f"{model} applies an online Hadamard to the inputs of Linears matching "
+                          f"{', '.join(t for o in online for t in o.targets)} (transform_config), which GGUF cannot carry",
                           "export the float model, or quantize for GGUF without --rotate or with a weight-only scheme")
 
 

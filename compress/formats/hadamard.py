@@ -9,9 +9,13 @@ Sylvester's ±1 matrix of order ``B`` scaled by ``1 / √B``, block-diagonal ove
 ``B`` (its ``head_dim``) is smaller than the width. ``B`` here is the largest power of two that
 divides the width, so a fast Walsh–Hadamard transform applies it in ``log2 B`` steps per value.
 
-The checkpoint says so in ``quantization_config.transform_config`` (one config group with an
-online ``input`` and a fused ``weight_input`` entry, as llm-compressor's SpinQuant R4 writes it);
-:func:`online_inputs` reads that back and refuses transforms llmopt cannot run.
+The same placement on the input of *every* decoder Linear (QuIP's input-side rotation, in block
+form) spreads the weights' outliers over each group before weight-only quantization too:
+:func:`plan_online` groups the Linears by block, one transform per block size.
+
+The checkpoint says so in ``quantization_config.transform_config`` (one config group per transform,
+each with an online ``input`` and a fused ``weight_input`` entry, as llm-compressor's SpinQuant R4
+writes it); :func:`online_inputs` reads that back and refuses transforms llmopt cannot run.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -69,13 +74,15 @@ class OnlineHadamard:
     block: int
 
     @classmethod
-    def from_record(cls, record: dict | str | None) -> OnlineHadamard | None:
-        """The transform a provenance record's ``rotation.online`` holds (None when it holds none)."""
-        return cls(tuple(record["targets"]), int(record["block"])) if isinstance(record, dict) else None
+    def from_record(cls, record: dict | list | str | None) -> list[OnlineHadamard]:
+        """The transforms a provenance record's ``rotation.online`` holds: a list of records, one
+        record (older checkpoints: R4 alone), or a string saying why there is none."""
+        records = record if isinstance(record, list) else [record] if isinstance(record, dict) else []
+        return [cls(tuple(r["targets"]), int(r["block"])) for r in records]
 
     @classmethod
-    def of_provenance(cls, record: dict) -> OnlineHadamard | None:
-        """The transform a checkpoint's provenance (``llmopt.json``) says its rotation added."""
+    def of_provenance(cls, record: dict) -> list[OnlineHadamard]:
+        """The transforms a checkpoint's provenance (``llmopt.json``) says its rotation added."""
         return cls.from_record((record.get("rotation") or {}).get("online"))
 
     def record(self) -> dict:
@@ -84,16 +91,57 @@ class OnlineHadamard:
     def applies_to(self, module: str) -> bool:
         return any(_matches(module, t) for t in self.targets)
 
-    def transform_config(self) -> dict:
-        """The compressed-tensors ``transform_config`` that records it (validated by that library)."""
-        from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
+    def scheme(self) -> Any:
+        """This transform as a compressed-tensors ``TransformScheme``: online on the input, its
+        inverse fused into the weight."""
+        from compressed_tensors.transform import TransformArgs, TransformScheme
 
         targets = list(self.targets)
-        scheme = TransformScheme(type="hadamard", head_dim=self.block, apply=[
+        return TransformScheme(type="hadamard", head_dim=self.block, apply=[
             TransformArgs(targets=targets, location="input"),
             TransformArgs(targets=targets, location="weight_input", inverse=True),
         ])
-        return TransformConfig(config_groups={"R4": scheme}).model_dump(mode="json")
+
+
+def transform_config(transforms: list[OnlineHadamard]) -> dict:
+    """The compressed-tensors ``transform_config`` that records ``transforms`` (validated by that
+    library): R4 alone keeps SpinQuant's group name, otherwise one group per block size."""
+    from compressed_tensors.transform import TransformConfig
+
+    if [t.targets for t in transforms] == [(DOWN_PROJ_TARGET,)]:
+        groups = {"R4": transforms[0].scheme()}
+    else:
+        groups = {f"online_input_{t.block}" + (f"_{i}" if sum(u.block == t.block for u in transforms) > 1 else ""): t.scheme()
+                  for i, t in enumerate(transforms)}
+    return TransformConfig(config_groups=groups).model_dump(mode="json")
+
+
+def plan_online(linears: dict[str, int], mode: str) -> tuple[list[OnlineHadamard], list[str]]:
+    """The online transforms ``mode`` puts on ``linears`` (decoder-layer module names relative to
+    their layer, ``self_attn.q_proj`` …, with their input widths): ``down`` R4 on the dense MLPs'
+    down projections, ``all`` every one of them, one transform per block size. Also returns the
+    names left out because their width has no block of at least :data:`MIN_BLOCK`."""
+    if mode == "down":
+        linears = {n: w for n, w in linears.items() if re.match(DOWN_PROJ_TARGET[3:], n)}
+    elif mode != "all":
+        raise ValueError(f"online Hadamard mode '{mode}': down or all")
+    by_block: dict[int, list[str]] = {}
+    left_out = []
+    for name, width in sorted(linears.items()):
+        block = block_for(width)
+        if block is None:
+            left_out.append(name)
+        else:
+            by_block.setdefault(block, []).append(name)
+    if mode == "down":
+        return [OnlineHadamard((DOWN_PROJ_TARGET,), block) for block in sorted(by_block)], left_out
+    return [OnlineHadamard((_layer_target(names),), block) for block, names in sorted(by_block.items())], left_out
+
+
+def _layer_target(names: list[str]) -> str:
+    """A compressed-tensors target matching ``names`` (relative to a layer) in every decoder layer,
+    with or without the layer's prefix in front (``model.layers.3.`` …)."""
+    return r"re:(?:.*\.layers\.\d+\.)?(?:" + "|".join(re.escape(n) for n in names) + ")$"
 
 
 def _matches(module: str, target: str) -> bool:

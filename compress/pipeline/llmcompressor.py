@@ -11,12 +11,19 @@ Supported modifiers and what they become:
 | SparseGPTModifier       | prune, method sparsegpt (sparsity, mask_structure)           |
 | WandaPruningModifier    | prune, method wanda                                          |
 | SpinQuantModifier       | the next quantize stage's ``rotate`` and ``online_hadamard`` |
+| QuIPModifier            | the next quantize stage's ``online_hadamard: all``           |
 
 SpinQuantModifier's offline rotations R1 (residual stream) and R2 (value / output heads) are what
 ``--rotate`` fuses into the weights; llmopt applies both whenever R1 is asked for (R2 changes
 nothing the model computes). R4 (a Hadamard on the down projections' inputs) is
 ``online_hadamard: on``; without it, ``off``. R3 (online, inside attention) and learned rotations
 are refused by name, as is anything else.
+
+QuIPModifier's input rotation (``v``: a Hadamard on every Linear's input, fused into its weight and
+run online) is ``online_hadamard: all``, in llmopt's blocks (the largest power of two dividing each
+input width, Sylvester's matrix; its ``hadamard`` and ``random-hadamard`` both map there); its
+output rotation ``u``, a chosen block size, other targets, random matrices and learned or
+randomized transforms are refused by name. With SpinQuantModifier as well, both apply.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from llmopt.core.errors import LlmoptError
 QUANT_MODIFIERS = {"QuantizationModifier": "rtn", "GPTQModifier": "gptq"}
 PRUNE_MODIFIERS = {"SparseGPTModifier": "sparsegpt", "WandaPruningModifier": "wanda"}
 SCALING_MODIFIERS = {"AWQModifier", "SmoothQuantModifier"}
-ROTATION_MODIFIERS = {"SpinQuantModifier"}
+ROTATION_MODIFIERS = {"SpinQuantModifier", "QuIPModifier"}
 ROTATION_KINDS = {"hadamard": "hadamard", "random-hadamard": "hadamard", "random-matrix": "orthogonal"}
 PASS_THROUGH = {"model", "output", "calibration", "evaluate", "benchmark", "runtime", "description"}
 
@@ -95,7 +102,11 @@ def map_llmcompressor(data: dict, source: str, lines: dict[tuple, int]) -> dict:
     for name, args, path in _modifiers(data):
         where = f"{source}:{lines.get(path, 0)}"
         if name in ROTATION_MODIFIERS:
-            pending_rotation = _rotation(args, where)
+            found = _rotation(args, where) if name == "SpinQuantModifier" else _quip(args, where)
+            before = (pending_rotation or {}).get("online_hadamard")
+            pending_rotation = {**(pending_rotation or {}), **found}
+            if before == "all":  # QuIP's transforms include SpinQuant's R4
+                pending_rotation["online_hadamard"] = "all"
             continue
         if name in SCALING_MODIFIERS:
             pending_scaling = (name, args)
@@ -135,7 +146,7 @@ def map_llmcompressor(data: dict, source: str, lines: dict[tuple, int]) -> dict:
                 f"supported: {', '.join(sorted([*QUANT_MODIFIERS, *PRUNE_MODIFIERS, *SCALING_MODIFIERS, *ROTATION_MODIFIERS]))}",
             )
     if pending_rotation is not None and (pending_scaling is None or pending_scaling[0] != "AWQModifier"):
-        raise LlmoptError(f"{source}: SpinQuantModifier is not followed by a quantization modifier",
+        raise LlmoptError(f"{source}: a rotation modifier (SpinQuantModifier, QuIPModifier) is not followed by a quantization modifier",
                           "add QuantizationModifier or GPTQModifier after it")
     if pending_scaling is not None:
         name, args = pending_scaling
@@ -171,6 +182,28 @@ def _rotation(args: dict, where: str) -> dict[str, str]:
         raise LlmoptError(f"{where}: SpinQuantModifier transform_type '{kind}' is not supported",
                           f"use one of {', '.join(ROTATION_KINDS)}")
     return {"rotate": ROTATION_KINDS[kind], "online_hadamard": "on" if "R4" in rotations else "off"}
+
+
+def _quip(args: dict, where: str) -> dict[str, str]:
+    """The quantize stage's ``online_hadamard`` for a QuIPModifier's arguments, or a refusal naming
+    what does not map."""
+    rotations = [str(r).lower() for r in args.get("rotations", ["v"])]
+    if rotations != ["v"]:
+        raise LlmoptError(f"{where}: QuIPModifier rotations {rotations}: llmopt runs the input rotation v only (an online "
+                          "Hadamard on every Linear's input); it has no output rotation u", "use rotations: [v]")
+    kind = str(args.get("transform_type", "random-hadamard"))
+    if kind not in ("hadamard", "random-hadamard"):
+        raise LlmoptError(f"{where}: QuIPModifier transform_type '{kind}' is not supported", "use hadamard or random-hadamard")
+    for key, default in (("randomize", False), ("learnable", False), ("transform_block_size", None)):
+        if args.get(key, default) != default:
+            raise LlmoptError(f"{where}: QuIPModifier {key}: {args[key]} is not supported: llmopt picks each Linear's "
+                              "block (the largest power of two dividing its input width)", f"drop {key}")
+    targets = args.get("targets", "Linear")
+    ignore = args.get("ignore", "lm_head")
+    if targets not in ("Linear", ["Linear"]) or ignore not in ("lm_head", ["lm_head"]):
+        raise LlmoptError(f"{where}: QuIPModifier targets {targets} / ignore {ignore}: llmopt transforms every decoder "
+                          "Linear's input and nothing else", "drop targets and ignore")
+    return {"online_hadamard": "all"}
 
 
 def _scaling_options(pending: tuple[str, dict] | None, method: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from torch import nn
 
 from llmopt.core.errors import LlmoptError
 from llmopt.pipeline.objects.common import calibration, finish, layer_device, no_dataset, prepare
+from llmopt.pipeline.rotate import fuse_online_in_memory
 from llmopt.pipeline.stages.quantize import AUTO, NF4, QuantizeConfig, result_record
 
 PASS_A_PATH = "pass the model's path instead (llmopt.save(model, path) writes the float model first)"
@@ -22,8 +23,8 @@ REFUSALS = (
     ("tune_steps", bool, "scale tuning (tune_steps) rewrites a quantized checkpoint on disk", PASS_A_PATH),
     ("rotate", lambda v: v not in (None, "none"), "rotate rewrites the float checkpoint on disk (norms folded, head untied)",
      PASS_A_PATH),
-    ("online_hadamard", lambda v: v not in (None, "auto"), "online_hadamard goes with rotate, which needs a checkpoint on disk",
-     PASS_A_PATH),
+    ("online_hadamard", lambda v: v in ("on", "off"), "online_hadamard on / off go with rotate, which needs a checkpoint on disk",
+     f"use online_hadamard='all' (every Linear, in memory), or {PASS_A_PATH}"),
     ("eval", bool, "eval compares checkpoints on disk",
      "llmopt.save(model, path, tokenizer=tokenizer), then llmopt.evaluate(path, baseline=...)"),
 )
@@ -49,6 +50,8 @@ def quantize_object(model: nn.Module, tokenizer: Any, values: dict, dataset: Any
     else:
         no_dataset(dataset, f"method {config.method}")
     request = config.prepared(request, record, scale_dtype_for(floating_dtype(model)))
+    if config.online_mode == "all":  # before calibration: the quantizer sees the transformed inputs
+        record["rotation"] = fuse_online_in_memory(model, "all")
     try:
         done = quantize_in_memory(model, replace(request, device=layer_device(model, config.device)), calib,
                                   progress=progress)

@@ -37,7 +37,7 @@ from llmopt.quant.planner import AutoPlanner
 from llmopt.quant.registry import build_method, method_names
 from llmopt.quant.rotation import ROTATIONS
 
-ONLINE_HADAMARD = ("auto", "on", "off")
+ONLINE_HADAMARD = ("auto", "on", "off", "all")
 from llmopt.quant.request import QuantizeRequest, resolve_scheme
 from llmopt.quant.rtn import Rtn
 from llmopt.quant.streaming import StreamedQuantization
@@ -78,9 +78,11 @@ class QuantizeConfig:
     rotate_steps: int = option(LEARNED_ROTATION_DEFAULTS["rotate_steps"], "--rotate learned: Cayley-SGD steps, one calibration window each (about three "
                                "forward passes per step).", min=1)
     rotate_lr: float = option(LEARNED_ROTATION_DEFAULTS["rotate_lr"], "--rotate learned: the Cayley step size.")
-    online_hadamard: str = option("auto", "With --rotate: an online Hadamard on every MLP down_proj's input (R4), fused "
-                                  "into its weight and run by consumers at inference (compressed-tensors' transform_config; "
-                                  "transformers and GGUF cannot run it). auto: on for schemes that quantize activations.",
+    online_hadamard: str = option("auto", "Online Hadamards, fused into the weights and run by consumers on the inputs at "
+                                  "inference (compressed-tensors' transform_config; transformers and GGUF cannot run them). "
+                                  "on: before every MLP down_proj (R4, with --rotate); all: before every decoder Linear "
+                                  "(QuIP's input rotation in blocks: the best W4A16 accuracy, with or without --rotate); "
+                                  "off: none; auto: on with --rotate for schemes that quantize activations.",
                                   choices=ONLINE_HADAMARD)
     group_size: int | None = option(None, "int4 / IQ4_NL group size (32/64/128; 0: per-channel). Default 128 (IQ4_NL: 32).", min=0)
     strict_groups: bool = option(False, "Refuse layers the group size does not divide instead of using the largest divisor.")
@@ -266,12 +268,14 @@ class QuantizeConfig:
                                   "drop them, or pick --method gptq / awq / smoothquant")
 
     @property
-    def online_down(self) -> bool:
-        """Whether the rotation adds the online Hadamard before the down projections (R4)."""
+    def online_mode(self) -> str:
+        """Which Linears get an online Hadamard on their input: ``off``, ``down`` (R4) or ``all``."""
+        if self.online_hadamard == "all":
+            return "all"
         if self.rotate == "none" or self.online_hadamard == "off":
-            return False
+            return "off"
         scheme = self.parse_scheme()
-        return self.online_hadamard == "on" or (scheme is not None and scheme.activations is not None)
+        return "down" if self.online_hadamard == "on" or (scheme is not None and scheme.activations is not None) else "off"
 
     def _check_learned_rotation(self) -> None:
         if self.rotate != LEARNED:
@@ -287,17 +291,19 @@ class QuantizeConfig:
             raise LlmoptError(f"--rotate-lr must be positive, not {self.rotate_lr}", "e.g. --rotate-lr 1.5")
 
     def _check_online_hadamard(self, method: QuantMethod) -> None:
-        if self.online_hadamard != "auto" and self.rotate == "none":
-            raise LlmoptError("--online-hadamard applies with --rotate", "add --rotate hadamard, or drop --online-hadamard")
-        if not self.online_down:
+        if self.online_hadamard in ("on", "off") and self.rotate == "none":
+            raise LlmoptError(f"--online-hadamard {self.online_hadamard} applies with --rotate",
+                              "add --rotate hadamard, use --online-hadamard all, or drop --online-hadamard")
+        if self.online_mode == "off":
             return
+        where = "before each down_proj" if self.online_mode == "down" else "before every Linear"
         if self.plans_per_tensor:
             raise LlmoptError(f"--scheme {self.scheme} plans formats per tensor on the model without online transforms",
                               "use --online-hadamard off with it, or a single scheme (W4A16, W4A8, W8A8 …)")
         if self.scheme == NF4:
-            raise LlmoptError("NF4 (bitsandbytes) checkpoints carry no online transforms", "drop --online-hadamard on")
+            raise LlmoptError("NF4 (bitsandbytes) checkpoints carry no online transforms", f"drop --online-hadamard {self.online_hadamard}")
         if method.transform is not None:
-            raise LlmoptError(f"--rotate with an online Hadamard before each down_proj: --method {self.method} "
+            raise LlmoptError(f"an online Hadamard {where}: --method {self.method} "
                               "cannot fold its input scales through it", "use --method rtn or gptq, or --online-hadamard off")
         if self.tune_steps:
             raise LlmoptError("--tune-steps does not run online Hadamards", "use --online-hadamard off with --tune-steps")
@@ -383,13 +389,13 @@ def run_quantize(config: QuantizeConfig, progress=None) -> dict:
     source, _ = float_source(config.model, "quantized again", "quantize the original float checkpoint instead")
     start = time.perf_counter()
     record = config.record(str(source), config.model)
-    if config.rotate == "none":
+    if config.rotate == "none" and config.online_mode == "off":
         return _quantize(config, source, record, start, progress)
     rotated = output.parent / f".{output.name}.rotated-{os.getpid()}"  # a float scratch copy, removed at the end
     shutil.rmtree(rotated, ignore_errors=True)
     try:
         residual = _learned_rotation(config, source) if config.rotate == LEARNED else None
-        record["rotation"] = rotate_checkpoint(source, rotated, config.rotate, config.seed, config.online_down, residual)
+        record["rotation"] = rotate_checkpoint(source, rotated, config.rotate, config.seed, config.online_mode, residual)
         return _quantize(config, rotated, record, start, progress, float_source=source)
     finally:
         shutil.rmtree(rotated, ignore_errors=True)
@@ -559,8 +565,8 @@ def quantize_checkpoint(source: Path, output: Path, request: QuantizeRequest, ca
     stream = StreamedModel(source)
     stream.announce = announce
     online = OnlineHadamard.of_provenance(record)
-    if online is not None:  # the rotated source's down projections read Hadamard-transformed inputs
-        add_input_hooks(stream.model, [online])
+    if online:  # the rotated source's Linears read Hadamard-transformed inputs
+        add_input_hooks(stream.model, online)
     try:
         with atomic_dir(Path(output), overwrite) as tmp:
             writer = QuantizedCheckpointWriter(stream, tmp, max_shard_bytes or DEFAULT_SHARD_BYTES)
