@@ -244,7 +244,7 @@ def decode_speeds(rounds: int, calib_samples: int) -> dict:
 
 def write_md(data: dict) -> None:
     meta, rows = data["meta"], data["variants"]
-    lines = ["# Rotations (`quantize --rotate hadamard`, with and without the online R4) on the demo model", "",
+    lines = ["# Rotations (`quantize --rotate hadamard`, `--online-hadamard on | all`) on the demo model", "",
              f"Written by bench/rotations.py (last run {meta['date']}; a row keeps the numbers of the run that measured it, "
              f"dated in rotations.json when measured since 2026-12-06): KLD against the float demo model on WikiText-2 and a "
              f"held-out Gutenberg text, {meta['windows']} × {meta['seq_len']} tokens each; calibration {meta['calibration']}.", "",

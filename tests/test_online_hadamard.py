@@ -117,6 +117,22 @@ def test_cpp_fast_transform_matches_the_reference(shape, block):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * max(1.0, float(want.abs().max()) if want.numel() else 1.0))
 
 
+@pytest.mark.parametrize("shape,block", [((1, 96), 32), ((7, 1536), 512), ((3, 2, 64), 16), ((0, 64), 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_backend_fast_transform_matches_the_reference(shape, block, dtype):
+    """The GPU backend's butterfly transform (float32 torch operations) against the exact product."""
+    from llmopt.runtime.backends.triton import TritonBackend
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want = transform_inputs(x.double(), block)
+    got = TritonBackend(torch.device("cpu"), torch.float32).input_transform(x, block)
+    assert got.shape == x.shape and got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance * max(1.0, float(want.abs().max()) if want.numel() else 1.0))
+    with pytest.raises(ValueError, match="power of two"):
+        TritonBackend(torch.device("cpu"), torch.float32).input_transform(x, 3)
+
+
 def _down_outlier_model(tmp_path):
     """A tiny Llama whose MLP width has one outlier channel: the down projections' inputs
     carry a feature 40× the others, the case int8 activations per token lose most on."""

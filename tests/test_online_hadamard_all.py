@@ -112,7 +112,7 @@ def test_online_all_matches_compressed_tensors_and_keeps_the_function(tmp_path, 
 def test_quantize_online_all_helps_int4_and_runs_in_every_consumer(tmp_path):
     """W4A16 GPTQ with ``--online-hadamard all`` against without, on the same outlier columns:
     the transform spreads them over each group; the output records both transforms, our loader
-    and the runtime (C++ and reference kernels, q/k/v and gate/up merged under one transform)
+    and the runtime (C++, reference and Triton kernels, q/k/v and gate/up merged under one transform)
     agree, and GGUF export is refused in one line."""
     model, src = _outlier_model(tmp_path)
     runner = CliRunner()
@@ -136,7 +136,7 @@ def test_quantize_online_all_helps_int4_and_runs_in_every_consumer(tmp_path):
     assert sorted(t.block for t in transforms) == [32, 64]
     assert OnlineHadamard.of_provenance(json.loads((out / "llmopt.json").read_text())) == transforms
     loaded, _ = load_model(out)
-    for kernels in ("auto", "reference"):
+    for kernels in ("auto", "reference", "triton"):  # triton: its CPU interpreter here (conftest)
         llm = LLM(out, kernels=kernels)
         layer = llm.engine.weights.layers[0]
         for lin, block in ((layer.qkv, 64), (layer.gate_up, 64), (layer.o, 64), (layer.down, 32)):

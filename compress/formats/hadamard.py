@@ -60,6 +60,20 @@ def transform_inputs(x: torch.Tensor, block: int) -> torch.Tensor:
     return (x.double().unflatten(-1, (-1, block)) @ h).flatten(-2).to(x.dtype)
 
 
+def fast_transform_inputs(x: torch.Tensor, block: int) -> torch.Tensor:
+    """:func:`transform_inputs` as a fast Walsh–Hadamard transform in float32 torch operations
+    (``log2 block`` butterfly passes, no matrix): for devices where a float64 product is slow."""
+    hadamard_matrix(block)  # checks the block
+    shape = x.shape
+    y = x.float().reshape(-1, block)
+    half = 1
+    while half < block:
+        pairs = y.view(y.shape[0], block // (2 * half), 2, half)
+        y = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2).view(-1, block)
+        half *= 2
+    return (y * block ** -0.5).view(shape).to(x.dtype)
+
+
 def fuse_into_weight(weight: torch.Tensor, block: int) -> torch.Tensor:
     """A Linear weight ``[out, in]`` that reads transformed inputs: ``W V`` (in float64, cast back)."""
     return transform_inputs(weight.double(), block).to(weight.dtype)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmopt.formats.hadamard import fast_transform_inputs
+
 from ..kernels.triton_attention import triton_paged_decode_attention
 from ..kernels.triton_common import interpreting, triton_available
 from ..kernels.triton_linear import pack_weight, triton_quant_linear
@@ -48,6 +50,10 @@ class TritonBackend(Backend):
         lin.packed, lin.codes = packed, lin.codes[:, :0]  # the packed copy replaces the codes
         activations, bias = lin.activations, lin.bias
         lin.run = lambda x: triton_quant_linear(x, packed, activations, bias)
+
+    def input_transform(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """The online Hadamard as a fast Walsh–Hadamard transform (float32 butterflies on the GPU)."""
+        return fast_transform_inputs(x, block)
 
     def decode_attention(self, q: torch.Tensor, meta: AttentionMetadata, cache, index: int, scale: float) -> torch.Tensor:
         tables = meta.derived.get("tables32")
