@@ -65,6 +65,8 @@ VARIANTS = {
                                                           "--rotate", "hadamard", "--online-hadamard", "all"],
     "W4A8 g128 GPTQ": ["--scheme", "W4A8", "--group-size", "128", "--method", "gptq"],
     "W4A8 g128 GPTQ, rotated": ["--scheme", "W4A8", "--group-size", "128", "--method", "gptq", "--rotate", "hadamard"],
+    "W4A8 g128 GPTQ, online on every Linear": ["--scheme", "W4A8", "--group-size", "128", "--method", "gptq",
+                                               "--online-hadamard", "all"],
     "W8A8 RTN": ["--scheme", "W8A8"],
     "W8A8 RTN, rotated": ["--scheme", "W8A8", "--rotate", "hadamard"],
     "W8A8 RTN, rotated without R4": ["--scheme", "W8A8", "--rotate", "hadamard", "--online-hadamard", "off"],
@@ -78,7 +80,8 @@ TARGETS = [("W4A16 g128 GPTQ, rotated", "W4A16 g128 GPTQ", 0.6),
            ("W4A16 g128 GPTQ, learned rotation", "W4A16 g128 GPTQ", 0.6),
            ("W4A16 g128 GPTQ, online on every Linear", "W4A16 g128 GPTQ", 0.6),
            ("W4A16 g128 GPTQ, rotated + online on every Linear", "W4A16 g128 GPTQ", 0.6),
-           ("W4A8 g128 GPTQ, rotated", "W4A16 g128 GPTQ, rotated + R4", 1.3)]  # the same rotations, weights alone
+           ("W4A8 g128 GPTQ, rotated", "W4A16 g128 GPTQ, rotated + R4", 1.3),  # the same rotations, weights alone
+           ("W4A8 g128 GPTQ, online on every Linear", "W4A16 g128 GPTQ, online on every Linear", 1.3)]
 W8A8_TARGET = 0.01  # mean KLD of W8A8 without SmoothQuant
 # llm-compressor's rows (bench/llmcompressor_rotations.py's recipe names), all W4A16 g128 as llmopt's
 ANCHORS = {f"llm-compressor {recipe} (W4A16 g128)": recipe
