@@ -46,11 +46,14 @@ class AutoPlanner:
         if self.plan is not None and not Path(self.plan).is_file():
             raise ValueError(f"plan file {self.plan} does not exist: give a plan.json or a checkpoint's llmopt.json")
 
-    def make(self, source: Path, calibration: torch.Tensor | None, method: QuantMethod) -> tuple[dict, dict]:
-        """(``plan`` (per-Linear schemes), ``head`` and ``embedding`` formats; the plan record)."""
+    def make(self, source: Path, calibration: torch.Tensor | None, method: QuantMethod,
+             online: list | None = None) -> tuple[dict, dict]:
+        """(``plan`` (per-Linear schemes), ``head`` and ``embedding`` formats; the plan record).
+        ``online``: the online input transforms (:class:`~llmopt.formats.hadamard.OnlineHadamard`)
+        ``source``'s Linears read their inputs through, run while the sensitivities are measured."""
         from llmopt.quant.consumers import refused as consumer_refuses
 
-        record = read_plan(Path(self.plan)) if self.plan is not None else self._measure(source, calibration, method)
+        record = read_plan(Path(self.plan)) if self.plan is not None else self._measure(source, calibration, method, online or [])
         if self.plan is not None:
             refused = consumer_refuses(record["formats"], record.get("kinds", {}), record["shapes"], self.consumer)
             if refused:
@@ -60,8 +63,9 @@ class AutoPlanner:
         _print_table(record)
         return options_from_plan(record), record
 
-    def _measure(self, source: Path, calibration: torch.Tensor | None, method: QuantMethod) -> dict:
+    def _measure(self, source: Path, calibration: torch.Tensor | None, method: QuantMethod, online: list) -> dict:
         from llmopt.checkpoints.models import load_model
+        from llmopt.formats.hadamard import add_input_hooks
         from llmopt.quant.allocate import allocate, plan_table, totals
         from llmopt.quant.consumers import restrict, tie, untie
         from llmopt.formats.registry import GGUF_SIZED_CANDIDATES
@@ -70,6 +74,7 @@ class AutoPlanner:
         # formats that only pay off in a GGUF file are priced only when sizes are counted as one
         formats = tuple(f for f in LINEAR_FORMATS if self.size_of == "gguf" or f not in GGUF_SIZED_CANDIDATES)
         model, _ = load_model(source)
+        add_input_hooks(model, online)
         sens = measure_sensitivity(model, calibration[: self.sensitivity_samples], seed=self.seed,
                                    head_gptq=method.calibrated, linear_gptq=self.price_by == PRICED_BY_GPTQ,
                                    linear_formats=formats)

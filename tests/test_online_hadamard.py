@@ -246,10 +246,12 @@ def test_smoothquant_with_rotation_and_activations_is_refused(tmp_path):
     (["--scheme", "W8A8", "--online-hadamard", "on"], "--online-hadamard on applies with --rotate"),
     (["--scheme", "W8A8", "--online-hadamard", "off"], "--online-hadamard off applies with --rotate"),
     (["--scheme", "W4A16", "--method", "awq", "--online-hadamard", "all"], "--method awq cannot fold"),
-    (["--scheme", "Q4_K_M", "--online-hadamard", "all"], "plans formats per tensor"),
+    (["--scheme", "Q4_K_M", "--online-hadamard", "all"], "is written for GGUF, which cannot carry online transforms"),
+    (["--scheme", "AUTO", "--target-bpw", "5", "--for", "llama.cpp", "--online-hadamard", "all"], "an AUTO plan for llama.cpp"),
+    (["--scheme", "AUTO", "--target-bpw", "5", "--size-of", "gguf", "--online-hadamard", "all"], "an AUTO plan for llama.cpp"),
     (["--scheme", "NF4", "--online-hadamard", "all"], "carry no online transforms"),
     (["--scheme", "W4A16", "--method", "awq", "--rotate", "hadamard", "--online-hadamard", "on"], "--method awq cannot fold"),
-    (["--scheme", "Q4_K_M", "--rotate", "hadamard", "--online-hadamard", "on"], "plans formats per tensor"),
+    (["--scheme", "Q4_K_M", "--rotate", "hadamard", "--online-hadamard", "on"], "is written for GGUF"),
     (["--scheme", "W4A16", "--rotate", "hadamard", "--online-hadamard", "on", "--tune-steps", "4"], "--tune-steps does not run"),
 ])
 def test_online_hadamard_options_that_do_not_apply_are_refused(tmp_path, args, message):

@@ -151,6 +151,40 @@ def test_quantize_online_all_helps_int4_and_runs_in_every_consumer(tmp_path):
     assert not (tmp_path / "m.gguf").exists()
 
 
+def test_auto_plan_prices_formats_on_the_transformed_model(tmp_path, monkeypatch):
+    """AUTO with ``--online-hadamard all``: the sensitivity pass runs the model the checkpoint
+    describes (fused weights read through the transforms: the source's function), and the planned
+    output runs in our loader and the runtime alike."""
+    import llmopt.quant.sensitivity as sensitivity
+
+    model, src = _outlier_model(tmp_path)
+    ids = torch.randint(3, 259, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(ids).logits
+    measure, seen = sensitivity.measure_sensitivity, []
+
+    def spy(measured, *args, **kwargs):
+        with torch.no_grad():
+            seen.append(float((measured(ids).logits - want).abs().max()))
+        return measure(measured, *args, **kwargs)
+
+    monkeypatch.setattr(sensitivity, "measure_sensitivity", spy)
+    out = tmp_path / "auto"
+    result = CliRunner().invoke(main, ["quantize", str(src), "--scheme", "AUTO", "--target-bpw", "5", "--online-hadamard", "all",
+                                       "--calib-samples", "8", "--calib-seq-len", "64", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert len(seen) == 1 and seen[0] < 1e-3, seen
+    record = json.loads((out / "llmopt.json").read_text())
+    assert record["plan"]["formats"] and len(OnlineHadamard.of_provenance(record)) == 2
+    assert online_inputs(json.loads((out / "config.json").read_text())["quantization_config"]) == OnlineHadamard.of_provenance(record)
+    loaded, _ = load_model(out)
+    llm = LLM(out)
+    prompts = random_prompts(2, seed=6)
+    for prompt, got in zip(prompts, llm.generate(prompts, greedy(8))):
+        ref, scores = reference(loaded, prompt, 8)
+        assert_greedy_match(got.token_ids, ref, scores, "AUTO online all")
+
+
 def test_online_all_finds_nothing_to_transform_in_one_line(tmp_path):
     """Widths with no power-of-two factor of 16: nothing to transform, refused before writing."""
     model = randomize(tiny_llama(seed=1, hidden_size=24, intermediate_size=40, num_attention_heads=3, num_key_value_heads=1))

@@ -297,9 +297,10 @@ class QuantizeConfig:
         if self.online_mode == "off":
             return
         where = "before each down_proj" if self.online_mode == "down" else "before every Linear"
-        if self.plans_per_tensor:
-            raise LlmoptError(f"--scheme {self.scheme} plans formats per tensor on the model without online transforms",
-                              "use --online-hadamard off with it, or a single scheme (W4A16, W4A8, W8A8 …)")
+        if self.is_mixture or (self.is_auto and (self.for_consumer == "llama.cpp" or self.size_of == "gguf")):
+            what = f"--scheme {self.scheme}" if self.is_mixture else "an AUTO plan for llama.cpp (--for llama.cpp / --size-of gguf)"
+            raise LlmoptError(f"{what} is written for GGUF, which cannot carry online transforms",
+                              "use --online-hadamard off with it, or plan for llmopt / vllm")
         if self.scheme == NF4:
             raise LlmoptError("NF4 (bitsandbytes) checkpoints carry no online transforms", f"drop --online-hadamard {self.online_hadamard}")
         if method.transform is not None:
@@ -454,7 +455,10 @@ def _quantize(config: "QuantizeConfig", source: Path, record: dict, start: float
                                                        config.seed, sample_self=sampler(float_source or source, config.device))
     if config.plans_per_tensor:
         if config.is_auto:
-            options, record["plan"] = config.planner().make(source, calib, request.method)
+            from llmopt.formats.hadamard import OnlineHadamard
+
+            online = OnlineHadamard.of_provenance(record)  # the plan prices the formats on the transformed inputs
+            options, record["plan"] = config.planner().make(source, calib, request.method, online)
         else:
             options, record["llama_mixture"] = _mixture_plan(source, config.scheme)
         ignore = request.ignore if options["head"] == "float" else tuple(p for p in request.ignore if p != "lm_head")
