@@ -135,6 +135,8 @@ def test_quantize_online_all_helps_int4_and_runs_in_every_consumer(tmp_path):
     transforms = online_inputs(json.loads((out / "config.json").read_text())["quantization_config"])
     assert sorted(t.block for t in transforms) == [32, 64]
     assert OnlineHadamard.of_provenance(json.loads((out / "llmopt.json").read_text())) == transforms
+    card = (out / "README.md").read_text()
+    assert "after online Hadamards in blocks of 32 / 64," in card and "GGUF cannot carry the online Hadamard" in card
     loaded, _ = load_model(out)
     for kernels in ("auto", "reference", "triton"):  # triton: its CPU interpreter here (conftest)
         llm = LLM(out, kernels=kernels)
@@ -149,6 +151,14 @@ def test_quantize_online_all_helps_int4_and_runs_in_every_consumer(tmp_path):
     result = runner.invoke(main, ["export", str(out), "--format", "gguf", "-o", str(tmp_path / "m.gguf")])
     assert result.exit_code != 0 and "GGUF cannot carry" in result.output
     assert not (tmp_path / "m.gguf").exists()
+    # a dense export folds V back into every weight: transformers runs the quantized model's function, no hooks
+    import transformers as tf
+
+    result = runner.invoke(main, ["export", str(out), "--format", "hf", "-o", str(tmp_path / "dense")])
+    assert result.exit_code == 0, result.output
+    dense = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(dense(ids).logits, loaded(ids).logits, rtol=0, atol=1e-3)
 
 
 def test_auto_plan_prices_formats_on_the_transformed_model(tmp_path, monkeypatch):

@@ -136,8 +136,9 @@ def card_text(directory: Path, record: dict) -> str:
     if license_:
         meta.append(f"license: {license_}")
     what = " ".join(x for x in (scheme, "by " + method if method else None) if x) or stage
+    rotated = _rotation_words(record.get("rotation"))
     lines = ["---", *meta, "---", "", f"# {directory.name.removeprefix('.').split('.tmp')[0] or 'checkpoint'}", "",
-             f"{what} of `{source}` made with llmopt {record.get('versions', {}).get('llmopt', '')}.".replace("  ", " "), ""]
+             f"{what} of `{source}`{f', {rotated},' if rotated else ''} made with llmopt {record.get('versions', {}).get('llmopt', '')}.".replace("  ", " "), ""]
     command = record.get("command")
     if command:
         lines += ["```bash", command, "```", ""]
@@ -165,3 +166,17 @@ def write_model_card(directory: str | Path, record: dict) -> None:
     """Write README.md into ``directory`` (a checkpoint being built or finished) from ``record``."""
     directory = Path(directory)
     (directory / CARD).write_text(card_text(directory, record))
+
+
+def _rotation_words(rotation: dict | None) -> str | None:
+    """How the weights were rotated before quantizing, in words (None when they were not)."""
+    if not rotation:
+        return None
+    online = rotation.get("online")
+    blocks = sorted({int(t["block"]) for t in online} if isinstance(online, list) else
+                    {int(online["block"])} if isinstance(online, dict) else set())
+    words = [] if rotation.get("kind") in (None, "none") else [f"a {rotation['kind']} rotation (fused)"]
+    if blocks:
+        words.append(f"online Hadamards in blocks of {' / '.join(map(str, blocks))}")
+    return ("after " + " and ".join(words)) if words else None
+
