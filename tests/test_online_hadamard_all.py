@@ -135,6 +135,10 @@ def test_quantize_online_all_helps_int4_and_runs_in_every_consumer(tmp_path):
     transforms = online_inputs(json.loads((out / "config.json").read_text())["quantization_config"])
     assert sorted(t.block for t in transforms) == [32, 64]
     assert OnlineHadamard.of_provenance(json.loads((out / "llmopt.json").read_text())) == transforms
+    result = runner.invoke(main, ["inspect", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)["online_transforms"]
+    assert sorted((t["block"], t["linears"]) for t in shown) == [(32, 2), (64, 12)]  # down; the other six, in 2 layers
     card = (out / "README.md").read_text()
     assert "after online Hadamards in blocks of 32 / 64," in card and "GGUF cannot carry the online Hadamard" in card
     loaded, _ = load_model(out)

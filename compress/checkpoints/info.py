@@ -64,6 +64,7 @@ class ModelInfo:
     modules: list[ModuleInfo] = field(default_factory=list)
     pruning: dict | None = None  # what llmopt.json records about pruning (method, sparsity, pattern …)
     runs_with: dict[str, str] = field(default_factory=dict)  # consumer → "loads" or why not (the model card's table)
+    online_transforms: list[dict] | str | None = None  # transform_config's online Hadamards: block, Linears; or why unreadable
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -209,7 +210,19 @@ def inspect_checkpoint(path: Path, sparsity: bool = True) -> ModelInfo:
         modules=modules,
         pruning=pruning,
         runs_with=consumers(config),
+        online_transforms=_online_transforms(qconfig, [m.name for m in modules]),
     )
+
+
+def _online_transforms(qconfig: dict, modules: list[str]) -> list[dict] | str | None:
+    """Each online input transform of ``qconfig`` with how many of ``modules`` it applies to."""
+    from llmopt.formats.hadamard import online_inputs
+
+    try:
+        found = online_inputs(qconfig)
+    except ValueError as exc:
+        return f"not run by llmopt: {exc}"
+    return [{"transform": "hadamard", "block": t.block, "linears": sum(map(t.applies_to, modules))} for t in found] or None
 
 
 def _quantized(module: str, fmt: str, dtype: str, shape: list[int], headers: dict, activations: str | None) -> ModuleInfo:

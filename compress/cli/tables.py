@@ -92,6 +92,12 @@ def pruning_summary(pruning: dict | None) -> str | None:
     return text
 
 
+def _online_summary(transforms: list[dict] | str | None) -> str | None:
+    if transforms is None or isinstance(transforms, str):
+        return transforms
+    return "; ".join(f"Hadamard in blocks of {t['block']} on the inputs of {t['linears']} Linears" for t in transforms)
+
+
 def info_tables(info) -> list[Table]:
     """A summary table and a per-module table (consecutive layers with one format collapsed)."""
     from llmopt.checkpoints.info import grouped_rows
@@ -104,6 +110,7 @@ def info_tables(info) -> list[Table]:
         ("vocabulary", f"{info.vocab_size:,}"),
         ("quantization", info.quantization or "none"),
         ("pruning (llmopt.json)", pruning_summary(info.pruning)),
+        ("online transforms", _online_summary(info.online_transforms)),
         ("bytes on disk", _bytes(info.bytes_on_disk)),
         ("bytes in memory (tensors as stored)", _bytes(info.bytes_in_memory)),
         *[(f"runs with {consumer}", note) for consumer, note in info.runs_with.items()],
