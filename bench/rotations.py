@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 WORK = ROOT / "out" / "rotations"
 TEXTS = {"wiki": "wikitext2", "heldout": "heldout"}
+AUTO_BPW = "10.07"  # W4A16 g128 GPTQ's checkpoint: 169,454,512 bytes × 8 over the demo's 134,515,008 parameters, 10.078
 VARIANTS = {
     "float, rotated": None,
     "W4A16 g128 RTN": ["--scheme", "W4A16", "--group-size", "128"],
@@ -63,6 +64,14 @@ VARIANTS = {
                                                 "--online-hadamard", "all"],
     "W4A16 g128 GPTQ, rotated + online on every Linear": ["--scheme", "W4A16", "--group-size", "128", "--method", "gptq",
                                                           "--rotate", "hadamard", "--online-hadamard", "all"],
+    # AUTO plans (GPTQ, priced by RTN) at W4A16 g128 GPTQ's checkpoint size and at 5 bits per weight (as written),
+    # without and with the transforms
+    "AUTO at W4A16 g128's size, GPTQ": ["--scheme", "AUTO", "--target-bpw", AUTO_BPW, "--method", "gptq"],
+    "AUTO at W4A16 g128's size, GPTQ, online on every Linear": ["--scheme", "AUTO", "--target-bpw", AUTO_BPW, "--method", "gptq",
+                                                                "--online-hadamard", "all"],
+    "AUTO at 5 bits per weight, GPTQ": ["--scheme", "AUTO", "--target-bpw", "5", "--method", "gptq"],
+    "AUTO at 5 bits per weight, GPTQ, online on every Linear": ["--scheme", "AUTO", "--target-bpw", "5", "--method", "gptq",
+                                                                "--online-hadamard", "all"],
     "W4A8 g128 GPTQ": ["--scheme", "W4A8", "--group-size", "128", "--method", "gptq"],
     "W4A8 g128 GPTQ, rotated": ["--scheme", "W4A8", "--group-size", "128", "--method", "gptq", "--rotate", "hadamard"],
     "W4A8 g128 GPTQ, online on every Linear": ["--scheme", "W4A8", "--group-size", "128", "--method", "gptq",
@@ -82,6 +91,11 @@ TARGETS = [("W4A16 g128 GPTQ, rotated", "W4A16 g128 GPTQ", 0.6),
            ("W4A16 g128 GPTQ, rotated + online on every Linear", "W4A16 g128 GPTQ", 0.6),
            ("W4A8 g128 GPTQ, rotated", "W4A16 g128 GPTQ, rotated + R4", 1.3),  # the same rotations, weights alone
            ("W4A8 g128 GPTQ, online on every Linear", "W4A16 g128 GPTQ, online on every Linear", 1.3)]
+# (variant, the variant it is compared with): ratios reported without a target
+COMPARED = [("W4A16 g128 RTN, rotated", "W4A16 g128 RTN"),
+            ("AUTO at W4A16 g128's size, GPTQ, online on every Linear", "AUTO at W4A16 g128's size, GPTQ"),
+            ("AUTO at W4A16 g128's size, GPTQ, online on every Linear", "W4A16 g128 GPTQ, online on every Linear"),
+            ("AUTO at 5 bits per weight, GPTQ, online on every Linear", "AUTO at 5 bits per weight, GPTQ")]
 W8A8_TARGET = 0.01  # mean KLD of W8A8 without SmoothQuant
 # llm-compressor's rows (bench/llmcompressor_rotations.py's recipe names), all W4A16 g128 as llmopt's
 ANCHORS = {f"llm-compressor {recipe} (W4A16 g128)": recipe
@@ -258,7 +272,7 @@ def write_md(data: dict) -> None:
         lines.append(f"| {name} | {w['kld_mean']:.4f} / {w['kld_p99']:.3f} | {100 * w['top1']:.1f}% | "
                      f"{h['kld_mean']:.4f} / {h['kld_p99']:.3f} | {100 * h['top1']:.1f}% | {r['bytes']:,} |")
     lines.append("")
-    for name, base, most in [("W4A16 g128 RTN, rotated", "W4A16 g128 RTN", None), *TARGETS]:
+    for name, base, most in [*((name, base, None) for name, base in COMPARED), *TARGETS]:
         if name in rows and base in rows:
             ratios = [rows[name][t]["kld_mean"] / rows[base][t]["kld_mean"] for t in TEXTS]
             verdict = "" if most is None else f" (target ≤ {most}×: {'met' if max(ratios) <= most else '**missed**'})"
