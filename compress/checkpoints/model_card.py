@@ -172,11 +172,10 @@ def _rotation_words(rotation: dict | None) -> str | None:
     """How the weights were rotated before quantizing, in words (None when they were not)."""
     if not rotation:
         return None
-    online = rotation.get("online")
-    blocks = sorted({int(t["block"]) for t in online} if isinstance(online, list) else
-                    {int(online["block"])} if isinstance(online, dict) else set())
+    from llmopt.formats.hadamard import OnlineHadamard
+
+    blocks = sorted({t.block for t in OnlineHadamard.from_record(rotation.get("online"))})
     words = [] if rotation.get("kind") in (None, "none") else [f"a {rotation['kind']} rotation (fused)"]
     if blocks:
         words.append(f"online Hadamards in blocks of {' / '.join(map(str, blocks))}")
     return ("after " + " and ".join(words)) if words else None
-

@@ -104,7 +104,7 @@ def _online_blocks(ckpt, keys: list[str], layers: list[int], mode: str, record: 
     if not transforms and record["kind"] == "none":
         raise LlmoptError(f"--online-hadamard {mode} finds no decoder Linear to transform ({record['online'][6:]})",
                           "drop --online-hadamard")
-    return {rest: t.block for t in transforms for rest in widths if t.applies_to(rest)}
+    return _blocks(transforms, widths)
 
 
 def fuse_online_in_memory(model, mode: str) -> dict:
@@ -123,12 +123,12 @@ def fuse_online_in_memory(model, mode: str) -> dict:
     if not transforms:
         raise LlmoptError(f"online_hadamard {mode} finds no decoder Linear to transform (no power-of-two factor of at "
                           "least 16 in their input widths)", "drop online_hadamard")
+    blocks = _blocks(transforms, widths)
     with torch.no_grad():
         for layer in layers:
             for rest, module in layer.named_modules():
-                block = next((t.block for t in transforms if t.applies_to(rest)), None) if rest in widths else None
-                if block is not None:
-                    module.weight.copy_(fuse_into_weight(module.weight, block))
+                if rest in blocks:
+                    module.weight.copy_(fuse_into_weight(module.weight, blocks[rest]))
     add_input_hooks(model, transforms)
     return {"kind": "none", **_online_record(transforms, left_out)}
 
@@ -143,6 +143,11 @@ def _widths(layers) -> dict[str, int]:
                 raise LlmoptError(f"{rest} reads {widths[rest]} features in one layer and {width} in another",
                                   "drop the online Hadamard: one transform per Linear name needs one width")
     return widths
+
+
+def _blocks(transforms: list, widths: dict[str, int]) -> dict[str, int]:
+    """Each transformed Linear's block, by its path in the layer."""
+    return {rest: t.block for t in transforms for rest in widths if t.applies_to(rest)}
 
 
 def _online_record(transforms: list, left_out: list[str]) -> dict:
