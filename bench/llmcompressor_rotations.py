@@ -23,26 +23,31 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rotations import scores  # noqa: E402  (the same formulas as llmopt's rows; rotations.py imports no llmopt at load)
+from rotations import Reference, scores  # noqa: E402  (the same formulas as llmopt's rows; rotations.py imports no llmopt at load)
 
 
-def int4_groups() -> dict:
-    """int4 symmetric weights in groups of 128 — of 64 where 128 does not divide the inputs (the
-    demo's 576), as llmopt's W4A16 g128 does — for every Linear but the head."""
+def int4_groups(model) -> dict:
+    """int4 symmetric weights in groups of 128 — of 64 where 128 does not divide a Linear's inputs
+    (the demo's 576), as llmopt's W4A16 g128 does — for every decoder Linear of ``model``, the head left out."""
+    import re
+
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     def int4(group: int) -> QuantizationArgs:
         return QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
 
-    return {"down": QuantizationScheme(targets=["re:.*down_proj$"], weights=int4(128)),
-            "rest": QuantizationScheme(targets=["re:.*(q|k|v|o|gate|up)_proj$"], weights=int4(64))}
+    by_group: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and re.search(r"(q|k|v|o|gate|up|down)_proj$", name):
+            by_group.setdefault(128 if module.in_features % 128 == 0 else 64, []).append(f"re:^{re.escape(name)}$")
+    return {f"g{group}": QuantizationScheme(targets=targets, weights=int4(group)) for group, targets in by_group.items()}
 
 
-def recipe(name: str) -> list:
+def recipe(name: str, model) -> list:
     from llmcompressor.modifiers.quantization import GPTQModifier
     from llmcompressor.modifiers.transform import QuIPModifier, SpinQuantModifier
 
-    gptq = GPTQModifier(config_groups=int4_groups(), ignore=["lm_head"])
+    gptq = GPTQModifier(config_groups=int4_groups(model), ignore=["lm_head"])
     rotations = {
         # QuIP's input-side rotation of every Linear (its documented recommendation), randomized Hadamards
         # (576 is not a power of two, which the plain "hadamard" type needs)
@@ -55,11 +60,6 @@ def recipe(name: str) -> list:
     return rotations[name] + [gptq]
 
 
-@torch.inference_mode()
-def log_probs(model, windows: torch.Tensor) -> list[torch.Tensor]:
-    return [model(x[None]).logits[0].float().log_softmax(-1) for x in windows]
-
-
 def main() -> None:
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -70,13 +70,13 @@ def main() -> None:
     calib = inputs["calibration"]
     data = Dataset.from_dict({"input_ids": calib.tolist(), "attention_mask": torch.ones_like(calib).tolist()})
     load = lambda: AutoModelForCausalLM.from_pretrained(inputs["model"], dtype=torch.float32).eval()  # noqa: E731
-    reference = {text: log_probs(load(), w) for text, w in inputs["eval"].items()}
+    reference = Reference(load(), inputs["eval"])  # kept in memory, or recomputed per window for a large vocabulary
     results = {"versions": {p: version(p) for p in ("llmcompressor", "compressed-tensors", "transformers", "torch")},
                "variants": {}}
     for name in inputs["variants"]:
         model = load()
         start = time.perf_counter()
-        oneshot(model=model, dataset=data, recipe=recipe(name), max_seq_length=calib.shape[1],
+        oneshot(model=model, dataset=data, recipe=recipe(name, model), max_seq_length=calib.shape[1],
                 num_calibration_samples=calib.shape[0])
         seconds = time.perf_counter() - start
         with torch.inference_mode():

