@@ -130,7 +130,7 @@ CACHE_BYTES = 4 << 30  # the float model's log-probabilities are kept in memory 
 @torch.inference_mode()
 def scores(model, ids: dict[str, torch.Tensor], ref) -> dict:
     """Mean and p99 KLD and top-1 of ``model`` against the float model's log-probabilities
-    ``ref(text, index)`` (a :class:`Reference`, or a dict of lists of them) on the windows ``ids``."""
+    ``ref(text, index)`` (a :class:`Reference`, or a dict of a list of tensors per text) on the windows ``ids``."""
     out = {}
     for name, windows in ids.items():
         klds, same = [], []
@@ -205,6 +205,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     global WORK
+    if args.model != "demo" and args.results == "rotations":
+        parser.error(f"--model {args.model} needs its own --results name (rotations.json holds the demo's rows)")
     if args.model != "demo":
         WORK = WORK.with_name(f"rotations-{args.results}")
     path = RESULTS / f"{args.results}.json"
