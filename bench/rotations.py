@@ -204,11 +204,9 @@ def main() -> None:
     parser.add_argument("--results", default="rotations", help="results file name under bench/results")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    global WORK
     if args.model != "demo" and args.results == "rotations":
         parser.error(f"--model {args.model} needs its own --results name (rotations.json holds the demo's rows)")
-    if args.model != "demo":
-        WORK = WORK.with_name(f"rotations-{args.results}")
+    work = work_folder(args.model, args.results)
     path = RESULTS / f"{args.results}.json"
     data = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "variants": {}}
     data.setdefault("meta", {})["model"] = model_label(args.model)
@@ -221,14 +219,14 @@ def main() -> None:
         save()
         return
     if args.speed:
-        data["speed"] = decode_speeds(args.rounds, args.calib_samples, args.model)
+        data["speed"] = decode_speeds(args.rounds, args.calib_samples, args.model, work)
         save()
         return
     if args.llmcompressor_python and not Path(args.llmcompressor_python).is_file():
         parser.error(f"--llmcompressor-python {args.llmcompressor_python} is not a file: pass the python of the venv holding llmcompressor")
     if args.llmcompressor_python:
         data.setdefault("anchors", {}).update(llmcompressor_rows(args.llmcompressor_python, args.windows, args.calib_samples,
-                                                                  args.only, args.model))
+                                                                  args.only, args.model, work))
         save()
         return
     variants = variants_for(args.model)
@@ -240,7 +238,7 @@ def main() -> None:
                     "load": [round(x, 2) for x in os.getloadavg()], "model": model_label(args.model)}
 
     def measure(name: str) -> dict:
-        out = workdir(name)
+        out = workdir(work, name)
         shutil.rmtree(out, ignore_errors=True)
         if VARIANTS[name] is None:
             record = {"rotation": rotate_checkpoint(source, out, "hadamard")}
@@ -278,12 +276,16 @@ def variants_for(model: str) -> list[str]:
         rotatable = True
     except LlmoptError:
         rotatable = False
-    return [name for name, options in VARIANTS.items()
-            if options is not None and "AUTO" not in options and (rotatable or "--rotate" not in options)
-            or options is None and rotatable]
+
+    def taken(options: list[str] | None) -> bool:
+        if options is None:  # the float model rotated
+            return rotatable
+        return "AUTO" not in options and (rotatable or "--rotate" not in options)
+
+    return [name for name, options in VARIANTS.items() if taken(options)]
 
 
-def llmcompressor_rows(python: str, windows: int, calib_samples: int, only: list[str] | None, model: str = "demo") -> dict:
+def llmcompressor_rows(python: str, windows: int, calib_samples: int, only: list[str] | None, model: str, work: Path) -> dict:
     """llm-compressor's :data:`ANCHORS` rows, measured by ``bench/llmcompressor_rotations.py`` under ``python``
     on llmopt's calibration windows (``austen``, seed 0, 512 tokens) and evaluation windows of ``model``."""
     from llmopt.accuracy import eval_data
@@ -294,8 +296,8 @@ def llmcompressor_rows(python: str, windows: int, calib_samples: int, only: list
     source = resolve_model(model)
     _, tok = load_model(source)
     calib, record = calibration_ids(tok, "austen", calib_samples, 512, 0)
-    WORK.mkdir(parents=True, exist_ok=True)
-    inputs, output = WORK / "llmcompressor-inputs.pt", WORK / "llmcompressor-scores.json"
+    work.mkdir(parents=True, exist_ok=True)
+    inputs, output = work / "llmcompressor-inputs.pt", work / "llmcompressor-scores.json"
     torch.save({"model": str(source), "calibration": calib, "variants": [ANCHORS[n] for n in names], "output": str(output),
                 "eval": {name: eval_data(tok, text, 2048, windows).windows for name, text in TEXTS.items()}}, inputs)
     log(f"llm-compressor: {', '.join(names)} …")
@@ -309,28 +311,35 @@ def llmcompressor_rows(python: str, windows: int, calib_samples: int, only: list
                    "calibration": f"{record['name']}, {calib_samples} × 512 tokens, seed 0"} for name in names}
 
 
-def workdir(name: str) -> Path:
-    return WORK / name.replace(", ", "-").replace(" ", "_")
+def work_folder(model: str, results: str) -> Path:
+    """Where the variants of ``model`` are written: out/rotations for the demo, else out/rotations-RESULTS."""
+    return WORK if model == "demo" else WORK.with_name(f"rotations-{results}")
 
 
-def decode_speeds(rounds: int, calib_samples: int, model: str = "demo") -> dict:
-    """tg128 tokens/s of the checkpoints of ``SPEED_PAIRS`` (made first where missing), interleaved
-    rounds, medians, and each pair's ratio (rotated over unrotated)."""
-    names = list(dict.fromkeys(name for pair in SPEED_PAIRS for name in pair))
+def workdir(work: Path, name: str) -> Path:
+    return work / name.replace(", ", "-").replace(" ", "_")
+
+
+def decode_speeds(rounds: int, calib_samples: int, model: str, work: Path) -> dict:
+    """tg128 tokens/s of the checkpoints of ``SPEED_PAIRS`` that ``model`` takes (made first where
+    missing), interleaved rounds, medians, and each pair's ratio (rotated over unrotated)."""
+    taken = variants_for(model)
+    pairs = [pair for pair in SPEED_PAIRS if all(name in taken for name in pair)]
+    names = list(dict.fromkeys(name for pair in pairs for name in pair))
     for name in names:
-        if not (workdir(name) / "config.json").is_file():
+        if not (workdir(work, name) / "config.json").is_file():
             calib = ["--calib-samples", str(calib_samples)] if "gptq" in VARIANTS[name] else []
-            llmopt("quantize", model, *VARIANTS[name], *calib, "-o", str(workdir(name)))
+            llmopt("quantize", model, *VARIANTS[name], *calib, "-o", str(workdir(work, name)))
     tg: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(rounds):
         for name in names:
-            r = llmopt("bench", str(workdir(name)), "--threads", "2", "-n", "0", "-r", "5")
+            r = llmopt("bench", str(workdir(work, name)), "--threads", "2", "-n", "0", "-r", "5")
             tg[name].append(r["tg128_tok_s"])
             log(f"{name}: tg128 {tg[name][-1]:.1f} tok/s")
     medians = {name: statistics.median(v) for name, v in tg.items()}
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rounds": rounds,
             "load": [round(x, 2) for x in os.getloadavg()], "tg128_tok_s": tg, "median_tok_s": medians,
-            "ratios": [[plain, rotated, medians[rotated] / medians[plain]] for plain, rotated in SPEED_PAIRS]}
+            "ratios": [[plain, rotated, medians[rotated] / medians[plain]] for plain, rotated in pairs]}
 
 
 def write_md(data: dict, results: str = "rotations") -> None:
